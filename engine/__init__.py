@@ -1,0 +1,1 @@
+"""Quickdraft engine: loading, the decode loop, drafters and their verification."""

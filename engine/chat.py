@@ -1,0 +1,45 @@
+"""Conversation -> prompt token ids, through the model's own chat template."""
+
+from __future__ import annotations
+
+from engine.config import ChatMessage, Conversation
+from engine.errors import PromptError
+
+
+def conversation(prompt: str, history: list[dict] | None = None, system: str | None = None) -> Conversation:
+    """Build a Conversation from a new user prompt and earlier {'role', 'content'} turns."""
+    if not prompt or not prompt.strip():
+        raise PromptError("the prompt is empty: type a message first")
+    turns = [ChatMessage(h["role"], h["content"]) for h in history or []]
+    return Conversation(tuple(turns) + (ChatMessage("user", prompt),), system)
+
+
+def encode(tokenizer, conv: Conversation) -> list[int]:
+    """Token ids of the conversation, ending where the assistant's reply starts."""
+    messages = [{"role": m.role, "content": m.content} for m in conv.messages]
+    if conv.system:
+        messages.insert(0, {"role": "system", "content": conv.system})
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+    # No template (a base model): a plain transcript the model can continue.
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return tokenizer(("\n".join(lines) + "\nAssistant:"), add_special_tokens=True)["input_ids"]
+
+
+def fit_to_context(ids: list[int], context_len: int, max_new_tokens: int) -> tuple[list[int], int]:
+    """Keep the prompt's most recent tokens so prompt + reply fit the context window.
+
+    Returns (ids, dropped): `dropped` tokens were cut from the start (0 when it fits).
+    """
+    room = context_len - max_new_tokens
+    if room < 1:
+        raise PromptError(
+            f"max new tokens ({max_new_tokens}) leaves no room for a prompt in this model's "
+            f"{context_len}-token context"
+        )
+    if len(ids) <= room:
+        return ids, 0
+    return ids[-room:], len(ids) - room

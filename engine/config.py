@@ -1,0 +1,94 @@
+"""Frozen configuration dataclasses shared by the engine, the trainer, the CLI and the UI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import QuickdraftError
+
+QUANT_CHOICES = ("auto", "nf4", "int8", "bf16", "fp32")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ACCEPTANCE_CHOICES = ("auto", "greedy", "lossless", "typical")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to load and how."""
+
+    source: str = "default"  # "default", a local folder, or a Hugging Face repo id
+    quant: str = "auto"  # one of QUANT_CHOICES; "auto" picks per device and memory
+    device: str = "auto"  # one of DEVICE_CHOICES; "auto" = CUDA when present
+    trust_remote_code: bool = False  # run code shipped with a hub model (off: secure default)
+    revision: str | None = None  # hub branch, tag or commit; None = the default branch
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANT_CHOICES:
+            raise QuickdraftError(
+                f"unknown quantization {self.quant!r}: choose one of {', '.join(QUANT_CHOICES)}"
+            )
+        if self.device not in DEVICE_CHOICES:
+            raise QuickdraftError(
+                f"unknown device {self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}"
+            )
+        if not self.source or not self.source.strip():
+            raise QuickdraftError("no model given: use 'default', a local folder or a repo id")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen and when generation ends."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples from softmax(logits / T)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with mass >= top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 = no limit
+    max_new_tokens: int = 256  # hard cap on generated tokens
+    stop: tuple[str, ...] = ()  # generation ends before any of these strings is emitted
+    seed: int | None = None  # fixes the sampling RNG; None = fresh randomness
+    acceptance: str = "auto"  # drafters only: see ACCEPTANCE_CHOICES and engine.verify
+    typical_eps: float = 0.09  # typical acceptance: hard probability floor (Medusa paper)
+    typical_delta: float = 0.3  # typical acceptance: entropy-scaled floor (Medusa paper)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise QuickdraftError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise QuickdraftError("top-p must be in (0, 1]")
+        if self.top_k < 0:
+            raise QuickdraftError("top-k must be >= 0")
+        if self.max_new_tokens < 1:
+            raise QuickdraftError("max new tokens must be >= 1")
+        if self.acceptance not in ACCEPTANCE_CHOICES:
+            raise QuickdraftError(
+                f"unknown acceptance {self.acceptance!r}: choose one of "
+                f"{', '.join(ACCEPTANCE_CHOICES)}"
+            )
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def acceptance_mode(self) -> str:
+        """The acceptance rule drafters use: greedy at T=0, lossless sampling otherwise."""
+        if self.acceptance == "auto":
+            return "greedy" if self.greedy else "lossless"
+        if self.greedy and self.acceptance != "greedy":
+            return "greedy"
+        return self.acceptance
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One turn of a conversation."""
+
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What the model is asked to continue: messages plus an optional system prompt."""
+
+    messages: tuple[ChatMessage, ...] = field(default_factory=tuple)
+    system: str | None = None  # None = the model template's own default

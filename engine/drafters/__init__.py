@@ -1,0 +1,1 @@
+"""Drafters: what proposes tokens for the shared decode loop to verify."""

@@ -1,0 +1,95 @@
+"""The drafter interface, and plain decoding as its simplest implementation.
+
+A step of the decode loop: `propose` returns a Draft (a tree of candidate tokens under the
+pending token), `score` runs the target model over it, the shared acceptance rules pick a
+path, and `commit` lets the drafter update its own state for what was kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import kv_cache
+
+if TYPE_CHECKING:
+    from engine.generate import DecodeState
+
+
+@dataclass
+class Draft:
+    """Candidate tokens for one step, as a tree rooted at the pending token."""
+
+    tokens: list[int]  # node tokens; node 0 is the pending token (chosen, not yet cached)
+    children: list[list[int]]  # children[i]: node i's children in the drafter's preference order
+    depths: list[int]  # node depth below the root, i.e. its position offset
+    tree_mask: torch.Tensor | None = None  # (n, n) bool, node i attends to node j; None = chain
+    draft_probs: torch.Tensor | None = None  # (n - 1, V) q rows of a sampled chain; None = point mass
+
+    @classmethod
+    def chain(cls, root: int, drafted: list[int], draft_probs: torch.Tensor | None = None) -> Draft:
+        """A linear draft: root -> drafted[0] -> drafted[1] -> ..."""
+        n = len(drafted) + 1
+        children = [[i + 1] for i in range(n - 1)] + [[]]
+        return cls([root, *drafted], children, list(range(n)), None, draft_probs)
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter:
+    """Plain decoding: proposes nothing, so every step is one token from the full model."""
+
+    name = "off"
+
+    def start(self, state: DecodeState) -> None:
+        """Called once after prefill (state.hidden holds the prompt's last hidden state)."""
+
+    def propose(self, state: DecodeState) -> Draft:
+        return Draft.chain(state.ids[-1], [])
+
+    def score(self, state: DecodeState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the full model over the draft's nodes: ((n, V) logits, (n, H) last hidden)."""
+        return forward_nodes(state, draft, want_hidden=self.wants_hidden)
+
+    def commit(self, state: DecodeState, draft: Draft, path: list[int]) -> None:
+        """Keep the cache entries of the root and the accepted nodes."""
+        kv_cache.keep_path(state.cache, state.cached, [0, *path])
+
+    wants_hidden = False  # True when propose() reads state.hidden
+
+
+def forward_nodes(
+    state: DecodeState, draft: Draft, want_hidden: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target-model forward over all draft nodes, appended to the cache.
+
+    Trees use a 4-D additive mask (each node sees the cache and its ancestors) and explicit
+    position ids (cache length + depth); chains need neither.
+    """
+    model = state.model
+    device = state.device
+    n = draft.size
+    ids = torch.tensor([draft.tokens], device=device)
+    kwargs = {}
+    if draft.tree_mask is not None:
+        past = state.cached
+        positions = torch.tensor([draft.depths], device=device) + past
+        allowed = torch.ones(n, past + n, dtype=torch.bool, device=device)
+        allowed[:, past:] = draft.tree_mask.to(device)
+        mask = torch.zeros(allowed.shape, dtype=state.dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(state.dtype).min)
+        kwargs = {"position_ids": positions, "attention_mask": mask[None, None]}
+    out = model(
+        input_ids=ids,
+        cache=state.cache,
+        use_cache=True,
+        logits_to_keep=n,
+        output_hidden_states=want_hidden,
+        **kwargs,
+    )
+    hidden = out.hidden_states[-1][0] if want_hidden else None
+    return out.logits[0], hidden

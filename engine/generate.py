@@ -1,0 +1,202 @@
+"""THE decode loop: prefill -> propose -> verify -> accept -> yield an event.
+
+Plain decoding and every drafter share this loop; drafters only differ in what they
+propose, how the target scores a draft (Kangaroo skips the shallow layers) and what they
+keep afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import kv_cache, verify
+from engine.chat import fit_to_context
+from engine.config import SamplingParams
+from engine.drafters.base import Draft, Drafter
+from engine.errors import PromptError
+from engine.loading import LoadedModel
+from engine.sampling import logits_to_probs, make_generator, next_token
+from engine.stats import GenerationStats
+from engine.textstream import TextStream
+
+
+@dataclass
+class DecodeState:
+    """Everything one generation carries from step to step."""
+
+    lm: LoadedModel
+    params: SamplingParams
+    cache: object  # transformers DynamicCache holding the committed tokens
+    ids: list[int]  # prompt + generated tokens; ids[-1] is pending (chosen, not yet cached)
+    prompt_len: int
+    generator: torch.Generator
+    hidden: torch.Tensor | None = None  # (H,) final hidden state that predicted ids[-1]
+
+    @property
+    def model(self):
+        return self.lm.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.model.dtype
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the cache: all of ids but the pending one."""
+        return len(self.ids) - 1
+
+
+@dataclass
+class StepEvent:
+    """One chunk of the reply: what the UI streams and the CLI prints."""
+
+    text: str  # new, final text (whole characters, no partial stop string)
+    token_ids: list[int]  # the new tokens
+    accepted: int  # draft tokens accepted in this step (0 for plain decoding)
+    tokens: int  # tokens generated so far
+    elapsed_s: float  # since the generation started
+    done: bool = False
+    stats: GenerationStats | None = None  # on the last event
+    full_text: str = ""  # the whole reply so far
+    notices: list[str] = field(default_factory=list)  # e.g. prompt truncation
+
+
+def generate(
+    lm: LoadedModel,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    drafter: Drafter | None = None,
+    cancel: threading.Event | None = None,
+) -> Iterator[StepEvent]:
+    """Stream a reply to `prompt_ids`. The last event has done=True and the stats.
+
+    Greedy decoding with any drafter yields exactly the tokens of plain greedy decoding;
+    sampling with the lossless acceptance rules yields the same distribution.
+    """
+    if not prompt_ids:
+        raise PromptError("the prompt is empty")
+    drafter = drafter or Drafter()
+    ids, dropped = fit_to_context(list(prompt_ids), lm.context_len, params.max_new_tokens)
+    stats = GenerationStats(prompt_tokens=len(ids), prompt_dropped=dropped)
+    notices = [f"prompt too long: its first {dropped} tokens were dropped"] if dropped else []
+    stream = TextStream(lm.tokenizer, params.stop)
+    start = time.perf_counter()
+    state = _prefill(lm, ids, params, drafter)
+    stats.ttft_s = time.perf_counter() - start
+    new = [state.ids[-1]]
+    while True:
+        new = _clip(new, lm.eos_ids, params.max_new_tokens - stats.tokens, stats)
+        stats.tokens += len(new)
+        text = stream.push(new)
+        if stream.stopped:
+            stats.stop_reason = "stop"
+        elif cancel is not None and cancel.is_set() and not stats.stop_reason:
+            stats.stop_reason = "cancelled"
+        elapsed = time.perf_counter() - start
+        if stats.stop_reason:
+            stats.elapsed_s = elapsed
+            text += stream.flush()
+            yield StepEvent(text, new, _last(stats), stats.tokens, elapsed, True, stats,
+                            stream.emitted, notices)
+            return
+        yield StepEvent(text, new, _last(stats), stats.tokens, elapsed,
+                        full_text=stream.emitted, notices=notices)
+        notices = []
+        new, accepted, drafted = _step(state, drafter)
+        stats.steps += 1
+        stats.accepted.append(accepted)
+        stats.drafted.append(drafted)
+
+
+def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: Drafter) -> DecodeState:
+    """Run the prompt, choose the first token, and hand the drafter its starting state."""
+    generator = make_generator(params.seed, lm.device)
+    cache = kv_cache.new_cache(lm.model)
+    with torch.inference_mode():
+        out = lm.model(
+            input_ids=torch.tensor([ids], device=lm.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=drafter.wants_hidden,
+        )
+        first = next_token(out.logits[0, -1], params, generator)
+        state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator)
+        if drafter.wants_hidden:
+            state.hidden = out.hidden_states[-1][0, -1]
+        drafter.start(state)
+    return state
+
+
+def _step(state: DecodeState, drafter: Drafter) -> tuple[list[int], int, int]:
+    """One full-model forward: returns (new tokens, accepted drafts, drafted count)."""
+    with torch.inference_mode():
+        draft = drafter.propose(state)
+        logits, hidden = drafter.score(state, draft)
+        path, nxt = accept(draft, logits, state.params, state.generator)
+        drafter.commit(state, draft, path)
+        new = [draft.tokens[i] for i in path] + [nxt]
+        state.ids.extend(new)
+        if hidden is not None:
+            state.hidden = hidden[path[-1] if path else 0]
+    return new, len(path), draft.size - 1
+
+
+def accept(
+    draft: Draft, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], int]:
+    """Dispatch to the acceptance rule for this draft and these sampling settings."""
+    mode = params.acceptance_mode
+    if draft.size == 1:  # nothing drafted: the model's own choice
+        return [], next_token(logits[0], params, generator)
+    if mode == "greedy":
+        return verify.accept_greedy(draft.children, draft.tokens, logits.argmax(-1).tolist())
+    probs = logits_to_probs(logits, params)
+    if mode == "typical":
+        return verify.accept_typical(
+            draft.children, draft.tokens, probs, params.typical_eps, params.typical_delta, generator
+        )
+    if draft.draft_probs is not None:
+        return verify.accept_speculative_chain(draft.tokens, draft.draft_probs, probs, generator)
+    return verify.accept_pointmass(draft.children, draft.tokens, probs, generator)
+
+
+def _clip(new: list[int], eos_ids: tuple[int, ...], room: int, stats: GenerationStats) -> list[int]:
+    """Cut the step's tokens at EOS (kept, as generate() does) or at the token budget."""
+    for i, t in enumerate(new):
+        if t in eos_ids:
+            stats.stop_reason = "eos"
+            return new[: i + 1] if i + 1 <= room else new[:room]
+    if len(new) >= room:
+        stats.stop_reason = "length"
+        return new[:room]
+    return new
+
+
+def _last(stats: GenerationStats) -> int:
+    return stats.accepted[-1] if stats.accepted else 0
+
+
+def run(
+    lm: LoadedModel,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    drafter: Drafter | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[str, list[int], GenerationStats]:
+    """Generate to the end: (text, token ids, stats)."""
+    ids: list[int] = []
+    for event in generate(lm, prompt_ids, params, drafter, cancel):
+        ids.extend(event.token_ids)
+        if event.done:
+            return event.full_text, ids, event.stats
+    raise AssertionError("the decode loop ended without a final event")

