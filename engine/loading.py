@@ -57,17 +57,23 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     quant = devices.resolve_quant(spec.quant, device, _weights_bytes(folder))
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
+    return wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start)
+
+
+def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
+               load_seconds: float = 0.0) -> LoadedModel:
+    """Describe an already-loaded causal LM (also how tests use models built in memory)."""
     return LoadedModel(
-        model=model,
+        model=model.eval().requires_grad_(False),
         tokenizer=tokenizer,
         spec=spec,
         model_id=model_id,
         quant=quant,
-        device=device,
+        device=next(model.parameters()).device,
         eos_ids=_eos_ids(model, tokenizer),
         context_len=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
         fingerprint=fingerprint(model),
-        load_seconds=time.perf_counter() - start,
+        load_seconds=load_seconds,
     )
 
 

@@ -1,0 +1,1 @@
+"""Quickdraft's front ends: the command line and the Gradio app."""

@@ -1,0 +1,100 @@
+"""`chat`: one reply in the terminal, streamed; `--json` prints text, token ids and stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from app.commands.common import add_model_args, load
+from engine.config import SamplingParams
+from engine.drafters.registry import ACCEL_CHOICES
+
+HELP = "one reply in the terminal (no --prompt: an interactive terminal chat)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", help="the message; omit for an interactive chat")
+    parser.add_argument("--system", default=None, help="system prompt")
+    add_model_args(parser)
+    parser.add_argument("--accel", default="off", choices=ACCEL_CHOICES)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.chat import conversation
+
+    params = sampling(args)
+    if args.prompt is not None:
+        conversation(args.prompt)  # refuse an empty prompt before loading anything
+    lm = load(args)
+    drafter = _drafter(lm, args.accel)
+    if args.prompt is None:
+        return _interactive(lm, drafter, params, args.system)
+    reply = _reply(lm, drafter, params, args.prompt, [], args.system, echo=not args.json)
+    if args.json:
+        text, ids, stats = reply
+        print(json.dumps({"text": text, "token_ids": ids, "accel": args.accel,
+                          "stats": stats.to_json()}))
+    return 0
+
+
+def _drafter(lm, method: str):
+    from engine.drafters.registry import load_drafter
+
+    return load_drafter(lm, method)
+
+
+def _reply(lm, drafter, params, prompt, history, system, echo: bool):
+    """Generate one reply; when `echo`, stream it to stdout and a summary to stderr."""
+    from engine.chat import conversation, encode
+    from engine.generate import generate
+
+    ids = encode(lm.tokenizer, conversation(prompt, history, system))
+    tokens: list[int] = []
+    for event in generate(lm, ids, params, drafter):
+        for notice in event.notices:
+            print(f"note: {notice}", file=sys.stderr)
+        tokens.extend(event.token_ids)
+        if echo:
+            print(event.text, end="", flush=True)
+        if event.done:
+            stats = event.stats
+            if echo:
+                print()
+                print(f"[{stats.tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
+                      f"{stats.mean_accepted:.2f} tokens/step, {stats.stop_reason}]",
+                      file=sys.stderr)
+            return event.full_text, tokens, stats
+    raise AssertionError("no final event")
+
+
+def _interactive(lm, drafter, params, system) -> int:
+    from engine.errors import PromptError
+
+    print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
+    history: list[dict] = []
+    while True:
+        try:
+            prompt = input("> ")
+        except EOFError:
+            return 0
+        if not prompt.strip():
+            return 0
+        try:
+            text, _ids, _stats = _reply(lm, drafter, params, prompt, history, system, echo=True)
+        except PromptError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]

@@ -1,0 +1,17 @@
+"""`train` sub-command."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.errors import QuickdraftError
+
+HELP = "train (not available in this build)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rest", nargs="*")
+
+
+def run(args: argparse.Namespace) -> int:
+    raise QuickdraftError("'train' is not available in this build yet")

@@ -1,0 +1,126 @@
+"""Accelerator checkpoints: one folder per (model fingerprint, method), self-describing.
+
+    <data_dir>/accelerators/<fingerprint>-<method>/
+        drafter.safetensors   weights (never pickle)
+        drafter.json          kind, format version, base model, fingerprint, settings
+        metrics.json          training and calibration figures
+
+Loading refuses a checkpoint built for another model, a newer format or a corrupt file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from engine.errors import AcceleratorError
+from engine.paths import data_dir
+
+FORMAT_VERSION = 1
+METHODS = ("medusa", "kangaroo")
+WEIGHTS, INFO, METRICS = "drafter.safetensors", "drafter.json", "metrics.json"
+
+
+@dataclass
+class Checkpoint:
+    """A stored accelerator: weights, description and measured figures."""
+
+    folder: Path
+    tensors: dict[str, torch.Tensor]
+    info: dict  # drafter.json: kind, version, base_model_id, fingerprint, settings, data
+    metrics: dict  # metrics.json
+
+
+def checkpoint_dir(fingerprint: str, method: str) -> Path:
+    return data_dir() / "accelerators" / f"{fingerprint}-{method}"
+
+
+def save_checkpoint(lm, method: str, tensors: dict[str, torch.Tensor], settings: dict,
+                    metrics: dict, data_summary: dict | None = None) -> Path:
+    """Write a checkpoint atomically (a crash or a full disk leaves the old one intact)."""
+    folder = checkpoint_dir(lm.fingerprint, method)
+    info = {
+        "kind": method,
+        "version": FORMAT_VERSION,
+        "base_model_id": lm.model_id,
+        "base_revision": lm.spec.revision,
+        "fingerprint": lm.fingerprint,
+        "hidden_size": int(lm.model.config.hidden_size),
+        "vocab_size": int(lm.model.config.vocab_size),
+        "settings": settings,
+        "data": data_summary or {},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS)
+        (tmp / INFO).write_text(json.dumps(info, indent=2))
+        (tmp / METRICS).write_text(json.dumps(metrics, indent=2))
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise AcceleratorError(f"could not save the {method} accelerator: {exc}") from exc
+    return folder
+
+
+def describe(lm, method: str) -> dict | None:
+    """drafter.json + metrics.json of the stored accelerator, or None when there is none."""
+    folder = checkpoint_dir(lm.fingerprint, method)
+    try:
+        info = json.loads((folder / INFO).read_text())
+        metrics = json.loads((folder / METRICS).read_text()) if (folder / METRICS).exists() else {}
+    except (OSError, ValueError):
+        return None
+    return {**info, "metrics": metrics}
+
+
+def load_checkpoint(lm, method: str, folder: Path | None = None) -> Checkpoint:
+    """Load and validate the `method` accelerator for `lm` (or the one in `folder`)."""
+    folder = folder or checkpoint_dir(lm.fingerprint, method)
+    fix = f"run: python launcher.py train --method {method}"
+    if not (folder / INFO).is_file():
+        raise AcceleratorError(f"no {method} accelerator is trained for this model; {fix}")
+    try:
+        info = json.loads((folder / INFO).read_text())
+        metrics = json.loads((folder / METRICS).read_text()) if (folder / METRICS).exists() else {}
+    except (OSError, ValueError) as exc:
+        raise AcceleratorError(f"the {method} accelerator in {folder} is corrupt ({exc}); {fix}") from exc
+    _check_info(info, lm, method, folder, fix)
+    try:
+        tensors = load_file(folder / WEIGHTS, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AcceleratorError(
+            f"the {method} accelerator weights in {folder} are corrupt or truncated; {fix}"
+        ) from exc
+    return Checkpoint(folder, tensors, info, metrics)
+
+
+def _check_info(info: dict, lm, method: str, folder: Path, fix: str) -> None:
+    if info.get("kind") != method:
+        raise AcceleratorError(f"{folder} holds a {info.get('kind')!r} accelerator, not {method}")
+    version = info.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise AcceleratorError(
+            f"the {method} accelerator in {folder} has format {version!r}, newer than this "
+            f"Quickdraft understands ({FORMAT_VERSION}); update Quickdraft or {fix}"
+        )
+    if info.get("fingerprint") != lm.fingerprint:
+        raise AcceleratorError(
+            f"the {method} accelerator in {folder} was built for another model "
+            f"({info.get('base_model_id')}); {fix}"
+        )

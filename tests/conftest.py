@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random models built from configs here, and the bundled model.
+
+Every test runs on the CPU, seeded, without network. Accelerators and settings go to a
+temporary data folder; the converted bundled model stays in the user cache (it is
+re-creatable and converting it takes ~15 s).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from engine.config import ModelSpec  # noqa: E402
+from engine.loading import load_model, wrap_model  # noqa: E402
+
+TINY_CONFIGS = {
+    # Llama-style, multi-head attention, tied embeddings
+    "llama-mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    # grouped-query attention
+    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # untied LM head
+    "llama-untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    # Qwen2 family (biases on q/k/v)
+    "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_data_dir(tmp_path_factory):
+    """Accelerators, conversations and settings written by tests go to a temp folder."""
+    os.environ["QUICKDRAFT_DATA_DIR"] = str(tmp_path_factory.mktemp("quickdraft-data"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer():
+    """The bundled model's tokenizer (ChatML template, 49k vocabulary)."""
+    from transformers import AutoTokenizer
+
+    from engine.loading import bundled_folder
+
+    return AutoTokenizer.from_pretrained(bundled_folder())
+
+
+def make_tiny_model(name: str, tokenizer, vocab_size: int | None = None, num_layers: int = 4,
+                    seed: int = 0):
+    """A LoadedModel with random weights from TINY_CONFIGS[name], fp32 on the CPU.
+
+    vocab_size defaults to the tokenizer's so decoded text is meaningful; statistical
+    tests pass a tiny vocabulary instead.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family, extra = TINY_CONFIGS[name]
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=vocab_size or len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random weights give nearly uniform logits; scaling the head sharpens them so greedy
+    # decoding has clear winners and samples are not pure noise.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0) if not config.tie_word_embeddings else None
+    return wrap_model(model, tokenizer, ModelSpec(source=f"tiny-{name}"), f"tiny-{name}", "fp32")
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def tiny_lm(request, bundled_tokenizer):
+    """Each tiny config in turn."""
+    return make_tiny_model(request.param, bundled_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def bundled_lm():
+    """The bundled SmolLM2-135M-Instruct in fp32 (exactness tests)."""
+    return load_model(ModelSpec(quant="fp32"))

@@ -1,0 +1,1 @@
+"""Builds accelerators for the loaded model: self-distilled data, training, calibration."""
