@@ -65,14 +65,13 @@ def make_tiny_model(name: str, tokenizer, vocab_size: int | None = None, num_lay
         num_hidden_layers=num_layers,
         max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id,
+        # Larger than the default 0.02 so the layers, not the residual copy of the input
+        # embedding, decide the output: replies vary instead of repeating one token.
+        initializer_range=0.2,
         **extra,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random weights give nearly uniform logits; scaling the head sharpens them so greedy
-    # decoding has clear winners and samples are not pure noise.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0) if not config.tie_word_embeddings else None
     return wrap_model(model, tokenizer, ModelSpec(source=f"tiny-{name}"), f"tiny-{name}", "fp32")
 
 

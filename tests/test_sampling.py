@@ -1,0 +1,83 @@
+"""Sampling math on hand-made logits, and the decode loop's sampling distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import SamplingParams
+from engine.generate import run
+from engine.sampling import filter_logits, logits_to_probs
+from tests.conftest import make_tiny_model
+from tests.stats_util import chi_square_pvalue
+
+
+def test_top_k_keeps_k_best():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    out = filter_logits(logits, top_k=2)
+    assert torch.isinf(out[[0, 3]]).all() and torch.isfinite(out[[1, 2]]).all()
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    out = filter_logits(probs.log(), top_p=0.7)  # 0.5 < 0.7 so 0.3 is needed; 0.8 >= 0.7 stops
+    assert torch.isfinite(out[:2]).all() and torch.isinf(out[2:]).all()
+    assert torch.isfinite(filter_logits(probs.log(), top_p=0.5)[:1]).all()
+    assert torch.isinf(filter_logits(probs.log(), top_p=0.5)[1:]).all()
+
+
+def test_greedy_is_one_hot_argmax():
+    probs = logits_to_probs(torch.tensor([0.1, 2.0, 1.0]), SamplingParams())
+    assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([0.0, 1.0])
+    p = logits_to_probs(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(p, torch.softmax(logits / 2.0, -1))
+
+
+def test_chi_square_helper_rejects_wrong_distribution():
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.2])
+    good = torch.bincount(torch.multinomial(p, 3000, replacement=True), minlength=3)
+    bad = torch.bincount(torch.multinomial(torch.tensor([0.4, 0.35, 0.25]), 3000, replacement=True), minlength=3)
+    assert chi_square_pvalue(good, p) > 0.001
+    assert chi_square_pvalue(bad, p) < 0.001
+
+
+def _first_token_counts(lm, prompt, params, n):
+    counts = torch.zeros(lm.model.config.vocab_size, dtype=torch.long)
+    for seed in range(n):
+        p = SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                           top_k=params.top_k, max_new_tokens=1, seed=seed)
+        _text, ids, _stats = run(lm, prompt, p)
+        counts[ids[0]] += 1
+    return counts
+
+
+def _expected(lm, prompt, params):
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([prompt])).logits[0, -1]
+    return logits_to_probs(logits, params)
+
+
+def test_loop_samples_match_softmax_after_top_k_top_p(bundled_tokenizer):
+    """Empirical next-token frequencies over many seeded runs match softmax(logits/T) after
+    top-k/top-p, and the same check rejects the distribution without the filters."""
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=12)
+    prompt = [1, 5, 7, 3]
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9)
+    counts = _first_token_counts(lm, prompt, params, 1500)
+    assert chi_square_pvalue(counts, _expected(lm, prompt, params)) > 0.001
+    unfiltered = _expected(lm, prompt, SamplingParams(temperature=0.8))
+    assert chi_square_pvalue(counts, unfiltered) < 0.001
+
+
+def test_same_seed_same_output(bundled_tokenizer):
+    lm = make_tiny_model("llama-mha", bundled_tokenizer)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24, seed=7)
+    a = run(lm, [1, 2, 3, 4], params)[1]
+    b = run(lm, [1, 2, 3, 4], params)[1]
+    c = run(lm, [1, 2, 3, 4], SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24, seed=8))[1]
+    assert a == b
+    assert a != c
