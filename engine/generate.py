@@ -36,6 +36,9 @@ class DecodeState:
     prompt_len: int
     generator: torch.Generator
     hidden: torch.Tensor | None = None  # (H,) final hidden state that predicted ids[-1]
+    # Prefill's per-layer states ((1, P, H) each, embeddings first) while drafter.start()
+    # runs, for drafters that read inner layers (Kangaroo); None afterwards.
+    prefill_hidden: tuple[torch.Tensor, ...] | None = None
 
     @property
     def model(self):
@@ -133,7 +136,9 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: D
         state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator)
         if drafter.wants_hidden:
             state.hidden = out.hidden_states[-1][0, -1]
+            state.prefill_hidden = out.hidden_states
         drafter.start(state)
+        state.prefill_hidden = None
     return state
 
 

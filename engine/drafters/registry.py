@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.drafters.base import Drafter
 from engine.errors import QuickdraftError
 
-ACCEL_CHOICES = ("off", "medusa", "kangaroo")
+ACCEL_CHOICES = ("off", "lookup", "medusa", "kangaroo")
 
 
 def load_drafter(lm, method: str) -> Drafter:
@@ -15,6 +15,10 @@ def load_drafter(lm, method: str) -> Drafter:
     """
     if method == "off":
         return Drafter()
+    if method == "lookup":  # model-free: nothing to train or load
+        from engine.drafters.lookup import LookupDrafter
+
+        return LookupDrafter()
     if method == "medusa":
         from engine.accelerators import load_checkpoint
         from engine.drafters.medusa import MedusaDrafter
