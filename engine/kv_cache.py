@@ -34,6 +34,8 @@ def keep_path(cache: DynamicCache, start: int, keep: Sequence[int], layers: rang
     keep = list(keep)
     indices = range(len(cache.layers)) if layers is None else layers
     contiguous = keep == list(range(len(keep)))
+    if contiguous and layer_length(cache, indices[0]) == start + len(keep):
+        return  # all nodes kept (always so in plain decoding); layers in range grow together
     for i in indices:
         layer = cache.layers[i]
         if not layer.is_initialized:
