@@ -27,7 +27,9 @@ def main(argv: list[str]) -> int:
     """Run one sub-command; user errors print one line, never a traceback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     parser = build_parser()
-    args = parser.parse_args(argv or ["ui"])
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["ui", *argv]  # the bare command and its flags start the app
+    args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
     except QuickdraftError as exc:

@@ -1,17 +1,117 @@
-"""`bench` sub-command."""
+"""`bench`: the speed report. Hugging Face generate() and its speculative peers against the
+engine's plain loop and trained accelerators, interleaved prompt by prompt."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from pathlib import Path
 
-from engine.errors import QuickdraftError
+from app.commands.common import add_model_args, load
+from engine.benchmark.methods import METHOD_CHOICES
+from engine.config import ModelSpec, SamplingParams
+from trainer.progress import Progress
 
-HELP = "bench (not available in this build)"
+HELP = "speed report: tokens/s, speedup over generate(), acceptance, memory, greedy match"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs="*")
+    add_model_args(parser)
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL ({\"prompt\", optional \"category\", \"history\"}) or one "
+                             "prompt per line (default: the bundled set, 7 categories x 12)")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated, from {', '.join(METHOD_CHOICES)} (default: hf, "
+                             "hf-lookup, vanilla and every trained accelerator; hf always runs)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--assistant", default=None,
+                        help="a smaller model with the same tokenizer, for hf-assisted")
+    parser.add_argument("--out", default=None,
+                        help="folder for report.json, report.md and the PNG plots")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="use N prompts, taken evenly across categories")
+
+
+def command_line(args: argparse.Namespace, prog: str = "python launcher.py bench") -> str:
+    """The run's settings as a command that repeats it (defaults spelled out)."""
+    parts = [*shlex.split(prog), "--model", args.model, "--quant", args.quant,
+             "--max-new-tokens", str(args.max_new_tokens),
+             "--temperature", str(args.temperature), "--seed", str(args.seed)]
+    for flag, value in (("--device", None if args.device == "auto" else args.device),
+                        ("--prompts", args.prompts), ("--methods", args.methods),
+                        ("--assistant", args.assistant), ("--limit", args.limit),
+                        ("--out", args.out)):
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.trust_remote_code:
+        parts.append("--trust-remote-code")
+    return shlex.join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise QuickdraftError("'bench' is not available in this build yet")
+    return execute(args, command_line(args))
+
+
+def execute(args: argparse.Namespace, command: str) -> int:
+    """Check the arguments, load, run, print the table and write the outputs."""
+    from engine.benchmark.bench import bench_report
+    from engine.benchmark.methods import build_methods, method_names
+    from engine.benchmark.prompts import DEFAULT_PROMPTS, interleave, load_prompts
+    from engine.benchmark.report import notes, overall_table, write_report
+
+    # Everything that can be wrong with the arguments fails before the model loads.
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                            seed=args.seed)
+    names = method_names(args.methods, args.assistant is not None)
+    prompt_file = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
+    prompts = interleave(load_prompts(prompt_file), args.limit)
+    lm = load(args)
+    assistant = _load_assistant(args) if "hf-assisted" in names else None
+    methods, skipped = build_methods(lm, names, params, assistant)
+    for name, why in skipped.items():
+        print(f"{name}: {why}", file=sys.stderr)
+    context = {"command": command, "model": args.model, "prompt_file": str(prompt_file),
+               "assistant": assistant.model_id if assistant else None}
+    report = bench_report(lm, prompts, methods, skipped, params, context, ProgressBar())
+    print("\n".join([*overall_table(report), "", *notes(report)]))
+    if args.out:
+        written = write_report(report, Path(args.out))
+        print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def _load_assistant(args: argparse.Namespace):
+    from engine.loading import load_model
+
+    print(f"Loading assistant {args.assistant}...", file=sys.stderr, flush=True)
+    return load_model(ModelSpec(source=args.assistant, quant=args.quant, device=args.device,
+                                trust_remote_code=args.trust_remote_code))
+
+
+class ProgressBar:
+    """Renders Progress reports as one self-rewriting line on stderr (a line per 10% when
+    stderr is not a terminal, so logs stay readable)."""
+
+    def __init__(self, stream=None, width: int = 28) -> None:
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.tty = self.stream.isatty()
+        self.last_tenth = -1
+
+    def __call__(self, p: Progress) -> None:
+        filled = int(p.fraction * self.width)
+        eta = f" ETA {p.eta_s / 60:.1f} min" if p.eta_s is not None else ""
+        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{p.done:.0f}/{p.total:.0f} {p.message}{eta}")
+        if self.tty:
+            end = "\n" if p.stage == "done" else ""
+            self.stream.write("\r" + line.ljust(100)[:160] + end)
+            self.stream.flush()
+            return
+        tenth = int(p.fraction * 10) if p.stage == "bench" else -1
+        if tenth != self.last_tenth or p.stage == "done":
+            self.last_tenth = tenth
+            print(line, file=self.stream, flush=True)

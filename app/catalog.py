@@ -1,0 +1,153 @@
+"""What the Models tab offers before anything is loaded: models already in the Hugging Face
+cache, a model's parameter count, the memory it will take, and a download with progress."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine import devices
+from engine.config import ModelSpec
+from engine.loading import HUB_PATTERNS, bundled_folder
+
+log = logging.getLogger(__name__)
+
+# Bytes per parameter of each resolved quantization. NF4 packs two weights per byte plus
+# (double-quantized) block scales; 8-bit keeps one fp32 scale per row.
+BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55}
+# Headroom for activations, the KV cache of a long chat and a drafter, on top of weights.
+RUNTIME_OVERHEAD = 1.2
+# safetensors dtype names -> bytes per element (for the on-disk size of a folder)
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+Report = Callable[[str, float | None], None]  # (message, fraction done or None)
+
+
+def cached_models() -> list[str]:
+    """Repo ids of the models in the Hugging Face cache that hold safetensors weights."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir()
+    except (CacheNotFound, OSError) as exc:
+        log.info("no Hugging Face cache to list: %s", exc)
+        return []
+    repos = []
+    for repo in info.repos:
+        files = {f.file_name for rev in repo.revisions for f in rev.files}
+        if repo.repo_type == "model" and any(n.endswith(".safetensors") for n in files):
+            repos.append(repo.repo_id)
+    return sorted(repos, key=str.lower)
+
+
+def local_folder(spec: ModelSpec) -> Path | None:
+    """The folder `spec` names when it is on this machine already (bundled, local, cached)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    source = spec.source.strip()
+    if source == "default":
+        return bundled_folder()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if source.count("/") != 1:
+        return None
+    try:
+        return Path(snapshot_download(source, revision=spec.revision, allow_patterns=HUB_PATTERNS,
+                                      local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):  # not cached, or not a repo id
+        return None
+
+
+def count_parameters(folder: Path) -> int:
+    """Parameters stored in a folder's safetensors files, read from their headers only."""
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                n = 1
+                for dim in entry["shape"]:
+                    n *= dim
+                total += n
+    return total
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def estimate_bytes(params: int, quant: str) -> int:
+    """Memory a model with `params` parameters needs in a resolved quantization."""
+    return int(params * BYTES_PER_PARAM[quant] * RUNTIME_OVERHEAD)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory where the weights will go: GPU memory on CUDA, else available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def memory_estimate(spec: ModelSpec) -> str:
+    """One line for the Models tab: resolved quantization, size and free memory."""
+    folder = local_folder(spec)
+    if folder is None:
+        return "Size unknown until downloaded (the download shows its size as it goes)."
+    device = devices.pick_device(spec.device)
+    params = count_parameters(folder)
+    quant = devices.resolve_quant(spec.quant, device, folder_bytes(folder))
+    need = estimate_bytes(params, quant)
+    free = available_bytes(device)
+    line = (f"{params / 1e6:,.0f} M parameters · {quant} on {device.type}: about "
+            f"{_size(need)} needed, {_size(free)} free")
+    if need > free:
+        line += " — probably not enough: pick a smaller quantization"
+    return line
+
+
+def download(repo_id: str, revision: str | None, report: Report) -> Path:
+    """Fetch a hub model into the ordinary Hugging Face cache, reporting bytes as they come."""
+    from huggingface_hub import snapshot_download
+    from tqdm.auto import tqdm
+
+    class Reporting(tqdm):
+        """A silent tqdm whose byte counters feed `report`."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = False
+            kwargs["file"] = io.StringIO()  # the UI shows progress, not the terminal
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            super().update(n)
+            # Bytes written to disk, against the files' sizes. The hub's other byte bar
+            # ("Downloading bytes", network transfer) has no meaningful total.
+            if self.unit == "B" and not str(self.desc).startswith("Downloading bytes"):
+                frac = min(1.0, self.n / self.total) if self.total else None
+                report(f"downloading {repo_id}: {_size(self.n)} of {_size(self.total or 0)}", frac)
+
+    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS,
+                                  tqdm_class=Reporting))
+
+
+def _size(n: float) -> str:
+    if n < 1024**2:
+        return f"{n / 1024:.0f} KB"
+    if n < 1024**3:
+        return f"{n / 1024**2:.0f} MB"
+    return f"{n / 1024**3:.1f} GB"

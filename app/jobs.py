@@ -1,0 +1,65 @@
+"""Background jobs (loading a model, training an accelerator) that the page polls."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.errors import QuickdraftError
+from trainer.progress import Progress
+
+log = logging.getLogger(__name__)
+
+HISTORY_LIMIT = 5000  # metric reports kept per job for the live plots
+
+
+@dataclass
+class Job:
+    """A background job (loading a model, training an accelerator) that the UI polls."""
+
+    kind: str  # "load" | "train"
+    title: str  # what it works on, for people
+    method: str = ""  # training: the method being trained
+    cancel: threading.Event = field(default_factory=threading.Event)  # set: stop soon
+    started: float = field(default_factory=time.monotonic)  # monotonic clock at creation
+    state: str = "running"  # "running" | "done" | "cancelled" | "failed"
+    progress: Progress | None = None  # the latest report
+    history: list[dict] = field(default_factory=list)  # {"t": s, **metrics} for the plots
+    error: str = ""  # one line when failed
+    result: object = None  # what the work returned
+    thread: threading.Thread | None = None  # the worker, once started
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def report(self, progress: Progress) -> None:
+        """A ProgressFn: keep the latest snapshot and the metrics history."""
+        self.progress = progress
+        if progress.metrics:
+            self.history.append({"t": time.monotonic() - self.started, **progress.metrics})
+            del self.history[:-HISTORY_LIMIT]
+
+    def start(self, work: Callable[[], object]) -> Job:
+        self.thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                       name=f"quickdraft-{self.kind}")
+        self.thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job ends; False on timeout."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def _run(self, work: Callable[[], object]) -> None:
+        try:
+            self.result = work()
+            self.state = "cancelled" if self.cancel.is_set() else "done"
+        except QuickdraftError as exc:
+            self.error, self.state = str(exc), "cancelled" if self.cancel.is_set() else "failed"
+        except Exception as exc:  # a background thread must report, not die silently
+            log.exception("%s job failed", self.kind)
+            self.error, self.state = f"{type(exc).__name__}: {exc}".splitlines()[0], "failed"

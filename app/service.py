@@ -1,0 +1,381 @@
+"""The app's engine room: owns the loaded model, runs one generation at a time, knows which
+accelerators are trained for that model, and runs the background jobs (loading a model,
+training an accelerator). UI modules call these methods and only lay out the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from app import catalog
+from app.jobs import Job
+from app.replies import CompareResult, ReplyRequest, ReplyUpdate
+from app.store import Conversation, Settings, Store, StoreError, title_from_prompt
+from engine.accelerators import METHODS as TRAINABLE
+from engine.accelerators import describe
+from engine.chat import conversation, encode
+from engine.config import ModelSpec
+from engine.drafters.base import Drafter
+from engine.drafters.registry import ACCEL_CHOICES, load_drafter
+from engine.errors import AcceleratorError, QuickdraftError
+from engine.generate import generate, run
+from engine.loading import LoadedModel, load_model
+from trainer.progress import Progress, ProgressFn
+
+if TYPE_CHECKING:
+    from trainer.pipeline import TrainOptions
+
+log = logging.getLogger(__name__)
+
+ACCEL_LABELS = {"off": "Off", "lookup": "Lookup", "medusa": "Medusa", "kangaroo": "Kangaroo"}
+# Compare replays the conversation's last prompt; an empty conversation uses this one.
+COMPARE_PROMPT = "Explain in a few sentences how a rainbow forms."
+
+
+def accel_label(method: str) -> str:
+    return ACCEL_LABELS.get(method, method.capitalize())
+
+
+@dataclass
+class AccelStatus:
+    """Whether an acceleration method can be used with the loaded model right now."""
+
+    method: str  # one of ACCEL_CHOICES
+    ready: bool  # replies can use it now
+    train_needed: bool  # no usable accelerator is stored for this model: offer training
+    message: str  # one line for people
+
+
+class Service:
+    """Owns the loaded model; one generation (or model swap) at a time."""
+
+    def __init__(self, store: Store, lm: LoadedModel | None = None):
+        self.store = store
+        self._lm = lm
+        self._lock = threading.Lock()  # held by the generation or model swap in progress
+        self._cancel = threading.Event()  # Stop: ends the running generation
+        self._owner: str | None = None  # the browser session whose generation is running
+        self._settings_lock = threading.Lock()  # read-modify-write of the settings file
+        self._drafters: dict[str, Drafter] = {}  # ready drafters for self._lm, by method
+        self.loading: Job | None = None
+        self.training: Job | None = None
+        self.notice = ""  # shown once on the Models tab, e.g. why the last model did not load
+
+    @classmethod
+    def open(cls, store: Store, spec: ModelSpec | None = None) -> Service:
+        """Start with `spec`, else the last model used, else the bundled one."""
+        settings = store.load_settings()
+        service = cls(store)
+        wanted = spec or ModelSpec(settings.model, settings.quant,
+                                   trust_remote_code=settings.trust_remote_code)
+        try:
+            service.load_model(wanted)
+        except QuickdraftError as exc:
+            if wanted.source == "default":
+                raise
+            service.notice = f"Could not load {wanted.source} ({exc}); using the bundled model."
+            service.load_model(ModelSpec())
+        return service
+
+    # -- model --------------------------------------------------------------------
+    @property
+    def lm(self) -> LoadedModel:
+        if self._lm is None:
+            raise QuickdraftError("no model is loaded: load one on the Models tab")
+        return self._lm
+
+    @property
+    def busy(self) -> bool:
+        """True while a generation or a model swap holds the model."""
+        return self._lock.locked()
+
+    def start_load(self, spec: ModelSpec) -> Job:
+        """Load `spec` in the background; the current model keeps working until it is ready."""
+        if self.loading is not None and self.loading.running:
+            raise QuickdraftError("a model is already loading")
+        job = Job("load", spec.source)
+        self.loading = job
+        return job.start(lambda: self.load_model(spec, job.report))
+
+    def load_model(self, spec: ModelSpec, report: ProgressFn | None = None) -> LoadedModel:
+        """Load `spec` and make it current. On any error the previous model stays loaded."""
+        if self.training is not None and self.training.running:
+            raise QuickdraftError("an accelerator is training for the current model: "
+                                  "cancel it (Train tab) before loading another model")
+        report = report or (lambda _p: None)
+        _fetch_if_needed(spec, report)
+        report(Progress("load", 0, 0, f"loading {spec.source} ({spec.quant})"))
+        lm = load_model(spec)
+        with self._lock:  # waits for the reply in progress
+            old, self._lm, self._drafters = self._lm, lm, {}
+        del old
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.remember(model=spec.source, quant=spec.quant,
+                      trust_remote_code=spec.trust_remote_code)
+        report(Progress("done", 1, 1, f"loaded {lm.model_id} as {lm.quant} on {lm.device}"))
+        return lm
+
+    # -- acceleration -------------------------------------------------------------
+    def accel_status(self, method: str) -> AccelStatus:
+        """Can `method` be used now? Loads (and keeps) its drafter when it can."""
+        label = accel_label(method)
+        if method == "off":
+            return AccelStatus(method, True, False, "Plain decoding: one token per model step.")
+        if method not in ACCEL_CHOICES:
+            raise QuickdraftError(f"unknown acceleration {method!r}")
+        name = model_name(self.lm)
+        info = describe(self.lm, method) if method in TRAINABLE else {}
+        if info is None:
+            return AccelStatus(method, False, True,
+                               f"{label} is not trained for {name} yet: train it once, "
+                               "then switch it on here.")
+        try:
+            self._drafter(method)
+        except AcceleratorError as exc:
+            return AccelStatus(method, False, method in TRAINABLE, f"{label} cannot be used: {exc}")
+        return AccelStatus(method, True, False, _ready_line(label, info))
+
+    def _drafter(self, method: str) -> Drafter:
+        if method == "off":
+            return Drafter()
+        if method not in self._drafters:
+            self._drafters[method] = load_drafter(self.lm, method)
+        return self._drafters[method]
+
+    # -- chat ---------------------------------------------------------------------
+    def chat(self, request: ReplyRequest, prompt: str) -> Iterator[ReplyUpdate]:
+        """Add `prompt` to the conversation and stream the reply. The reply is saved when it
+        ends, including a partial one after Stop."""
+        conversation(prompt)  # refuse an empty prompt before waiting for the model
+        return self._reply(request, prompt)
+
+    def regenerate(self, request: ReplyRequest) -> Iterator[ReplyUpdate]:
+        """Replace the last reply with a new one."""
+        return self._reply(request, None)
+
+    def stop(self, owner: str | None = None) -> None:
+        """End the running generation (its partial reply is kept). With `owner`, only when
+        that browser session started it: Stop in one tab leaves another tab's reply alone."""
+        if owner is None or owner == self._owner:
+            self._cancel.set()
+
+    def _reply(self, request: ReplyRequest, prompt: str | None) -> Iterator[ReplyUpdate]:
+        with self._lock, self._owned(request.owner):
+            conv = self.store.get(request.conv_id)  # under the lock: queued replies keep order
+            _add_prompt(conv, prompt)
+            if request.system is not None:
+                conv.system = request.system.strip()
+            lm = self.lm
+            drafter, used, notices = self._drafter_or_off(request.method)
+            turns = conv.turns()
+            ids = encode(lm.tokenizer, conversation(turns[-1]["content"], turns[:-1],
+                                                    conv.system or None))
+            reply = {"role": "assistant", "content": "", "accel": used}
+            conv.messages.append(reply)
+            accepted: list[int] = []  # per model step
+            ttft = 0.0
+            try:
+                events = generate(lm, ids, request.params, drafter, self._cancel)
+                for i, event in enumerate(events):
+                    reply["content"] = event.full_text
+                    notices += event.notices
+                    if i == 0:
+                        ttft = event.elapsed_s  # prefill and the first token
+                    else:
+                        accepted.append(event.accepted)  # one event per model step
+                    if event.done:  # saved before the last update goes out
+                        reply["stats"] = event.stats.to_json()
+                        _save_reply(self.store, conv, reply)
+                    yield ReplyUpdate(conv, used, event.tokens, event.elapsed_s, ttft,
+                                      list(accepted), event.done, event.stats, list(notices))
+            finally:  # also when the consumer goes away mid-reply, or on an error
+                if "stats" not in reply:
+                    _save_reply(self.store, conv, reply)
+
+    @contextlib.contextmanager
+    def _owned(self, owner: str):
+        """Mark the running generation as `owner`'s; a fresh Stop state for it."""
+        self._cancel.clear()
+        self._owner = owner
+        try:
+            yield
+        finally:
+            self._owner = None
+
+    def _drafter_or_off(self, method: str) -> tuple[Drafter, str, list[str]]:
+        status = self.accel_status(method)
+        if status.ready:
+            return self._drafter(method), method, []
+        return Drafter(), "off", [f"{status.message} This reply uses plain decoding."]
+
+    def compare(self, request: ReplyRequest) -> Iterator[CompareResult]:
+        """Replay the conversation's last prompt greedily (same length limit and stop
+        strings) with acceleration off, then with the request's method."""
+        method = request.method
+        if method == "off":
+            raise QuickdraftError("choose an acceleration method first: Compare runs Off "
+                                  "against it")
+        with self._lock, self._owned(request.owner):
+            conv = self.store.get(request.conv_id) if request.conv_id else None
+            prompt, history, system = _last_prompt(conv)
+            lm = self.lm
+            if not self.accel_status(method).ready:
+                raise AcceleratorError(f"{accel_label(method)} is not trained for this model yet")
+            params = dataclasses.replace(request.params, temperature=0.0, seed=None)
+            ids = encode(lm.tokenizer, conversation(prompt, history, system))
+            exact = lm.quant == "fp32"
+            drafter = self._drafter(method)
+            warm = dataclasses.replace(params, max_new_tokens=2)
+            for each in (None, drafter):  # untimed: neither side pays first-call costs
+                run(lm, ids, warm, each, self._cancel)
+            _text, off_ids, off = run(lm, ids, params, None, self._cancel)
+            yield CompareResult(method, prompt, off, exact=exact)
+            _text, on_ids, on = run(lm, ids, params, drafter, self._cancel)
+            yield CompareResult(method, prompt, off, on, off_ids == on_ids, exact)
+
+    # -- training -----------------------------------------------------------------
+    def start_training(self, options: TrainOptions) -> Job:
+        """Train an accelerator for the current model in the background. A cancelled run
+        keeps its data, and the next run with the same model resumes from it."""
+        from trainer.pipeline import train_accelerator
+
+        method = options.method
+        if self.training is not None and self.training.running:
+            raise QuickdraftError("a training run is already in progress")
+        if self.loading is not None and self.loading.running:
+            raise QuickdraftError("a model is loading: train once it is ready")
+        lm = self.lm
+        job = Job("train", f"{accel_label(method)} for {model_name(lm)}", method)
+        self.training = job
+
+        def work():
+            result = train_accelerator(lm, options, job.report, job.cancel)
+            self._drafters.pop(method, None)  # the next use loads the new checkpoint
+            if not job.cancel.is_set():
+                self.remember(accel=method)  # the new accelerator is the one to use
+            return result
+
+        return job.start(work)
+
+    def training_summary(self) -> str:
+        """One line per trainable method for the current model, and the data kept."""
+        from trainer.selfdistill import data_path
+
+        lm = self.lm
+        lines = []
+        for method in TRAINABLE:
+            info = describe(lm, method)
+            state = f"trained {info.get('created', '')[:16]}" if info else "not trained yet"
+            lines.append(f"{accel_label(method)}: {state}")
+        try:
+            with open(data_path(lm), encoding="utf-8") as f:
+                kept = sum(1 for _ in f)
+        except OSError:
+            kept = 0
+        if kept:
+            lines.append(f"{kept} self-distilled conversations kept from earlier runs "
+                         "(the next run continues from them)")
+        return " · ".join(lines)
+
+    def cancel_training(self) -> None:
+        if self.training is not None:
+            self.training.cancel.set()
+
+    # -- settings -----------------------------------------------------------------
+    def settings(self) -> Settings:
+        return self.store.load_settings()
+
+    def remember(self, **changes) -> Settings:
+        """Save some settings for the next launch."""
+        with self._settings_lock:
+            settings = dataclasses.replace(self.store.load_settings(), **changes)
+            self.store.save_settings(settings)
+        return settings
+
+
+def model_name(lm: LoadedModel) -> str:
+    """The short name people know a model by (repo name or folder name)."""
+    return Path(lm.model_id).name or lm.model_id
+
+
+def _fetch_if_needed(spec: ModelSpec, report: ProgressFn) -> None:
+    """Download a hub model not yet in the cache, with byte progress. A failure is left to
+    load_model, which turns it into a one-line reason (offline, unknown id, gated)."""
+    source = spec.source.strip()
+    if source.count("/") != 1 or Path(source).expanduser().exists():
+        return
+    if catalog.local_folder(spec) is not None:
+        return
+
+    def on_bytes(message: str, fraction: float | None) -> None:
+        report(Progress("download", fraction or 0.0, 1.0 if fraction is not None else 0, message))
+
+    try:
+        catalog.download(source, spec.revision, on_bytes)
+    except Exception as exc:  # the hub client raises many types; see the docstring
+        log.info("download of %s failed: %s", source, exc)
+
+
+def _add_prompt(conv: Conversation, prompt: str | None) -> None:
+    """Append the new prompt, or (regenerate) drop the replies after the last prompt."""
+    if prompt is not None:
+        if not any(m["role"] == "user" for m in conv.messages):
+            conv.title = title_from_prompt(prompt)
+        conv.messages.append({"role": "user", "content": prompt})
+        return
+    while conv.messages and conv.messages[-1]["role"] == "assistant":
+        conv.messages.pop()
+    if not conv.messages:
+        raise StoreError("nothing to regenerate: send a message first")
+
+
+def _save_reply(store: Store, conv: Conversation, reply: dict) -> None:
+    """Save the conversation; a reply stopped before its first character is dropped."""
+    if not reply["content"] and reply in conv.messages:
+        conv.messages.remove(reply)
+    store.save(conv)
+
+
+def _last_prompt(conv: Conversation | None) -> tuple[str, list[dict], str | None]:
+    """(prompt, earlier turns, system) of the conversation's last user message."""
+    turns = conv.turns() if conv is not None else []
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i]["role"] == "user":
+            return turns[i]["content"], turns[:i], conv.system or None
+    return COMPARE_PROMPT, [], None
+
+
+def _ready_line(label: str, info: dict) -> str:
+    """Status of a trained accelerator from its description (speedup measured here)."""
+    metrics = info.get("metrics", {})
+    line = f"{label} is ready."
+    speedup = _measured_speedup(metrics)
+    if speedup is not None:
+        line += f" Measured {speedup:.2f}× over plain decoding when it was trained."
+    pays = info.get("settings", {}).get("pays", metrics.get("pays"))
+    if pays is False:
+        line += " It did not beat plain decoding on this machine: Off may be faster."
+    return line
+
+
+def _measured_speedup(metrics: dict) -> float | None:
+    """A top-level "speedup", else the best drafting setting calibration measured."""
+    if isinstance(metrics.get("speedup"), (int, float)):
+        return float(metrics["speedup"])
+    measured = metrics.get("calibration", {}).get("measured", {})
+    found = [m.get("speedup") for name, m in measured.items()
+             if name != "plain" and isinstance(m, dict)]
+    found = [float(x) for x in found if isinstance(x, (int, float))]
+    return max(found) if found else None

@@ -1,0 +1,210 @@
+"""Conversations and settings as JSON files under the user data folder, written atomically.
+
+    <data_dir>/settings.json
+    <data_dir>/conversations/<id>.json     one file per conversation
+    <data_dir>/exports/                    Markdown / JSON exports offered for download
+
+Every write goes to a temporary file in the same folder, is flushed to disk, then renamed
+over the old file (os.replace is atomic), so a crash mid-save leaves the previous version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from engine.errors import QuickdraftError
+from engine.paths import data_dir
+
+log = logging.getLogger(__name__)
+
+TITLE_CHARS = 48  # a new conversation is titled after its first prompt, cut to this length
+EXPORT_FORMATS = ("md", "json")
+
+
+class StoreError(QuickdraftError):
+    """A conversation that does not exist, or a name or format that cannot be used."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that readers see either the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Unique per writer, and ignored by readers: a half-written temp file is never loaded.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class Conversation:
+    """One chat: what the side list shows and what the model is asked to continue."""
+
+    id: str  # file name stem (hex)
+    title: str  # side-list label: the first prompt, until the user renames it
+    created: float  # unix time
+    updated: float  # unix time of the last change; the list shows the newest first
+    system: str = ""  # system prompt of this chat ("" = the model's own default)
+    # {"role": "user" | "assistant", "content": str}; replies also keep "stats" (the
+    # engine's stats JSON) and "accel" (the method that produced them)
+    messages: list[dict] = field(default_factory=list)
+
+    def turns(self) -> list[dict]:
+        """The messages as plain {"role", "content"} dicts (chat template, Chatbot)."""
+        return [{"role": m["role"], "content": m["content"]} for m in self.messages]
+
+    def to_markdown(self) -> str:
+        lines = [f"# {self.title}", ""]
+        if self.system:
+            lines += [f"*System:* {self.system}", ""]
+        for m in self.messages:
+            who = "**You**" if m["role"] == "user" else "**Assistant**"
+            lines += [who, "", m["content"], ""]
+        return "\n".join(lines)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Conversation:
+        known = {f.name for f in fields(cls)}
+        conv = cls(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(conv.messages, list) or not all(
+            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conv.messages
+        ):
+            raise ValueError("messages must be a list of {role, content} objects")
+        return conv
+
+
+@dataclass
+class Settings:
+    """What the app remembers between launches."""
+
+    model: str = "default"  # last model loaded: "default", a folder or a repo id
+    quant: str = "auto"  # its quantization choice
+    trust_remote_code: bool = False  # only ever saved for the model it was ticked for
+    accel: str = "off"  # last acceleration method chosen
+    temperature: float = 0.2  # sampling defaults (SmolLM2's recommended settings)
+    top_p: float = 0.9  # nucleus sampling mass
+    top_k: int = 0  # 0 = no top-k limit
+    max_new_tokens: int = 512  # reply length cap
+    system: str = ""  # system prompt for new conversations
+    last_conversation: str = ""  # id of the conversation open when the app was left
+
+    @classmethod
+    def from_json(cls, data: dict) -> Settings:
+        """Saved values over the defaults; a value of the wrong type keeps its default
+        (a hand-edited or older file must not break the app)."""
+        defaults = asdict(cls())
+        return cls(**{k: _coerce(data.get(k, d), d) for k, d in defaults.items()})
+
+
+def _coerce(value, default):
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value if type(value) is type(default) else default
+
+
+class Store:
+    """The conversation and settings files of one data folder."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else data_dir()
+        self.conv_dir = self.root / "conversations"
+        self.settings_path = self.root / "settings.json"
+        self.export_dir = self.root / "exports"
+
+    # -- settings -------------------------------------------------------------------
+    def load_settings(self) -> Settings:
+        """The saved settings; defaults when the file is missing or unreadable."""
+        try:
+            data = json.loads(self.settings_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return Settings()
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable settings file %s: %s", self.settings_path, exc)
+            return Settings()
+        return Settings.from_json(data) if isinstance(data, dict) else Settings()
+
+    def save_settings(self, settings: Settings) -> None:
+        atomic_write_text(self.settings_path, json.dumps(asdict(settings), indent=2))
+
+    # -- conversations --------------------------------------------------------------
+    def list(self) -> list[Conversation]:
+        """All readable conversations, newest first (unreadable files are skipped)."""
+        convs = []
+        for path in self.conv_dir.glob("*.json"):
+            try:
+                convs.append(self._read(path))
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("skipping unreadable conversation %s: %s", path.name, exc)
+        return sorted(convs, key=lambda c: c.updated, reverse=True)
+
+    def get(self, conv_id: str) -> Conversation:
+        path = self._path(conv_id)
+        try:
+            return self._read(path)
+        except FileNotFoundError as exc:
+            raise StoreError(f"no conversation {conv_id!r} (deleted?)") from exc
+        except (OSError, ValueError, TypeError) as exc:
+            raise StoreError(f"conversation file {path} is unreadable: {exc}") from exc
+
+    def new(self, system: str = "", title: str = "New chat") -> Conversation:
+        now = time.time()
+        conv = Conversation(uuid.uuid4().hex[:12], title, now, now, system)
+        self.save(conv)
+        return conv
+
+    def save(self, conv: Conversation) -> None:
+        conv.updated = time.time()
+        atomic_write_text(self._path(conv.id), json.dumps(asdict(conv), indent=1))
+
+    def rename(self, conv_id: str, title: str) -> Conversation:
+        title = " ".join(title.split())
+        if not title:
+            raise StoreError("a conversation needs a name")
+        conv = self.get(conv_id)
+        conv.title = title[:120]
+        self.save(conv)
+        return conv
+
+    def delete(self, conv_id: str) -> None:
+        self._path(conv_id).unlink(missing_ok=True)
+
+    def export(self, conv_id: str, fmt: str) -> Path:
+        """Write the conversation as Markdown or JSON for download; returns the file."""
+        if fmt not in EXPORT_FORMATS:
+            raise StoreError(f"unknown export format {fmt!r}: choose md or json")
+        conv = self.get(conv_id)
+        text = conv.to_markdown() if fmt == "md" else json.dumps(asdict(conv), indent=2)
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", conv.title).strip("-")[:40] or "conversation"
+        path = self.export_dir / f"{slug}-{conv.id}.{fmt}"
+        atomic_write_text(path, text)
+        return path
+
+    def _path(self, conv_id: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{1,32}", conv_id or ""):
+            raise StoreError(f"not a conversation id: {conv_id!r}")
+        return self.conv_dir / f"{conv_id}.json"
+
+    @staticmethod
+    def _read(path: Path) -> Conversation:
+        return Conversation.from_json(json.loads(path.read_text(encoding="utf-8")))
+
+
+def title_from_prompt(prompt: str) -> str:
+    """A side-list title from the first prompt: its first line, cut at a word."""
+    line = " ".join(prompt.split())
+    if len(line) <= TITLE_CHARS:
+        return line or "New chat"
+    return line[:TITLE_CHARS].rsplit(" ", 1)[0] + "…"

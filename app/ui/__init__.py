@@ -1,0 +1,1 @@
+"""The Gradio page: one module per tab, the layout that joins them, and the launcher."""

@@ -1,0 +1,117 @@
+"""Serve the app: loopback by default, a free port, a login whenever the page is reachable
+from other machines, never a public share link."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from engine.config import ModelSpec
+from engine.errors import QuickdraftError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7860
+PORT_TRIES = 100  # when the default port is taken, the next free one of this many is used
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How the app is served."""
+
+    host: str = DEFAULT_HOST  # address to listen on; anything but loopback needs `auth`
+    port: int | None = None  # None: DEFAULT_PORT, or the next free port when it is taken
+    auth: tuple[str, str] | None = None  # (user, password) asked by Gradio's login page
+    open_browser: bool = True  # open the page in the default browser once it is up
+    model: ModelSpec | None = None  # None: the last model used, else the bundled one
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_exposure(host: str, auth: tuple[str, str] | None) -> None:
+    """Refuse to serve beyond this machine without a login."""
+    if not is_loopback(host) and auth is None:
+        raise QuickdraftError(
+            f"--host {host} makes the app reachable from other machines: add "
+            "--auth USER:PASSWORD to require a login, or leave --host out to stay on 127.0.0.1"
+        )
+
+
+def parse_auth(text: str | None) -> tuple[str, str] | None:
+    """'user:password' -> (user, password)."""
+    if text is None:
+        return None
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise QuickdraftError("--auth takes USER:PASSWORD (both non-empty)")
+    return user, password
+
+
+def pick_port(host: str, port: int | None) -> int:
+    """`port` if given and free (else an error); otherwise the first free from 7860 on."""
+    if port is not None:
+        if not _free(host, port):
+            raise QuickdraftError(f"port {port} on {host} is in use: pick another with --port")
+        return port
+    for candidate in range(DEFAULT_PORT, DEFAULT_PORT + PORT_TRIES):
+        if _free(host, candidate):
+            return candidate
+    raise QuickdraftError(f"no free port in {DEFAULT_PORT}-{DEFAULT_PORT + PORT_TRIES - 1}: "
+                          "pick one with --port")
+
+
+def _free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def launch(options: LaunchOptions, block: bool = True):
+    """Load the model, build the page and serve it. Returns (Blocks, url) when not blocking."""
+    check_exposure(options.host, options.auth)
+    port = pick_port(options.host, options.port)
+    # A local app does not report usage anywhere (read when gradio is imported).
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    import gradio as gr
+
+    from app.service import Service
+    from app.store import Store
+    from app.ui.layout import build_app
+    from app.ui.readout import CSS
+
+    log.info("loading the model…")
+    service = Service.open(Store(), options.model)
+    log.info("model ready: %s (%s on %s)", service.lm.model_id, service.lm.quant, service.lm.device)
+    demo = build_app(service)
+    demo.queue(default_concurrency_limit=1)
+    if not is_loopback(options.host):
+        log.warning("serving on %s:%d: reachable from other machines, login required",
+                    options.host, port)
+    theme = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
+                           font_mono=["ui-monospace", "monospace"])  # no web fonts: offline
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    _app, url, _share = demo.launch(
+        server_name=options.host, server_port=port, auth=options.auth, share=False,
+        auth_message="Log in with the user and password given to --auth.",
+        inbrowser=options.open_browser, prevent_thread_lock=True, show_error=True,
+        theme=theme, css=CSS, footer_links=[], ssr_mode=False, quiet=True,
+    )
+    print(f"Quickdraft is running at {url}  (Ctrl-C to quit)", flush=True)
+    if block:
+        demo.block_thread()
+    return demo, url

@@ -1,0 +1,105 @@
+"""Models tab: the bundled model, a local folder or a Hugging Face repo id; quantization with
+its memory estimate; trust_remote_code per model; loading with progress."""
+
+from __future__ import annotations
+
+import html
+import time
+
+import gradio as gr
+
+from app import catalog
+from app.service import Service, model_name
+from app.ui import readout
+from engine.config import ModelSpec
+from engine.errors import QuickdraftError
+
+QUANT_LABELS = [("Auto", "auto"), ("4-bit NF4", "nf4"), ("8-bit", "int8"), ("bf16", "bf16"),
+                ("fp32", "fp32")]
+BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
+POLL_S = 0.3  # how often the page hears about a load in progress
+
+
+class ModelsTab:
+    """The components of the models tab and their event handlers."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        s = service.settings()
+        self.current = gr.Markdown(elem_id="qd-model-current")
+        with gr.Row(equal_height=True):
+            self.source = gr.Dropdown([BUNDLED], value=s.model, allow_custom_value=True,
+                                      label="Model", scale=5, elem_id="qd-model-source",
+                                      info="the bundled model, a Hugging Face repo id "
+                                           "(owner/name) or the path of a local folder")
+            self.refresh_btn = gr.Button("Refresh cached list", scale=1, size="sm")
+        self.quant = gr.Radio(QUANT_LABELS, value=s.quant, label="Quantization",
+                              info="Auto: bf16 or fp32 on this CPU, bf16 or 4-bit on a GPU "
+                                   "depending on free memory")
+        self.estimate = gr.Markdown(elem_id="qd-model-estimate")
+        self.trust = gr.Checkbox(False, label="Trust remote code for this model",
+                                 info="runs Python code shipped with the model: only for "
+                                      "models whose code you trust")
+        self.load_btn = gr.Button("Load model", variant="primary", elem_id="qd-model-load")
+        self.status = gr.HTML(elem_id="qd-model-status")
+
+    def wire(self) -> gr.events.Dependency:
+        """Wire the tab; returns the load event so other tabs can follow it."""
+        self.refresh_btn.click(self.choices, None, [self.source], concurrency_limit=None)
+        self.source.change(self.on_source, [self.source, self.quant],
+                           [self.trust, self.estimate], concurrency_limit=None)
+        self.quant.change(self.memory, [self.source, self.quant], [self.estimate],
+                          concurrency_limit=None)
+        return self.load_btn.click(self.load, [self.source, self.quant, self.trust],
+                                   [self.status, self.current], concurrency_id="load")
+
+    def refresh(self) -> dict:
+        """On page load: the current model, the cached list, the startup notice."""
+        s = self.service.settings()
+        notice = readout.error_html(self.service.notice) if self.service.notice else ""
+        return {self.current: self.describe(), self.source: self.choices(s.model),
+                self.estimate: self.memory(s.model, s.quant), self.status: notice}
+
+    def describe(self) -> str:
+        try:
+            lm = self.service.lm
+        except QuickdraftError as exc:
+            return f"**No model loaded.** {exc}"
+        params = sum(p.numel() for p in lm.model.parameters())
+        return (f"**Loaded: {model_name(lm)}** (`{lm.model_id}`) · {lm.quant} on {lm.device} · "
+                f"{params / 1e6:,.0f} M parameters · {lm.context_len} tokens of context · "
+                f"loaded in {lm.load_seconds:.1f} s")
+
+    def choices(self, value: str | None = None) -> gr.Dropdown:
+        """The bundled model plus every model already in the Hugging Face cache."""
+        cached = [(repo, repo) for repo in catalog.cached_models()]
+        return gr.Dropdown(choices=[BUNDLED, *cached],
+                           value=value if value is not None else gr.skip())
+
+    def on_source(self, source, quant):
+        # trust_remote_code never carries over from one model to another
+        return gr.Checkbox(value=False), self.memory(source, quant)
+
+    def memory(self, source, quant) -> str:
+        try:
+            return catalog.memory_estimate(ModelSpec(source=source or "default", quant=quant))
+        except (QuickdraftError, OSError, ValueError) as exc:
+            return f"Cannot estimate the size: {exc}"
+
+    def load(self, source, quant, trust):
+        """Load in the background and report progress; on failure the old model stays."""
+        try:
+            job = self.service.start_load(ModelSpec(source=source or "default", quant=quant,
+                                                    trust_remote_code=bool(trust)))
+        except QuickdraftError as exc:
+            yield readout.error_html(str(exc)), gr.skip()
+            return
+        while job.running:
+            yield readout.job_html(job), gr.skip()
+            time.sleep(POLL_S)
+        if job.state == "failed":
+            still = model_name(self.service.lm)
+            yield readout.error_html(f"{job.error} (still using {still})"), gr.skip()
+            return
+        done = html.escape(job.progress.message if job.progress else "loaded")
+        yield f'<div class="qd-note">{done}</div>', self.describe()

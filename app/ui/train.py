@@ -1,0 +1,117 @@
+"""Train accelerator tab: method, time budget and optional prompts; the background run's
+progress bar, stage, ETA and live loss / accuracy; Cancel (the next run resumes)."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import gradio as gr
+
+from app.service import Service, accel_label, model_name
+from app.ui import readout
+from engine.accelerators import METHODS
+from engine.errors import QuickdraftError
+
+INTRO = """The loaded model answers a set of seed prompts (self-distillation); the drafter is
+then trained to predict the model's own next tokens, calibrated on this machine, and stored
+next to this model's fingerprint. **Cancel** keeps the answers generated so far: the next run
+resumes from them. When a run finishes, the new accelerator is switched on in the Chat tab
+and a Compare runs."""
+CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are slower "
+            "while a run is going.")
+TICK_S = 1.0  # how often the page polls a running job
+
+
+class TrainTab:
+    """The components of the train tab and their event handlers."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        gr.Markdown(INTRO)
+        self.target = gr.Markdown(elem_id="qd-train-target")
+        with gr.Row():
+            self.method = gr.Radio([(accel_label(m), m) for m in METHODS], value=METHODS[0],
+                                   label="Method", elem_id="qd-train-method")
+            self.minutes = gr.Slider(1, 240, 20, step=1, label="Time budget (minutes)",
+                                     elem_id="qd-train-minutes")
+        self.prompts = gr.File(label="Extra prompts (optional): JSONL with one "
+                                     '{"prompt": ...} per line, or one prompt per line',
+                               file_types=[".jsonl", ".txt"], type="filepath", height=120)
+        with gr.Row():
+            self.start_btn = gr.Button("Start training", variant="primary",
+                                       elem_id="qd-train-start")
+            self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="qd-train-cancel")
+        self.status = gr.HTML(elem_id="qd-train-status")
+        with gr.Row():
+            self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
+                                         title="Loss")
+            self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
+                                        y_lim=[0, 1], title="Accuracy", visible=False)
+        self.timer = gr.Timer(TICK_S, active=False)
+        # "<method>@<start time>" of the last run that finished; the chat tab follows it
+        self.finished = gr.State("")
+
+    def wire(self) -> None:
+        fast = dict(concurrency_limit=None, show_progress="hidden")
+        self.start_btn.click(self.start, [self.method, self.minutes, self.prompts],
+                             [self.status, self.timer], **fast)
+        self.cancel_btn.click(self.cancel, None, [self.status], **fast)
+        self.timer.tick(self.tick, None, self.tick_outputs, **fast)
+
+    @property
+    def tick_outputs(self) -> list:
+        return [self.status, self.loss_plot, self.acc_plot, self.timer, self.finished]
+
+    def refresh(self) -> dict:
+        """On page load, and after a model load: what will be trained, and any run going."""
+        try:
+            lm = self.service.lm
+            target = f"Trains for **{model_name(lm)}** ({lm.quant} on {lm.device})."
+            if lm.device.type == "cpu":
+                target += " " + CPU_NOTE
+            target += "\n\n" + self.service.training_summary()
+        except QuickdraftError as exc:
+            target = str(exc)
+        job = self.service.training
+        out = self.tick()
+        out.pop(self.finished, None)  # a run that ended while the page was closed is not news
+        out[self.target] = target
+        out[self.timer] = gr.Timer(active=job is not None and job.running)
+        return out
+
+    def start(self, method, minutes, prompts):
+        from trainer.pipeline import TrainOptions
+
+        try:
+            options = TrainOptions(method=method, max_minutes=float(minutes),
+                                   prompts_file=Path(prompts) if prompts else None)
+            job = self.service.start_training(options)
+        except QuickdraftError as exc:
+            return readout.error_html(str(exc)), gr.Timer(active=False)
+        return readout.job_html(job), gr.Timer(active=True)
+
+    def cancel(self):
+        job = self.service.training
+        if job is None or not job.running:
+            return gr.skip()
+        self.service.cancel_training()
+        return readout.job_html(job) + '<div class="qd-note">Cancelling: what was generated ' \
+                                       "so far is kept for the next run…</div>"
+
+    def tick(self) -> dict:
+        job = self.service.training
+        loss, acc = readout.metric_frames(job)
+        out = {self.status: readout.job_html(job), self.loss_plot: loss,
+               self.acc_plot: gr.LinePlot(value=acc, visible=not acc.empty)}
+        if job is None or job.running:
+            return out
+        out[self.timer] = gr.Timer(active=False)
+        if job.state == "done":
+            out[self.finished] = f"{job.method}@{job.started:.3f}"
+            ready = self.service.accel_status(job.method).message
+            out[self.status] += f'<div class="qd-note">{html.escape(ready)}</div>'
+        elif job.state == "cancelled":
+            out[self.status] += ('<div class="qd-note">Cancelled. The answers generated so far '
+                                 "are kept: the next run continues from them.</div>")
+        return out

@@ -1,0 +1,53 @@
+"""One benchmark run end to end: encode the prompts, run the method table, build the report."""
+
+from __future__ import annotations
+
+import time
+
+from engine.benchmark.memory import MemoryProbe
+from engine.benchmark.methods import LOOKUP_TOKENS, Method
+from engine.benchmark.prompts import BenchPrompt, encode_prompt
+from engine.benchmark.report import build_report, machine_info
+from engine.benchmark.runner import run_bench
+from engine.config import SamplingParams
+from trainer.progress import ProgressFn, ignore
+
+
+def bench_report(
+    lm,
+    prompts: list[BenchPrompt],
+    methods: dict[str, Method],
+    skipped: dict[str, str],
+    params: SamplingParams,
+    context: dict,
+    progress: ProgressFn = ignore,
+) -> dict:
+    """Run `methods` (the first is the baseline, `hf`) over `prompts` on `lm` and return the
+    report.json object. `context` adds settings the caller knows: the command line, the
+    prompt file, the assistant model."""
+    if not prompts:
+        raise ValueError("no prompts to run")
+    machine = machine_info(lm.device)
+    prompt_ids = [encode_prompt(lm, p, params.max_new_tokens) for p in prompts]
+    probe = MemoryProbe.for_device(lm.device)
+    results = run_bench(methods, prompts, prompt_ids, probe, progress)
+    settings = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        **context,
+        "model_id": lm.model_id,
+        "quant": lm.quant,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "device": str(lm.device),
+        "load_s": round(lm.load_seconds, 3),
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "seed": params.seed,
+        "prompts": len(prompts),
+        "categories": list(dict.fromkeys(p.category for p in prompts)),
+        "methods": list(methods),
+        "lookup_tokens": LOOKUP_TOKENS,
+        "warmup": "each method once on the first prompt, not counted",
+        "order": "methods interleaved prompt by prompt, order rotated per prompt",
+        "memory": probe.describe(),
+    }
+    return build_report(machine, settings, results, skipped)

@@ -1,0 +1,238 @@
+"""Measurements -> figures per method and category -> report.json and report.md.
+
+Every figure is computed here from the runner's measurements, nothing is estimated:
+tokens/s is generated tokens over the call's wall time (median over prompts); a speedup is
+the median over prompts of the per-prompt tokens/s ratio to the reference method on the
+same prompt; acceptance figures pool every step of every prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+from engine.benchmark.methods import BASELINE
+from engine.benchmark.runner import Measurement
+from engine.stats import GenerationStats
+
+LOOKUP = "hf-lookup"  # the model-free speculative peer accelerators are also compared with
+OVERALL = "all"  # the column that pools every category
+
+
+def summarize(results: list[Measurement], greedy: bool) -> dict[str, dict]:
+    """{method: {figures..., "by_category": {category: {figures...}}}}, in run order."""
+    ref = _by_prompt(results, BASELINE)
+    lookup = _by_prompt(results, LOOKUP)
+    methods = list(dict.fromkeys(m.method for m in results))
+    categories = list(dict.fromkeys(m.category for m in results))
+    summary = {}
+    for name in methods:
+        rows = [m for m in results if m.method == name]
+        entry = figures(rows, ref, lookup, greedy)
+        entry["by_category"] = {
+            cat: figures([m for m in rows if m.category == cat], ref, lookup, greedy)
+            for cat in categories
+        }
+        summary[name] = entry
+    return summary
+
+
+def figures(rows: list[Measurement], ref: dict[int, Measurement],
+            lookup: dict[int, Measurement], greedy: bool) -> dict:
+    """The report's figures for one method over `rows` (one measurement per prompt)."""
+    known = all(m.accepted is not None for m in rows)
+    pooled = GenerationStats(accepted=[a for m in rows for a in m.accepted]) if known else None
+    matches = [_prefix(m.ids, ref[m.prompt_index].ids) for m in rows] if greedy else []
+    return {
+        "prompts": len(rows),
+        "tokens": sum(len(m.ids) for m in rows),
+        "tokens_per_s": _r(statistics.median(m.tokens_per_s for m in rows)),
+        "speedup_vs_hf": _median_ratio(rows, ref),
+        "speedup_vs_hf_lookup": _median_ratio(rows, lookup) if lookup else None,
+        "mean_accepted": _r(pooled.mean_accepted) if pooled else None,
+        "ctar": [_r(c) for c in pooled.ctar()] if pooled else None,
+        "accepted_histogram": pooled.accepted_histogram() if pooled else None,
+        "ttft_s": _r(statistics.median(m.ttft_s for m in rows)),
+        "peak_mem_mb": _r(max(m.peak_mem_mb for m in rows)),
+        "peak_mem_delta_mb": _r(max(m.peak_mem_delta_mb for m in rows)),
+        "greedy_match_rate": _r(sum(f == 1.0 for f in matches) / len(rows)) if greedy else None,
+        "prefix_match": _r(statistics.fmean(matches)) if greedy else None,
+        "mismatched_prompts": ([m.prompt_index for m, f in zip(rows, matches, strict=True)
+                                if f < 1.0] if greedy else []),
+    }
+
+
+def _by_prompt(results: list[Measurement], method: str) -> dict[int, Measurement]:
+    return {m.prompt_index: m for m in results if m.method == method}
+
+
+def _median_ratio(rows: list[Measurement], ref: dict[int, Measurement]) -> float:
+    return _r(statistics.median(m.tokens_per_s / ref[m.prompt_index].tokens_per_s for m in rows))
+
+
+def _prefix(ids: list[int], ref: list[int]) -> float:
+    """Share of the longer sequence that both share from the start (1.0 = identical)."""
+    longest = max(len(ids), len(ref))
+    if longest == 0:
+        return 1.0
+    same = 0
+    for a, b in zip(ids, ref, strict=False):  # lengths may differ
+        if a != b:
+            break
+        same += 1
+    return same / longest
+
+
+def _r(x: float) -> float:
+    return round(float(x), 4)
+
+
+def machine_info(device: torch.device) -> dict:
+    """What the figures were measured on."""
+    import transformers
+
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "load_avg_start": _load_avg(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load_avg() -> list[float] | None:
+    """1, 5 and 15-minute load averages: a busy machine makes the figures noisier."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def build_report(machine: dict, settings: dict, results: list[Measurement],
+                 skipped: dict[str, str]) -> dict:
+    """The report.json object (design.md §2's keys plus skipped methods and raw data)."""
+    greedy = settings["temperature"] == 0
+    return {
+        "machine": {**machine, "load_avg_end": _load_avg()},
+        "settings": settings,
+        "methods": summarize(results, greedy),
+        "skipped": skipped,
+        "measurements": [m.to_json() for m in results],
+    }
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    """report.json, report.md and the plots into `out`; returns the files written."""
+    from engine.benchmark import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    images = plots.write_plots(report, out)
+    (out / "report.md").write_text(to_markdown(report, [p.name for p in images]),
+                                   encoding="utf-8")
+    return [out / "report.json", out / "report.md", *images]
+
+
+def to_markdown(report: dict, images: list[str] = ()) -> str:
+    """The report as Markdown: header, overall table, per-category speedups, notes."""
+    m, s = report["machine"], report["settings"]
+    where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores, {m['threads']} torch threads"
+    mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"
+    lines = [
+        "# Quickdraft speed report", "",
+        f"- Date: {s['date']}",
+        f"- Machine: {where}; torch {m['torch']}, transformers {m['transformers']}, "
+        f"device {m['device']}; load average {m['load_avg_start']} at start, "
+        f"{m['load_avg_end']} at end",
+        f"- Model: {s['model_id']}, {s['quant']} on {s['device']} "
+        f"(loaded in {s['load_s']:.2f} s)",
+        f"- Settings: {s['prompts']} prompts ({', '.join(s['categories'])}), "
+        f"{s['max_new_tokens']} max new tokens, {mode}, seed {s['seed']}; warm-up, then "
+        "methods interleaved prompt by prompt",
+        f"- Peak memory: {s['memory']}",
+        f"- Command: `{s['command']}`", "",
+        "## Overall", "", *overall_table(report), "",
+        f"## Speedup over {BASELINE} by category", "",
+        *category_table(report, "speedup_vs_hf"), "",
+    ]
+    if any(v.get("speedup_vs_hf_lookup") is not None for v in report["methods"].values()):
+        lines += [f"## Speedup over {LOOKUP} by category", "",
+                  *category_table(report, "speedup_vs_hf_lookup"), ""]
+    lines += ["## Notes", "", *notes(report), ""]
+    lines += [f"![{Path(name).stem}]({name})" for name in images]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def overall_table(report: dict) -> list[str]:
+    """Markdown rows: one per method, the pooled figures."""
+    rows = ["| method | tok/s | speedup vs hf | vs hf-lookup | tokens/step | CTAR(1) | "
+            "TTFT ms | peak MB (+ during generation) | greedy match (exact / prefix) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, f in report["methods"].items():
+        ctar1 = _fmt(f["ctar"][0]) if f["ctar"] else "n/a"
+        match = ("n/a (sampling)" if f["greedy_match_rate"] is None else
+                 f"{f['greedy_match_rate']:.0%} / {f['prefix_match']:.1%}")
+        rows.append(
+            f"| {name} | {f['tokens_per_s']:.1f} | {f['speedup_vs_hf']:.2f}x | "
+            f"{_fmt(f['speedup_vs_hf_lookup'], 'x')} | {_fmt(f['mean_accepted'])} | {ctar1} | "
+            f"{f['ttft_s'] * 1000:.0f} | {f['peak_mem_mb']:.0f} (+{f['peak_mem_delta_mb']:.0f}) | "
+            f"{match} |"
+        )
+    return rows
+
+
+def category_table(report: dict, key: str) -> list[str]:
+    """Markdown rows: method x category for one figure, plus the pooled column."""
+    methods = report["methods"]
+    categories = list(next(iter(methods.values()))["by_category"])
+    rows = ["| method | " + " | ".join([*categories, OVERALL]) + " |",
+            "| --- |" + " ---: |" * (len(categories) + 1)]
+    for name, f in methods.items():
+        cells = [_fmt(f["by_category"][c][key], "x") for c in categories]
+        rows.append(f"| {name} | " + " | ".join([*cells, _fmt(f[key], "x")]) + " |")
+    return rows
+
+
+def notes(report: dict) -> list[str]:
+    """Greedy mismatches against hf (never hidden) and methods that did not run."""
+    lines = []
+    greedy = report["settings"]["temperature"] == 0
+    for name, f in report["methods"].items():
+        bad = f["mismatched_prompts"]
+        if greedy and bad:
+            lines.append(
+                f"- MISMATCH: {name} differs from {BASELINE} on {len(bad)} of {f['prompts']} "
+                f"prompts (exact match {f['greedy_match_rate']:.1%}, mean matching prefix "
+                f"{f['prefix_match']:.1%}); prompts {bad[:12]}"
+            )
+    if not greedy:
+        lines.append("- Sampling: outputs differ by design, so they are not compared token for "
+                     "token (run with --temperature 0 for the greedy match).")
+    elif not lines:
+        lines.append(f"- Every method matched {BASELINE} token for token on every prompt.")
+    lines += [f"- {name} did not run: {why}" for name, why in report["skipped"].items()]
+    return lines
+
+
+def _fmt(x: float | None, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:.2f}{suffix}"

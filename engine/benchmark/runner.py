@@ -1,0 +1,90 @@
+"""Run the method table over the prompts: warm-up, then methods interleaved prompt by prompt.
+
+Machines drift (other jobs, clocks, thermals); running every method on a prompt before
+moving to the next, in an order that rotates from prompt to prompt, spreads that drift over
+all methods alike, so per-prompt ratios stay fair.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.benchmark.memory import MemoryProbe
+from engine.benchmark.methods import Method, Outcome
+from engine.benchmark.prompts import BenchPrompt
+from trainer.progress import Eta, Progress, ProgressFn, ignore
+
+
+@dataclass
+class Measurement:
+    """One method on one prompt, as measured."""
+
+    method: str  # method name
+    prompt_index: int  # position in the run's prompt list
+    category: str  # the prompt's category
+    prompt_tokens: int  # prompt length fed to every method
+    ids: list[int]  # generated token ids
+    wall_s: float  # wall time of the whole call (prefill included)
+    ttft_s: float  # time to the first generated token
+    accepted: list[int] | None  # per step after prefill: drafts accepted; None = unknown
+    peak_mem_mb: float  # peak memory during the call (see MemoryProbe.describe)
+    peak_mem_delta_mb: float  # that peak minus the memory in use when the call began
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.ids) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "method": self.method, "prompt": self.prompt_index, "category": self.category,
+            "prompt_tokens": self.prompt_tokens, "tokens": len(self.ids),
+            "wall_s": round(self.wall_s, 5), "ttft_s": round(self.ttft_s, 5),
+            "tokens_per_s": round(self.tokens_per_s, 4),
+            "steps": None if self.accepted is None else len(self.accepted),
+            "peak_mem_mb": round(self.peak_mem_mb, 2), "token_ids": self.ids,
+        }
+
+
+def measure(method: Method, prompt_ids: list[int],
+            probe: MemoryProbe) -> tuple[Outcome, float, float, float]:
+    """(outcome, wall seconds, peak MB, peak delta MB) of one call."""
+    probe.start()
+    start = time.perf_counter()
+    outcome = method.generate(prompt_ids)
+    wall = time.perf_counter() - start
+    peak, delta = probe.peak()
+    return outcome, wall, peak, delta
+
+
+def run_bench(
+    methods: dict[str, Method],
+    prompts: list[BenchPrompt],
+    prompt_ids: list[list[int]],
+    probe: MemoryProbe,
+    progress: ProgressFn = ignore,
+) -> list[Measurement]:
+    """Warm every method up on the first prompt, then run all of them on each prompt in
+    turn, rotating their order. Returns one Measurement per (prompt, method)."""
+    names = list(methods)
+    for i, name in enumerate(names):
+        progress(Progress("warmup", i, len(names), f"warm-up: {name}"))
+        methods[name].generate(prompt_ids[0])
+    total = len(prompts) * len(names)
+    eta = Eta(total)
+    results: list[Measurement] = []
+    for p, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
+        shift = p % len(names)
+        for name in names[shift:] + names[:shift]:
+            outcome, wall, peak, delta = measure(methods[name], ids, probe)
+            m = Measurement(name, p, prompt.category, len(ids), outcome.ids, wall,
+                            outcome.ttft_s, outcome.accepted, peak, delta)
+            results.append(m)
+            progress(Progress(
+                "bench", len(results), total,
+                f"prompt {p + 1}/{len(prompts)} ({prompt.category}) {name} "
+                f"{m.tokens_per_s:.1f} tok/s",
+                eta.left(len(results)),
+            ))
+    progress(Progress("done", total, total, "done"))
+    return results

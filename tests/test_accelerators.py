@@ -1,0 +1,117 @@
+"""Medusa checkpoints: a saved accelerator loads back as the same drafter, and every kind of
+bad checkpoint is refused with one clear line that names the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.cli import main
+from engine.accelerators import INFO, WEIGHTS, checkpoint_dir, save_checkpoint
+from engine.config import SamplingParams
+from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from engine.drafters.registry import load_drafter
+from engine.errors import AcceleratorError
+from engine.generate import run
+from engine.tree import greedy_tree
+from tests.conftest import make_tiny_model
+
+TREE = [list(c) for c in greedy_tree([[0.5, 0.2], [0.3, 0.1], [0.2], [0.1]], 8)]
+FIX = "python launcher.py train --method medusa"
+
+
+def _save(lm, tree=TREE, num_heads: int = 4, **extra_settings):
+    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(num_heads))
+    with torch.no_grad():
+        heads.weight.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
+    settings = {"num_heads": num_heads, "own_vocab": False, "tree": tree, "pays": bool(tree), **extra_settings}
+    return heads, save_checkpoint(lm, "medusa", heads.tensors(), settings, {"top1": [0.1] * num_heads})
+
+
+@pytest.fixture(autouse=True)
+def _own_data_dir(tmp_path, monkeypatch):
+    """Each test starts with no stored accelerators."""
+    monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path / "data"))
+
+
+@pytest.fixture
+def lm(bundled_tokenizer):
+    return make_tiny_model("llama-gqa", bundled_tokenizer, seed=11)
+
+
+def test_saved_heads_load_back_and_decode_like_plain_greedy(lm):
+    heads, folder = _save(lm)
+    drafter = load_drafter(lm, "medusa")
+    assert torch.equal(drafter.heads.weight, heads.weight)
+    assert [list(c) for c in drafter.tree.choices[1:]] == sorted(TREE, key=lambda c: (len(c), c))
+    params = SamplingParams(max_new_tokens=20)
+    assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
+    info = json.loads((folder / INFO).read_text())
+    assert info["fingerprint"] == lm.fingerprint and info["kind"] == "medusa"
+
+
+def test_no_trained_heads_names_the_command(lm):
+    with pytest.raises(AcceleratorError, match=FIX):
+        load_drafter(lm, "medusa")
+
+
+def test_heads_of_another_model_are_refused(lm):
+    _heads, folder = _save(lm)
+    info = json.loads((folder / INFO).read_text())
+    (folder / INFO).write_text(json.dumps({**info, "fingerprint": "0123456789abcdef",
+                                           "base_model_id": "someone/else"}))
+    with pytest.raises(AcceleratorError, match="built for another model .someone/else.*" + FIX):
+        load_drafter(lm, "medusa")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_corrupt_or_truncated_weights_are_refused(lm, damage):
+    _heads, folder = _save(lm)
+    path = folder / WEIGHTS
+    data = path.read_bytes()
+    path.write_bytes({"garbage": b"not a safetensors file" * 10, "truncated": data[: len(data) // 2],
+                      "empty": b""}[damage])
+    with pytest.raises(AcceleratorError, match="corrupt or truncated.*" + FIX):
+        load_drafter(lm, "medusa")
+
+
+def test_a_newer_format_is_refused(lm):
+    _heads, folder = _save(lm)
+    info = json.loads((folder / INFO).read_text())
+    (folder / INFO).write_text(json.dumps({**info, "version": 99}))
+    with pytest.raises(AcceleratorError, match="newer than this Quickdraft"):
+        load_drafter(lm, "medusa")
+
+
+def test_weights_of_the_wrong_shape_are_refused(lm):
+    _heads, folder = _save(lm, num_heads=4)
+    info = json.loads((folder / INFO).read_text())
+    info["settings"]["num_heads"] = 5  # the description no longer fits the weights
+    (folder / INFO).write_text(json.dumps(info))
+    with pytest.raises(AcceleratorError, match="do not fit this model"):
+        load_drafter(lm, "medusa")
+
+
+def test_unreadable_settings_are_refused(lm):
+    _heads, folder = _save(lm)
+    info = json.loads((folder / INFO).read_text())
+    del info["settings"]["tree"]
+    (folder / INFO).write_text(json.dumps(info))
+    with pytest.raises(AcceleratorError, match="unreadable settings"):
+        load_drafter(lm, "medusa")
+
+
+def test_a_tree_deeper_than_the_heads_is_refused(lm):
+    _save(lm, tree=[[0], [0, 0], [0, 0, 0]], num_heads=2)
+    with pytest.raises(AcceleratorError, match="deeper than the 2 heads.*" + FIX):
+        load_drafter(lm, "medusa")
+
+
+def test_chat_without_trained_heads_prints_one_line(capsys):
+    code = main(["chat", "--prompt", "hi", "--accel", "medusa", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("error: no medusa accelerator is trained for this model") and FIX in err[-1]
+    assert not any("Traceback" in line for line in err)

@@ -1,0 +1,337 @@
+"""The speed report: prompt files, the method table, figures computed from measurements, and
+the three outputs, on tiny models with two prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import cli
+from engine.benchmark.bench import bench_report
+from engine.benchmark.methods import (
+    METHOD_CHOICES,
+    Method,
+    Outcome,
+    StepRecorder,
+    build_methods,
+    engine_method,
+    method_names,
+)
+from engine.benchmark.prompts import (
+    DEFAULT_PROMPTS,
+    BenchPrompt,
+    interleave,
+    load_prompts,
+)
+from engine.benchmark.report import summarize, to_markdown, write_report
+from engine.benchmark.runner import Measurement
+from engine.config import SamplingParams
+from engine.drafters.base import Drafter
+from engine.errors import QuickdraftError
+from tests.conftest import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT_KEYS = {"tokens_per_s", "speedup_vs_hf", "mean_accepted", "ctar", "greedy_match_rate",
+               "peak_mem_mb", "by_category"}
+def near(x):
+    """Report figures are rounded to 4 decimals."""
+    return pytest.approx(x, abs=1e-4)
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TWO_PROMPTS = [BenchPrompt("Name three colours.", "qa"),
+               BenchPrompt("Translate 'good morning' to French.", "translation")]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a busy 2-core machine, two threads of tiny matmuls spend most of
+    their time waiting for each other, which makes the tiny runs slow and erratic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- prompt files ----------------------------------------------------------------------
+
+def test_jsonl_prompts_with_categories_and_history(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        '{"prompt": "Hi", "category": "chat", "history": '
+        '[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+        "\n"
+        '{"prompt": "2+2?"}\n', encoding="utf-8")
+    first, second = load_prompts(f)
+    assert first == BenchPrompt("Hi", "chat", ({"role": "user", "content": "a"},
+                                               {"role": "assistant", "content": "b"}))
+    assert second == BenchPrompt("2+2?", "general")
+
+
+def test_plain_text_prompts(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("What is rust?\n\n  Write a haiku. \n{not json at all\n", encoding="utf-8")
+    prompts = load_prompts(f)
+    assert [p.prompt for p in prompts] == ["What is rust?", "Write a haiku.", "{not json at all"]
+    assert {p.category for p in prompts} == {"general"}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "not found"),
+    ("\n  \n", "holds no prompts"),
+    ('{"prompt": "a"}\n{"prompt": \n', "line 2: not valid JSON"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: no \"prompt\""),
+    ('{"prompt": "a"}\n["b"]\n', "line 2: expected a JSON object"),
+    ('{"prompt": "a", "history": [{"role": "bot", "content": "x"}]}\n', "line 1: \"history\""),
+    ('{"prompt": "a", "category": 3}\n', "line 1: \"category\""),
+    (b"\xff\xfe bad bytes", "not UTF-8"),
+])
+def test_bad_prompt_file_is_one_clear_line(tmp_path, content, message):
+    f = tmp_path / "p.jsonl"
+    if isinstance(content, bytes):
+        f.write_bytes(content)
+    elif content is not None:
+        f.write_text(content, encoding="utf-8")
+    with pytest.raises(QuickdraftError, match=message) as err:
+        load_prompts(f)
+    assert "\n" not in str(err.value)
+
+
+def test_folder_given_as_prompt_file(tmp_path):
+    with pytest.raises(QuickdraftError, match="is a folder"):
+        load_prompts(tmp_path)
+
+
+def test_bundled_prompt_set():
+    prompts = load_prompts(DEFAULT_PROMPTS)
+    counts = {c: sum(p.category == c for p in prompts) for c in {p.category for p in prompts}}
+    assert counts == {c: 12 for c in ("chat", "translation", "summarization", "qa", "math",
+                                      "rag", "coding")}
+    assert all(p.history for p in prompts if p.category == "chat")
+
+
+def test_interleave_takes_categories_in_turn():
+    prompts = [BenchPrompt(f"{c}{i}", c) for c in "abc" for i in range(3)]
+    assert [p.prompt for p in interleave(prompts)] == \
+        ["a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2"]
+    assert [p.prompt for p in interleave(prompts, limit=4)] == ["a0", "b0", "c0", "a1"]
+    with pytest.raises(QuickdraftError, match="--limit"):
+        interleave(prompts, limit=0)
+
+
+# ---- the method table --------------------------------------------------------------------
+
+def test_method_names():
+    assert method_names(None, with_assistant=False)[:3] == ["hf", "hf-lookup", "vanilla"]
+    assert "hf-assisted" in method_names(None, with_assistant=True)
+    assert method_names("vanilla, hf-lookup,vanilla", False) == ["hf", "vanilla", "hf-lookup"]
+    with pytest.raises(QuickdraftError, match="unknown method 'fast'"):
+        method_names("hf,fast", False)
+    with pytest.raises(QuickdraftError, match="--assistant"):
+        method_names("hf-assisted", False)
+    assert set(METHOD_CHOICES) >= {"hf", "hf-lookup", "hf-assisted", "vanilla", "medusa",
+                                   "kangaroo"}
+
+
+def test_step_recorder_recovers_accepted_drafts():
+    # Plain decoding: prefill over the 5 prompt tokens, then one token per call.
+    plain = StepRecorder(prompt_len=5, cache_lens=[0, 5, 6, 7], input_lens=[5, 1, 1, 1])
+    assert plain.accepted(new_tokens=4) == [0, 0, 0]
+    # Lookup: the first call verifies 3 candidates with the prompt and keeps 2 of them (3 new
+    # tokens), the second keeps 4 drafts, the last keeps none.
+    lookup = StepRecorder(prompt_len=5, cache_lens=[0, 7, 12], input_lens=[8, 5, 3])
+    assert lookup.accepted(new_tokens=9) == [2, 4, 0]
+    assert StepRecorder(5, known=False).accepted(3) is None
+
+
+def test_untrained_accelerator_is_reported_not_fatal(bundled_tokenizer):
+    lm = make_tiny_model("llama-mha", bundled_tokenizer, num_layers=1)
+    methods, skipped = build_methods(lm, ["hf", "vanilla", "medusa", "kangaroo"],
+                                     SamplingParams(max_new_tokens=4))
+    assert list(methods) == ["hf", "vanilla"]
+    assert set(skipped) == {"medusa", "kangaroo"}
+    assert all(why.startswith(("not trained", "not available")) for why in skipped.values())
+
+
+# ---- figures from measurements ----------------------------------------------------------
+
+def _m(method, prompt, category, ids, wall, accepted, mem=100.0):
+    return Measurement(method, prompt, category, 10, ids, wall, wall / 10, accepted, mem, 1.0)
+
+
+def test_figures_are_computed_from_measurements():
+    results = [
+        _m("hf", 0, "qa", [1, 2, 3, 4], 1.0, [0, 0, 0]),
+        _m("fast", 0, "qa", [1, 2, 3, 4], 0.5, [1, 1]),  # 2x on prompt 0
+        _m("hf", 1, "math", [5, 6, 7, 8], 2.0, [0, 0, 0]),
+        _m("fast", 1, "math", [5, 6, 9], 0.5, [3], mem=300.0),  # 3/0.5 vs 4/2: 3x, differs
+    ]
+    summary = summarize(results, greedy=True)
+    fast = summary["fast"]
+    assert fast["tokens_per_s"] == near(statistics.median([8.0, 6.0]))
+    assert fast["speedup_vs_hf"] == near(statistics.median([2.0, 3.0]))
+    assert fast["by_category"]["math"]["speedup_vs_hf"] == near(3.0)
+    assert fast["mean_accepted"] == near((2 + 2 + 4) / 3)  # pooled steps
+    assert fast["ctar"][:4] == near([1.0, 1 / 3, 1 / 3, 0.0])
+    assert fast["greedy_match_rate"] == near(0.5)
+    assert fast["prefix_match"] == near((1.0 + 2 / 4) / 2)
+    assert fast["mismatched_prompts"] == [1]
+    assert fast["peak_mem_mb"] == 300.0
+    assert summary["hf"]["speedup_vs_hf"] == 1.0
+    assert summary["hf"]["mean_accepted"] == 1.0
+
+
+def test_sampling_reports_no_greedy_match():
+    results = [_m("hf", 0, "qa", [1], 1.0, []), _m("x", 0, "qa", [2], 1.0, None)]
+    x = summarize(results, greedy=False)["x"]
+    assert x["greedy_match_rate"] is None and x["mean_accepted"] is None and x["ctar"] is None
+
+
+# ---- end to end on a tiny model ------------------------------------------------------------
+
+class SlowDrafter(Drafter):
+    """Plain decoding that waits before every step: the bench must see it slower."""
+
+    def propose(self, state):
+        time.sleep(0.05)
+        return super().propose(state)
+
+
+def _corrupted(method: Method) -> Method:
+    """The same method with its last token changed: a greedy mismatch to be reported."""
+
+    def generate(prompt_ids):
+        out = method.generate(prompt_ids)
+        return Outcome([*out.ids[:-1], out.ids[-1] + 1], out.ttft_s, out.accepted)
+
+    return Method("corrupt", generate)
+
+
+def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, tmp_path):
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
+    params = SamplingParams(max_new_tokens=8, seed=0)
+    methods, skipped = build_methods(lm, ["hf", "vanilla", "medusa"], params)
+    methods["slow"] = engine_method("slow", lm, params, SlowDrafter())
+    methods["corrupt"] = _corrupted(methods["vanilla"])
+    report = bench_report(lm, TWO_PROMPTS, methods, skipped, params, {"command": "test"})
+
+    assert set(report) >= {"machine", "settings", "methods"}
+    assert {"cpu", "threads", "torch", "device"} <= set(report["machine"])
+    figures = report["methods"]
+    assert list(figures) == ["hf", "vanilla", "slow", "corrupt"]
+    for f in figures.values():
+        assert REPORT_KEYS <= set(f)
+        assert set(f["by_category"]) == {"qa", "translation"}
+        assert all(REPORT_KEYS - {"by_category"} <= set(c) for c in f["by_category"].values())
+        assert len(f["ctar"]) == 6 and f["peak_mem_mb"] > 0
+    # Figures come from the measurements: recompute one from the raw records.
+    rows = [m for m in report["measurements"] if m["method"] == "slow"]
+    assert figures["slow"]["tokens_per_s"] == pytest.approx(
+        statistics.median(m["tokens"] / m["wall_s"] for m in rows), rel=1e-3)
+    assert figures["slow"]["tokens_per_s"] < figures["vanilla"]["tokens_per_s"]
+    assert figures["slow"]["speedup_vs_hf"] < figures["vanilla"]["speedup_vs_hf"]
+    # The plain loop is exact in fp32; the corrupted method is reported as a mismatch.
+    assert figures["vanilla"]["greedy_match_rate"] == 1.0
+    assert figures["corrupt"]["greedy_match_rate"] == 0.0
+    assert "medusa" in report["skipped"]
+
+    written = write_report(report, tmp_path / "out")
+    assert [p.name for p in written] == ["report.json", "report.md", "speedup.png", "ctar.png",
+                                         "accepted_hist.png"]
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["methods"].keys() == \
+        figures.keys()
+    for png in written[2:]:
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| method | qa | translation | all |" in md
+    assert "MISMATCH: corrupt differs from hf on 2 of 2 prompts" in md
+    assert "medusa did not run" in md and "`test`" in md
+    assert md == to_markdown(report, [p.name for p in written[2:]])
+
+
+# ---- the command ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_folder(bundled_tokenizer, tmp_path_factory):
+    """A tiny model saved as a model folder, loadable by --model (and as --assistant)."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
+    lm.model.save_pretrained(folder)
+    bundled_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def two_prompt_file(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p.prompt, "category": p.category}) + "\n"
+                         for p in TWO_PROMPTS), encoding="utf-8")
+    return f
+
+
+def test_bench_command_end_to_end(tiny_folder, two_prompt_file, tmp_path, capsys):
+    out = tmp_path / "report"
+    code = cli.main(["bench", "--model", str(tiny_folder), "--quant", "fp32",
+                     "--prompts", str(two_prompt_file), "--max-new-tokens", "6",
+                     "--methods", "hf,hf-lookup,hf-assisted,vanilla,kangaroo",
+                     "--assistant", str(tiny_folder), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "| vanilla |" in captured.out  # the terminal table
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["methods"]) == ["hf", "hf-lookup", "hf-assisted", "vanilla"]
+    assert "kangaroo" in report["skipped"]
+    assert report["settings"]["command"].startswith("python launcher.py bench --model ")
+    assert report["methods"]["hf-assisted"]["mean_accepted"] >= 1.0
+    assert all((out / name).is_file() for name in
+               ("report.md", "speedup.png", "ctar.png", "accepted_hist.png"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompts", "/nonexistent/prompts.jsonl"], "prompt file not found"),
+    (["--methods", "hf,warp"], "unknown method 'warp'"),
+    (["--methods", "hf-assisted"], "--assistant"),
+    (["--max-new-tokens", "0"], "max new tokens"),
+    (["--limit", "0"], "--limit"),
+])
+def test_bench_command_bad_input_is_one_line(extra, message, capsys):
+    code = cli.main(["bench", "--model", "/nonexistent/model", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+# ---- the GPU entry, kept working on the CPU ----------------------------------------------
+
+def _gpu_script():
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_script_runs_both_quantizations(tiny_folder, two_prompt_file, tmp_path):
+    script = _gpu_script()
+    out = tmp_path / "gpu"
+    code = script.main(["--model", str(tiny_folder), "--prompts", str(two_prompt_file),
+                        "--methods", "hf,vanilla", "--max-new-tokens", "4", "--limit", "1",
+                        "--out", str(out)])
+    assert code == 0
+    for quant in ("bf16", "nf4"):
+        report = json.loads((out / quant / "report.json").read_text())
+        assert report["settings"]["quant"] == quant
+        assert report["settings"]["command"].startswith("python scripts/bench_gpu.py")
+        assert (out / quant / "speedup.png").is_file()
+    summary = (out / "summary.md").read_text()
+    assert "## bf16" in summary and "## nf4" in summary and "| vanilla |" in summary
+
+
+def test_gpu_script_rejects_a_single_quant_flag(tiny_folder):
+    with pytest.raises(SystemExit):
+        _gpu_script().main(["--model", str(tiny_folder), "--quant", "nf4"])

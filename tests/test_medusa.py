@@ -1,0 +1,181 @@
+"""Medusa in the decode loop on tiny models: greedy exactness (random and trained heads),
+lossless sampling, the cache after a tree step, and the heads' starting point."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import kv_cache, verify
+from engine.config import SamplingParams
+from engine.drafters.base import Draft, forward_nodes
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings
+from engine.generate import DecodeState, run
+from engine.sampling import make_generator, sample_from
+from engine.tree import build_tree, greedy_tree
+from tests.conftest import make_tiny_model
+from tests.stats_util import chi_square_pvalue
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+# A bushy 16-node tree: three guesses for the next token, fewer deeper down.
+TREE = greedy_tree([[0.5, 0.3, 0.2], [0.4, 0.2, 0.1], [0.3, 0.1], [0.2, 0.1]], 16)
+
+
+def random_heads(lm, scale: float = 0.3, seed: int = 1) -> MedusaHeads:
+    """Heads with random residual weights: their guesses differ from the model's."""
+    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(4))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(heads.weight.shape, generator=gen) * scale / heads.weight.shape[-1] ** 0.5)
+        heads.bias.copy_(torch.randn(heads.bias.shape, generator=gen) * scale)
+    return heads
+
+
+def medusa(lm, heads, choices=TREE) -> MedusaDrafter:
+    return MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
+
+
+def small_vocab_model(tokenizer, name: str, vocab: int, seed: int = 0):
+    """A tiny model over `vocab` tokens that never stops early (no end-of-sequence token),
+    so every reply has its full length."""
+    lm = make_tiny_model(name, tokenizer, vocab_size=vocab, num_layers=2, seed=seed)
+    return dataclasses.replace(lm, eos_ids=())
+
+
+def test_random_heads_match_plain_greedy(tiny_lm):
+    drafter = medusa(tiny_lm, random_heads(tiny_lm))
+    for prompt in PROMPTS:
+        params = SamplingParams(max_new_tokens=40)
+        assert run(tiny_lm, prompt, params, drafter)[1] == run(tiny_lm, prompt, params)[1]
+
+
+def test_greedy_matches_when_many_drafts_are_accepted(bundled_tokenizer):
+    """A 12-token vocabulary makes random guesses right often, so long paths get accepted."""
+    lm = small_vocab_model(bundled_tokenizer, "llama-untied", 12)
+    drafter = medusa(lm, random_heads(lm))
+    params = SamplingParams(max_new_tokens=60)
+    for prompt in [[1, 2, 3], [5, 4, 3, 2, 1]]:
+        _t, ids, stats = run(lm, prompt, params, drafter)
+        assert ids == run(lm, prompt, params)[1]
+        assert stats.mean_accepted > 1.3  # the acceptance paths were really exercised
+        assert max(stats.accepted) >= 2
+
+
+def test_typical_acceptance_at_zero_temperature_is_greedy(bundled_tokenizer):
+    lm = small_vocab_model(bundled_tokenizer, "qwen2", 12)
+    params = SamplingParams(max_new_tokens=40, acceptance="typical")
+    assert run(lm, [3, 1, 4], params, medusa(lm, random_heads(lm)))[1] == run(lm, [3, 1, 4], params)[1]
+
+
+def test_untrained_heads_repeat_the_models_next_token_guess(tiny_lm):
+    """W = 0 and b = 0: every head starts as the model's own LM head (Medusa §2.1.1)."""
+    heads = MedusaHeads(int(tiny_lm.model.config.hidden_size), MedusaSettings(3))
+    hidden = torch.randn(5, heads.weight.shape[-1])
+    lm_head = tiny_lm.model.get_output_embeddings()
+    logits = heads.logits(hidden, lm_head)  # (5, K, V) in one batched matmul
+    assert logits.shape == (5, 3, lm_head.weight.shape[0])
+    for k in range(3):
+        assert torch.allclose(logits[:, k], lm_head(hidden), atol=1e-5)
+    own = MedusaHeads(heads.weight.shape[-1], MedusaSettings(3, own_vocab=True), lm_head.weight)
+    assert torch.allclose(own.logits(hidden, lm_head), logits, atol=1e-5)
+
+
+def test_no_tree_means_plain_decoding(tiny_lm):
+    drafter = medusa(tiny_lm, random_heads(tiny_lm), [])
+    _t, ids, stats = run(tiny_lm, PROMPTS[0], SamplingParams(max_new_tokens=10), drafter)
+    assert not drafter.pays and set(stats.drafted) == {0}
+    assert ids == run(tiny_lm, PROMPTS[0], SamplingParams(max_new_tokens=10))[1]
+
+
+def test_cache_after_a_tree_step_equals_decoding_the_path_one_by_one(tiny_lm):
+    """Verify a tree, keep a non-contiguous path, and compare with sequential decoding."""
+    model, prompt = tiny_lm.model, PROMPTS[0]
+    choices = [(0,), (1,), (0, 0), (1, 0), (1, 1)]  # nodes: 1=(0,) 2=(1,) 3 4=(1,0) 5=(1,1)
+    tree = build_tree(choices, 4)
+    tokens = [9, 100, 200, 300, 400, 500]
+    path = [2, 5]  # root -> (1,) -> (1, 1): entries 2 and 5 must move to slots 1 and 2
+    with torch.no_grad():
+        cache = kv_cache.new_cache(model)
+        model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        state = DecodeState(tiny_lm, SamplingParams(), cache, [*prompt, tokens[0]], len(prompt), make_generator(0))
+        forward_nodes(state, Draft(tokens, tree.children, tree.depths, tree.mask), want_hidden=False)
+        kv_cache.keep_path(cache, len(prompt), [0, *path])
+        ref = kv_cache.new_cache(model)
+        model(input_ids=torch.tensor([prompt]), cache=ref, use_cache=True)
+        for t in [tokens[0], tokens[2], tokens[5]]:
+            model(input_ids=torch.tensor([[t]]), cache=ref, use_cache=True)
+    assert kv_cache.cache_length(cache) == kv_cache.cache_length(ref) == len(prompt) + 3
+    for got, want in zip(cache.layers, ref.layers):
+        assert torch.allclose(got.keys, want.keys, atol=1e-5)
+        assert torch.allclose(got.values, want.values, atol=1e-5)
+
+
+# --- lossless sampling ---------------------------------------------------------------------
+
+def _exact_joint(lm, prompt, n_tokens: int) -> torch.Tensor:
+    """P(first n_tokens of the reply), enumerated from the model itself: (V ** n,)."""
+    vocab = lm.model.config.vocab_size
+    probs = torch.ones(1)
+    prefixes = [[]]
+    for _ in range(n_tokens):
+        rows = []
+        with torch.no_grad():
+            for pre in prefixes:
+                logits = lm.model(torch.tensor([prompt + pre])).logits[0, -1]
+                rows.append(torch.softmax(logits.double(), -1))
+        probs = (probs.unsqueeze(-1) * torch.stack(rows)).reshape(-1)
+        prefixes = [pre + [t] for pre in prefixes for t in range(vocab)]
+    return probs
+
+
+def _sampled_joint(lm, prompt, drafter, n_tokens: int, runs: int) -> torch.Tensor:
+    vocab = lm.model.config.vocab_size
+    counts = torch.zeros(vocab**n_tokens, dtype=torch.long)
+    for seed in range(runs):
+        params = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, seed=seed)
+        ids = run(lm, prompt, params, drafter)[1]
+        cell = 0
+        for t in ids[:n_tokens]:
+            cell = cell * vocab + t
+        counts[cell] += 1
+    return counts
+
+
+def _forgetful_pointmass(children, tokens, target_probs, generator):
+    """A broken rule: rejected children are not removed before the next try / the resample."""
+    path, node = [], 0
+    while True:
+        p = target_probs[node]
+        chosen = next((c for c in children[node]
+                       if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
+        if chosen is None:
+            return path, sample_from(p, generator)
+        path.append(chosen)
+        node = chosen
+
+
+@pytest.fixture(scope="module")
+def sampling_case(bundled_tokenizer):
+    """An 8-token model (so joint frequencies are countable) and heads that guess often."""
+    lm = small_vocab_model(bundled_tokenizer, "llama-untied", 8, seed=3)
+    prompt = [1, 5, 2]
+    drafter = medusa(lm, random_heads(lm, seed=2), [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
+    return lm, prompt, drafter, _exact_joint(lm, prompt, 3)
+
+
+RUNS = 1500
+
+
+def test_lossless_sampling_matches_the_models_distribution(sampling_case):
+    lm, prompt, drafter, exact = sampling_case
+    counts = _sampled_joint(lm, prompt, drafter, 3, RUNS)
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_the_statistical_test_catches_a_broken_rule(sampling_case, monkeypatch):
+    lm, prompt, drafter, exact = sampling_case
+    monkeypatch.setattr(verify, "accept_pointmass", _forgetful_pointmass)
+    counts = _sampled_joint(lm, prompt, drafter, 3, RUNS)
+    assert chi_square_pvalue(counts, exact) < 1e-3

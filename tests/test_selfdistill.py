@@ -1,0 +1,127 @@
+"""Self-distilled data: seed and prompt files, generation in batches, resuming without
+duplicates after an interruption, and the held-out split by seed."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from engine.errors import QuickdraftError
+from tests.conftest import make_tiny_model
+from trainer.selfdistill import (
+    DataBudget,
+    build_seeds,
+    generate_data,
+    load_conversations,
+    read_prompt_file,
+    split_heldout,
+)
+
+SMALL = DataBudget(max_conversations=6, batch_size=4, max_new_tokens=6, samples_per_seed=2)
+
+
+@pytest.fixture(scope="module")
+def lm(bundled_tokenizer):
+    return make_tiny_model("llama-mha", bundled_tokenizer, num_layers=2)
+
+
+def test_bundled_seeds_are_broad_and_include_multi_turn():
+    seeds = build_seeds(None, DataBudget(samples_per_seed=1))
+    categories = {s.category for s in seeds}
+    assert len(seeds) >= 500
+    assert {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+            "translation", "summarization", "qa", "multiturn"} <= categories
+    assert any(len(s.turns) >= 2 for s in seeds)
+    assert len({s.key for s in seeds}) == len(seeds)
+
+
+def test_each_pass_samples_every_seed_again_with_its_own_key():
+    one = build_seeds(None, DataBudget(samples_per_seed=1))
+    two = build_seeds(None, DataBudget(samples_per_seed=2))
+    assert len(two) == 2 * len(one) and len({s.key for s in two}) == len(two)
+    assert {s.sample for s in two[: len(one)]} == {0}
+
+
+def test_prompt_files_in_jsonl_and_plain_text(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "Name a colour.", "category": "qa"}\n\n{"turns": ["Hi", "And then?"]}\n')
+    assert read_prompt_file(jsonl) == [{"turns": ["Name a colour."], "category": "qa"},
+                                       {"turns": ["Hi", "And then?"], "category": "user"}]
+    text = tmp_path / "p.txt"
+    text.write_text("First prompt\n\nSecond prompt\n")
+    assert [r["turns"] for r in read_prompt_file(text)] == [["First prompt"], ["Second prompt"]]
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
+    ('{"text": "no prompt key"}\n', 'line 1: expected {"prompt"'),
+    ("\n\n", "has no prompts"),
+])
+def test_bad_prompt_files_get_one_clear_line(tmp_path, content, words):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(QuickdraftError, match=words):
+        read_prompt_file(path)
+
+
+def test_missing_prompt_file(tmp_path):
+    with pytest.raises(QuickdraftError, match="cannot read the prompts file"):
+        read_prompt_file(tmp_path / "nope.txt")
+
+
+def test_generation_writes_conversations_with_the_models_answers(lm, tmp_path):
+    out = tmp_path / "conversations.jsonl"
+    summary = generate_data(lm, out, None, SMALL, lambda p: None)
+    convs = load_conversations(out)
+    assert summary["conversations"] == len(convs) == 6 and summary["new"] == 6
+    assert summary["tokens"] > 0
+    for messages in convs:
+        roles = [m["role"] for m in messages]
+        assert roles[0] == "user" and roles == ["user", "assistant"] * (len(roles) // 2)
+    assert any(len(m) >= 4 for m in convs)  # multi-turn seeds come first in a pass
+
+
+def test_an_interrupted_run_resumes_without_duplicates(lm, tmp_path):
+    out = tmp_path / "conversations.jsonl"
+    cancel = threading.Event()
+    first = generate_data(lm, out, None, SMALL, lambda p: cancel.set(), cancel)  # stops after a batch
+    assert first["conversations"] == 4
+    with out.open("a") as fh:
+        fh.write('{"key": "torn", "messages": [{"role": "us')  # a kill mid-write
+    assert len(load_conversations(out)) == 4  # the torn line is skipped
+    second = generate_data(lm, out, None, SMALL, lambda p: None)
+    keys = [json.loads(line)["key"] for line in out.read_text().splitlines()]
+    assert second["new"] == 2 and len(keys) == 6 and len(set(keys)) == 6
+    assert generate_data(lm, out, None, SMALL, lambda p: None)["new"] == 0  # target reached
+
+
+def test_the_time_budget_counts_every_run_on_the_file(lm, tmp_path):
+    out = tmp_path / "conversations.jsonl"
+    budget = DataBudget(max_conversations=50, batch_size=2, max_new_tokens=4, max_seconds=1e-6)
+    first = generate_data(lm, out, None, budget, lambda p: None)
+    assert first["new"] == 2  # one batch, then the budget is spent
+    assert generate_data(lm, out, None, budget, lambda p: None)["new"] == 0
+
+
+def test_user_prompts_join_the_seeds(lm, tmp_path):
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("Quickdraft user prompt one\nQuickdraft user prompt two\n")
+    seeds = build_seeds([prompts], DataBudget(samples_per_seed=1))
+    assert sum(s.category == "user" for s in seeds) == 2
+
+
+def test_heldout_split_keeps_every_sample_of_a_seed_together(tmp_path):
+    out = tmp_path / "conversations.jsonl"
+    with out.open("w") as fh:
+        for seed in range(200):
+            for sample in range(3):
+                messages = [{"role": "user", "content": f"seed {seed}"},
+                            {"role": "assistant", "content": f"answer {sample}"}]
+                fh.write(json.dumps({"key": f"{seed:012x}#{sample}", "messages": messages}) + "\n")
+    train, heldout = split_heldout(out, 0.2)
+    first_turn = lambda convs: {c[0]["content"] for c in convs}  # noqa: E731
+    assert len(train) + len(heldout) == 600 and 10 < len(first_turn(heldout)) < 70
+    assert not first_turn(train) & first_turn(heldout)
+    assert len(heldout) == 3 * len(first_turn(heldout))

@@ -1,0 +1,376 @@
+"""The app's service layer with the real engine on a tiny model: streaming replies, Stop,
+queued requests, accelerator switching, model loading, Compare and training jobs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+
+from app.replies import ReplyRequest
+from app.service import Service
+from app.store import Store, StoreError
+from engine.accelerators import checkpoint_dir
+from engine.chat import conversation, encode
+from engine.config import ModelSpec, SamplingParams
+from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
+from engine.generate import run
+from tests.conftest import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+@pytest.fixture
+def tiny(bundled_tokenizer):
+    return make_tiny_model("llama-mha", bundled_tokenizer)
+
+
+@pytest.fixture
+def service(tmp_path, tiny):
+    return Service(Store(tmp_path / "data"), tiny)
+
+
+def _ask(conv_id, params=GREEDY, method="off", **kw) -> ReplyRequest:
+    return ReplyRequest(conv_id, params, method, **kw)
+
+
+def _reply(service, conv_id, prompt, params=GREEDY, method="off"):
+    return list(service.chat(_ask(conv_id, params, method), prompt))[-1]
+
+
+def _reference(lm, prompt, history=(), params=GREEDY) -> str:
+    ids = encode(lm.tokenizer, conversation(prompt, list(history)))
+    return run(lm, ids, params)[0]
+
+
+def test_reply_streams_and_is_saved(service, tiny):
+    conv = service.store.new()
+    updates = list(service.chat(_ask(conv.id), "Tell me about rain"))
+    last = updates[-1]
+    assert last.done and not any(u.done for u in updates[:-1])
+    assert len(updates) > 2  # streamed, one update per model step
+    assert last.stats.tokens == last.tokens and last.tokens_per_s > 0
+    assert len(last.accepted) == last.stats.steps and set(last.accepted) == {0}
+    text = last.conversation.messages[-1]["content"]
+    assert text == _reference(tiny, "Tell me about rain")
+    saved = service.store.get(conv.id)
+    assert saved.title == "Tell me about rain"
+    assert saved.messages[-1]["content"] == text
+    assert saved.messages[-1]["stats"]["tokens"] == last.tokens
+
+
+def test_empty_prompt_is_refused_before_anything_is_saved(service):
+    conv = service.store.new()
+    with pytest.raises(PromptError):
+        service.chat(_ask(conv.id), "   ")
+    assert service.store.get(conv.id).messages == []
+
+
+def test_stop_keeps_the_partial_reply(service):
+    conv = service.store.new()
+    long = SamplingParams(temperature=0.0, max_new_tokens=400)
+    seen = []
+    for update in service.chat(_ask(conv.id, long), "Write a long story"):
+        seen.append(update.conversation.messages[-1]["content"])
+        if len(seen) == 4:
+            service.stop()
+    assert update.done and update.stats.stop_reason == "cancelled"
+    assert 0 < update.tokens < 400
+    saved = service.store.get(conv.id).messages
+    assert [m["role"] for m in saved] == ["user", "assistant"]
+    assert saved[-1]["content"] == seen[-1] != ""
+    assert saved[-1]["stats"]["stop_reason"] == "cancelled"
+    # the next reply is not affected by the earlier Stop
+    assert _reply(service, conv.id, "again").stats.stop_reason == "length"
+
+
+def test_consumer_leaving_mid_reply_saves_and_frees_the_model(service):
+    conv = service.store.new()
+    stream = service.chat(_ask(conv.id, SamplingParams(max_new_tokens=200)), "hello")
+    for _ in range(3):
+        partial = next(stream).conversation.messages[-1]["content"]
+    stream.close()  # the browser tab went away
+    assert not service.busy
+    assert service.store.get(conv.id).messages[-1]["content"] == partial
+
+
+def test_two_requests_run_one_after_the_other(service, tiny):
+    """The second request waits for the first (no interleaved steps) and both replies are
+    exactly what each would be alone; on one conversation the turns stay in order."""
+    conv = service.store.new()
+    log: list[tuple[str, bool]] = []
+    first_started = threading.Event()
+
+    def client(name, prompt):
+        for update in service.chat(_ask(conv.id), prompt):
+            log.append((name, update.done))
+            first_started.set()
+
+    a = threading.Thread(target=client, args=("a", "first question"))
+    a.start()
+    first_started.wait(60)
+    assert service.busy
+    b = threading.Thread(target=client, args=("b", "second question"))
+    b.start()
+    a.join(60)
+    b.join(60)
+    names = [name for name, _ in log]
+    assert names == sorted(names)  # every "a" update before every "b" update
+    assert log[names.index("b") - 1] == ("a", True)
+    messages = service.store.get(conv.id).turns()
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[1]["content"] == _reference(tiny, "first question")
+    assert messages[3]["content"] == _reference(tiny, "second question", messages[:2])
+
+
+def test_regenerate_replaces_the_last_reply(service):
+    conv = service.store.new()
+    _reply(service, conv.id, "hi")
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    last = list(service.regenerate(_ask(conv.id, sampled, system="be kind")))[-1]
+    messages = service.store.get(conv.id).messages
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[-1]["content"] == last.conversation.messages[-1]["content"]
+    assert service.store.get(conv.id).system == "be kind"
+    empty = service.store.new()
+    with pytest.raises(StoreError, match="nothing to regenerate"):
+        list(service.regenerate(_ask(empty.id)))
+
+
+def test_switching_acceleration_untrained_offers_training(service):
+    off = service.accel_status("off")
+    assert off.ready and not off.train_needed
+    for method in ("medusa", "kangaroo"):
+        status = service.accel_status(method)
+        assert not status.ready and status.train_needed
+        assert "not trained" in status.message
+    # a reply asked for with an untrained method still comes, unaccelerated, and says so
+    conv = service.store.new()
+    last = _reply(service, conv.id, "hi", method="medusa")
+    assert last.method == "off" and any("plain decoding" in n for n in last.notices)
+    assert service.store.get(conv.id).messages[-1]["accel"] == "off"
+    with pytest.raises(QuickdraftError, match="unknown acceleration"):
+        service.accel_status("warp")
+
+
+def test_accelerator_for_another_model_is_refused_cleanly(service, tiny):
+    folder = checkpoint_dir(tiny.fingerprint, "medusa")
+    folder.mkdir(parents=True)
+    (folder / "drafter.json").write_text(json.dumps(
+        {"kind": "medusa", "version": 1, "fingerprint": "someone-else", "base_model_id": "x"}))
+    try:
+        status = service.accel_status("medusa")
+        assert not status.ready and status.train_needed
+        assert "another model" in status.message
+    finally:
+        (folder / "drafter.json").unlink()
+        folder.rmdir()
+
+
+def test_compare_needs_a_trained_method(service):
+    conv = service.store.new()
+    with pytest.raises(QuickdraftError, match="choose an acceleration method"):
+        list(service.compare(_ask(conv.id, method="off")))
+    with pytest.raises(AcceleratorError, match="not trained"):
+        list(service.compare(_ask(conv.id, method="medusa")))
+    assert not service.busy
+
+
+def test_bad_model_leaves_the_old_one_working(service, tiny, tmp_path):
+    conv = service.store.new()
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    for source in (str(tmp_path / "missing"), str(empty), "not a model"):
+        with pytest.raises(ModelLoadError):
+            service.load_model(ModelSpec(source=source))
+        assert service.lm is tiny
+    job = service.start_load(ModelSpec(source=str(tmp_path / "missing")))
+    assert job.wait(60) and job.state == "failed" and "not found" in job.error
+    assert service.lm is tiny
+    assert _reply(service, conv.id, "still there?").stats.tokens > 0
+    assert service.settings().model == "default"  # a failed load is not remembered
+
+
+def test_loading_a_model_swaps_it_and_remembers_it(service, tiny, tmp_path):
+    folder = tmp_path / "tiny-folder"
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    job = service.start_load(ModelSpec(source=str(folder), quant="fp32"))
+    assert job.wait(120) and job.state == "done", job.error
+    assert service.lm is not tiny and service.lm.fingerprint == tiny.fingerprint
+    assert job.progress.stage == "done"
+    assert service.settings().model == str(folder)
+    reopened = Service.open(service.store)  # the next launch loads the last model used
+    assert reopened.lm.model_id == service.lm.model_id
+
+
+def test_stop_only_ends_the_reply_of_the_session_that_asked(service):
+    conv = service.store.new()
+    ask = _ask(conv.id, SamplingParams(temperature=0.0, max_new_tokens=30), owner="tab-a")
+
+    def reply_with_stop_from(session):
+        updates = []
+        for update in service.chat(ask, "hello"):
+            updates.append(update)
+            if len(updates) == 3:
+                service.stop(session)
+        return updates[-1].stats.stop_reason
+
+    assert reply_with_stop_from("tab-b") == "length"  # another browser tab's Stop
+    assert reply_with_stop_from("tab-a") == "cancelled"
+
+
+def _untrained_medusa(lm, num_heads: int = 2) -> None:
+    """Store Medusa heads as they start training (zero residual: each head repeats the
+    model's own next-token guess): a valid accelerator with modest acceptance."""
+    from engine.accelerators import save_checkpoint
+    from engine.drafters.medusa import MedusaHeads, MedusaSettings
+
+    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(num_heads))
+    save_checkpoint(lm, "medusa", heads.tensors(),
+                    {"num_heads": num_heads, "tree": [[0], [1], [0, 0]]},
+                    {"speedup": 1.25, "pays": True})
+
+
+def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny):
+    _untrained_medusa(tiny)
+    try:
+        status = service.accel_status("medusa")
+        assert status.ready and "1.25×" in status.message
+        conv = service.store.new()
+        last = _reply(service, conv.id, "Tell me about rain", method="medusa")
+        assert last.method == "medusa" and not last.notices
+        assert last.conversation.messages[-1]["content"] == _reference(tiny, "Tell me about rain")
+        results = list(service.compare(_ask(conv.id, method="medusa")))
+        assert results[0].on is None and results[0].off is not None  # Off reported first
+        final = results[-1]
+        assert final.prompt == "Tell me about rain"
+        assert final.identical is True  # greedy decoding is lossless with any drafter
+        assert final.ratio > 0 and final.on.tokens == final.off.tokens
+        assert final.on.steps <= final.off.steps
+    finally:
+        shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
+
+
+def _fast_training(max_conversations: int):
+    """Options that train Medusa on a tiny model in seconds (few short answers, a small
+    calibration)."""
+    from trainer.calibrate import CalibrationConfig
+    from trainer.pipeline import TrainOptions
+    from trainer.selfdistill import DataBudget
+
+    return TrainOptions(
+        method="medusa", max_minutes=2.0, calibration_seconds=2.0,
+        data=DataBudget(max_conversations=max_conversations, batch_size=8, max_new_tokens=12,
+                        samples_per_seed=1),
+        calibration=CalibrationConfig(budgets=(1, 2), finalists=1, prompts=1, max_new_tokens=8,
+                                      step_repeats=1),
+    )
+
+
+def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypatch,
+                                                             bundled_tokenizer):
+    from trainer.selfdistill import data_path
+
+    monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path / "data"))
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, seed=1)
+    service = Service(Store(), lm)
+
+    first = service.start_training(_fast_training(24))
+    with pytest.raises(QuickdraftError, match="already in progress"):
+        service.start_training(_fast_training(24))
+    while first.running and not (first.progress and first.progress.stage == "data"):
+        first.wait(0.05)
+    service.cancel_training()
+    assert first.wait(120) and first.state == "cancelled" and first.result.cancelled
+    kept = data_path(lm).read_text().splitlines()
+    assert 0 < len(kept) < 24
+    assert not service.accel_status("medusa").ready
+
+    second = service.start_training(_fast_training(24))
+    assert second.wait(300), "training did not finish"
+    assert second.state == "done", second.error
+    assert data_path(lm).read_text().splitlines()[: len(kept)] == kept  # resumed, not redone
+    assert second.result.data["new"] == 24 - len(kept)
+    assert second.result.data["conversations"] == 24
+    assert second.history and "loss" in str(second.history[-1])  # live figures for the plots
+    assert service.accel_status("medusa").ready  # usable from the selector right away
+    assert service.settings().accel == "medusa"
+    conv = service.store.new()
+    assert _reply(service, conv.id, "hi", method="medusa").method == "medusa"
+
+
+def test_models_tab_figures_before_loading(tiny, tmp_path, monkeypatch):
+    from app import catalog
+
+    folder = tmp_path / "tiny-folder"
+    tiny.model.save_pretrained(folder)
+    params = sum(p.numel() for p in tiny.model.parameters())
+    # tied embeddings are stored once
+    assert catalog.count_parameters(folder) == params
+    assert catalog.estimate_bytes(1_000_000, "nf4") < catalog.estimate_bytes(1_000_000, "bf16") \
+        < catalog.estimate_bytes(1_000_000, "fp32")
+    line = catalog.memory_estimate(ModelSpec(source=str(folder), quant="fp32"))
+    assert line.startswith(f"{params / 1e6:,.0f} M parameters · fp32 on cpu") and "free" in line
+    assert "unknown until downloaded" in catalog.memory_estimate(ModelSpec(source="org/absent"))
+    hub = tmp_path / "hub"
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    assert catalog.cached_models() == []  # no cache at all
+    snapshot = hub / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(folder, snapshot)
+    (hub / "models--org--tiny" / "refs").mkdir()
+    (hub / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    assert catalog.cached_models() == ["org/tiny"]
+
+
+def test_download_progress_reports_bytes_on_disk(monkeypatch, tmp_path):
+    """The hub client drives two byte bars; the one with the files' sizes is reported."""
+    from app import catalog
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, tqdm_class=None):
+        network = tqdm_class(desc="Downloading bytes", total=0, unit="B")
+        disk = tqdm_class(desc="Reconstructing", total=4096, unit="B")
+        files = tqdm_class(desc="Fetching 2 files", total=2)
+        for _ in range(4):
+            network.update(1500)
+            disk.update(1024)
+        files.update(2)
+        return str(tmp_path)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
+    seen = []
+    assert catalog.download("org/model", None, lambda m, f: seen.append((m, f))) == tmp_path
+    assert [f for _, f in seen] == [0.25, 0.5, 0.75, 1.0]
+    assert seen[-1][0] == "downloading org/model: 4 KB of 4 KB"
+
+
+def test_hub_model_is_downloaded_with_progress_then_loaded(service, tiny, tmp_path, monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    snapshot = tmp_path / "snapshot"
+    tiny.model.save_pretrained(snapshot)
+    tiny.tokenizer.save_pretrained(snapshot)
+    cached = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None,
+                               local_files_only=False, tqdm_class=None):
+        if local_files_only and not cached:
+            raise LocalEntryNotFoundError("not in the cache")
+        if not local_files_only:  # the download, driving a byte bar as the hub client does
+            bar = tqdm_class(desc="Reconstructing", total=2048, unit="B")
+            bar.update(1024)
+            bar.update(1024)
+            cached.append(repo_id)
+        return str(snapshot)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
+    reports = []
+    lm = service.load_model(ModelSpec(source="org/tiny", quant="fp32"), reports.append)
+    assert cached == ["org/tiny"]  # downloaded once, then loaded from the cache
+    assert [(p.stage, p.fraction) for p in reports] == [
+        ("download", 0.5), ("download", 1.0), ("load", 0.0), ("done", 1.0)]
+    assert service.lm is lm and lm.model_id == "org/tiny"
+    assert service.settings().model == "org/tiny"

@@ -1,0 +1,209 @@
+"""Trainer pieces: features and their cache, the pure losses, the shared training loop, the
+Medusa trainer and calibration's choice."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from tests.conftest import make_tiny_model
+from trainer import calibrate as calibration
+from trainer import features as features_mod
+from trainer.features import Features, encode_conversations, hidden_states
+from trainer.losses import candidate_columns, head_weights, soft_cross_entropy, topk_hits
+from trainer.medusa import MedusaTrainConfig, fit_heads, head_accuracies, positions, teacher_topk
+from trainer.train import TrainConfig, lr_factor, train_module
+
+CONVS = [
+    [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One, two, three."}],
+]
+
+
+@pytest.fixture
+def lm(bundled_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))  # a private feature cache
+    return make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
+
+
+# --- features ------------------------------------------------------------------------------
+
+def test_the_mask_covers_exactly_the_models_answers(lm):
+    ids, masks = encode_conversations(lm, CONVS)
+    answers = lm.tokenizer.decode([t for t, m in zip(ids[1], masks[1]) if m])
+    assert "Hello! How can I help?" in answers and "One, two, three." in answers
+    assert "Count to three" not in answers and "Hi" not in answers.replace("Hello", "")
+    assert "<|im_end|>" in answers  # the model must learn to end its turn too
+
+
+def test_cached_states_equal_a_direct_forward(lm):
+    ids, masks = encode_conversations(lm, CONVS)
+    cache = hidden_states(lm, ids, [1, 2], masks)
+    feats = cache.load()
+    assert feats.conversations == 2 and feats.tokens == sum(map(len, ids))
+    with torch.no_grad():
+        for c, seq in enumerate(ids):
+            out = lm.model(torch.tensor([seq]), output_hidden_states=True)
+            a, b = int(feats.offsets[c]), int(feats.offsets[c + 1])
+            for layer in (1, 2):  # 2 = the final normed state the LM head reads
+                assert torch.allclose(feats.states[layer][a:b], out.hidden_states[layer][0], atol=1e-4)
+            assert feats.ids[a:b].tolist() == seq and feats.mask[a:b].tolist() == masks[c]
+
+
+def test_the_cache_is_reused_and_a_torn_shard_is_recomputed(lm, monkeypatch):
+    ids, masks = encode_conversations(lm, CONVS)
+    first = hidden_states(lm, ids, [2], masks)
+    writes = []
+    real_write = features_mod._write_shard
+    monkeypatch.setattr(features_mod, "_write_shard", lambda *a: writes.append(a) or real_write(*a))
+    assert hidden_states(lm, ids, [2], masks).shards == first.shards and not writes
+    shard = first.shards[0]
+    shard.write_bytes(shard.read_bytes()[:100])  # a kill mid-write
+    hidden_states(lm, ids, [2], masks)
+    assert len(writes) == 1 and first.load().tokens == sum(map(len, ids))
+
+
+def test_bad_layers_are_refused(lm):
+    with pytest.raises(Exception, match="within 0..2"):
+        hidden_states(lm, [[1, 2, 3]], [3])
+
+
+# --- losses --------------------------------------------------------------------------------
+
+def test_soft_cross_entropy_of_a_one_hot_teacher_is_cross_entropy():
+    student = torch.randn(4, 10)
+    target = torch.tensor([1, 5, 0, 9])
+    teacher = torch.full((4, 10), -1e9).scatter(1, target.unsqueeze(1), 0.0)
+    assert torch.allclose(soft_cross_entropy(student, teacher), torch.nn.functional.cross_entropy(student, target))
+
+
+def test_soft_cross_entropy_is_smallest_at_the_teacher():
+    teacher = torch.randn(3, 7)
+    best = soft_cross_entropy(teacher, teacher)
+    assert best < soft_cross_entropy(teacher + 0.5 * torch.randn(3, 7), teacher)
+
+
+def test_head_weights_and_hits():
+    assert head_weights(3) == pytest.approx([0.8, 0.64, 0.512])
+    logits = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.2, 0.1]])
+    assert topk_hits(logits, torch.tensor([2, 0]), 2).tolist() == [[False, True], [True, False]]
+
+
+def test_candidate_columns_keep_every_teacher_token():
+    top = torch.tensor([[5, 3], [3, 9]])
+    cols = candidate_columns(top, 100, 10, torch.Generator().manual_seed(0))
+    assert {3, 5, 9} <= set(cols.tolist()) and cols.tolist() == sorted(set(cols.tolist()))
+
+
+# --- the shared loop -----------------------------------------------------------------------
+
+def _regression():
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    y = x @ torch.randn(8, 1)
+    return torch.nn.Linear(8, 1), [(x[i:i + 32], y[i:i + 32]) for i in range(0, 256, 32)]
+
+
+def _mse(module, batch):
+    x, y = batch
+    return ((module(x) - y) ** 2).mean(), {}
+
+
+def test_the_loop_fits_and_reports(monkeypatch):
+    module, batches = _regression()
+    before = sum(_mse(module, b)[0].item() for b in batches)
+    seen = []
+    figures = train_module(module, lambda e: batches, _mse, TrainConfig(lr=0.05, epochs=20, report_every=8),
+                           seen.append)
+    after = sum(_mse(module, b)[0].item() for b in batches)
+    assert after < 0.05 * before and figures["steps"] == 160 and figures["stopped"] == "done"
+    assert seen and seen[-1].stage == "train" and seen[-1].done == 160
+
+
+def test_cancel_keeps_the_best_weights_seen():
+    module, batches = _regression()
+    cancel = threading.Event()
+    scores = iter([3.0, 1.0, 2.0, 5.0])
+    snapshots = []
+
+    def eval_fn(m):
+        snapshots.append(m.weight.detach().clone())
+        if len(snapshots) == 3:
+            cancel.set()
+        return next(scores)
+
+    figures = train_module(module, lambda e: batches, _mse, TrainConfig(lr=0.05, epochs=10), cancel=cancel,
+                           eval_fn=eval_fn)
+    assert figures["stopped"] == "cancelled" and figures["best_eval_loss"] == 1.0
+    assert torch.equal(module.weight, snapshots[1])  # evaluation 2 scored best
+
+
+def test_the_time_budget_stops_the_loop():
+    module, batches = _regression()
+    figures = train_module(module, lambda e: batches, _mse, TrainConfig(epochs=1000, max_seconds=0.0))
+    assert figures["stopped"] == "time" and figures["steps"] == 0
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(warmup=0.1, min_lr_ratio=0.05)
+    assert lr_factor(0.05, cfg) == pytest.approx(0.5)
+    assert lr_factor(0.1, cfg) == pytest.approx(1.0)
+    assert lr_factor(1.0, cfg) == pytest.approx(0.05)
+    assert lr_factor(0.3, cfg) > lr_factor(0.6, cfg) > lr_factor(0.9, cfg)
+
+
+# --- Medusa trainer ------------------------------------------------------------------------
+
+def test_positions_use_states_that_predict_answer_text():
+    # two conversations: tokens 0-4 and 5-7; answers at 2, 3, 4 and 7
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1], dtype=torch.bool)
+    feats = Features(torch.zeros(8, dtype=torch.long), mask, torch.tensor([0, 5, 8]), {})
+    pos, valid = positions(feats, 2)
+    assert pos.tolist() == [1, 2, 3, 6]  # the state at t predicts token t + 1
+    assert valid.tolist() == [[True, True], [True, True], [True, False], [True, False]]
+
+
+def test_training_teaches_heads_the_models_continuations(lm):
+    """On one repeated conversation, trained heads guess t + 2 far better than untrained ones."""
+    convs = [[{"role": "user", "content": "Say it."},
+              {"role": "assistant", "content": "alpha beta gamma delta epsilon zeta eta theta"}]] * 4
+    ids, masks = encode_conversations(lm, convs)
+    feats = hidden_states(lm, ids, [2], masks).load()
+    teacher = teacher_topk(lm, feats.states[2], 4)
+    pos, valid = positions(feats, 2)
+    heads = MedusaHeads(64, MedusaSettings(2))
+    before = head_accuracies(lm, heads, feats.states[2], teacher, pos, valid, 1)
+    cfg = MedusaTrainConfig(num_heads=2, teacher_topk=4, negatives=64, batch_positions=32)
+    fit_heads(lm, heads, (feats, teacher), (feats, teacher), cfg, TrainConfig(lr=0.05, epochs=60))
+    after = head_accuracies(lm, heads, feats.states[2], teacher, pos, valid, 1)
+    assert after[0][0] >= before[0][0] + 0.3
+
+
+# --- calibration ---------------------------------------------------------------------------
+
+def test_candidate_trees_grow_with_the_budget():
+    trees = calibration.candidate_trees([[0.5, 0.6], [0.3, 0.4]], (1, 2, 3, 50))
+    assert [len(t) for t in trees] == sorted(len(t) for t in trees) and trees[0] == [(0,)]
+    assert len(trees[-1]) == 2 + 4  # every node two heads with two ranks can offer
+
+
+@pytest.mark.parametrize("speedups, want_tree", [((1.3, 0.9), True), ((0.8, 0.95), False)])
+def test_calibration_keeps_the_fastest_measured_option(lm, monkeypatch, speedups, want_tree):
+    heads = MedusaHeads(64, MedusaSettings(2))
+
+    def fake_measure(_lm, _heads, trees, _prompts, _config, *_a):
+        out = {"plain": {"tokens_per_s": 10.0, "mean_accepted": 1.0, "speedup": 1.0, "nodes": 0}}
+        for i, s in enumerate(speedups[: len(trees)]):
+            out[f"tree-{i}"] = {"tokens_per_s": 10 * s, "mean_accepted": 1.5, "speedup": s, "nodes": len(trees[i])}
+        return out
+
+    monkeypatch.setattr(calibration, "measure_decoding", fake_measure)
+    cfg = calibration.CalibrationConfig(budgets=(1, 2, 4), finalists=2, step_repeats=1)
+    result = calibration.calibrate(lm, heads, [[0.5, 0.6], [0.3, 0.4]], [[1, 2, 3, 4]], cfg)
+    assert result.pays == want_tree and bool(result.tree) == want_tree
+    assert result.chosen == ("tree-0" if want_tree else "plain")
+    assert len(result.estimates) == 3 and all(e["step_ms"] > 0 for e in result.estimates)

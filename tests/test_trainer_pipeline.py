@@ -1,0 +1,110 @@
+"""The whole Medusa build on a tiny model: data -> features -> training -> calibration ->
+checkpoint, a cancelled run that resumes, and the `train` command's messages."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from app.cli import main
+from app.commands.train import render, summary
+from engine.config import SamplingParams
+from engine.drafters.registry import load_drafter
+from engine.errors import QuickdraftError
+from engine.generate import run
+from tests.conftest import make_tiny_model
+from trainer import features as features_mod
+from trainer.calibrate import CalibrationConfig
+from trainer.medusa import MedusaTrainConfig
+from trainer.pipeline import TrainOptions, train_accelerator
+from trainer.progress import Progress
+from trainer.selfdistill import DataBudget
+from trainer.train import TrainConfig
+
+
+def _options(**overrides) -> TrainOptions:
+    small = dict(
+        method="medusa", max_minutes=2.0, heldout_fraction=0.3, calibration_seconds=1.0,
+        data=DataBudget(max_conversations=12, batch_size=6, max_new_tokens=8),
+        medusa=MedusaTrainConfig(negatives=64, batch_positions=32, eval_positions=64),
+        train=TrainConfig(epochs=2),
+        calibration=CalibrationConfig(budgets=(2, 4), finalists=1, prompts=1, max_new_tokens=6, step_repeats=1),
+    )
+    return TrainOptions(**{**small, **overrides})
+
+
+@pytest.fixture
+def lm(bundled_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    return make_tiny_model("qwen2", bundled_tokenizer, num_layers=2)
+
+
+def test_a_full_build_saves_heads_that_decode_exactly(lm):
+    stages = []
+    result = train_accelerator(lm, _options(), lambda p: stages.append(p.stage))
+    assert result.folder is not None and not result.cancelled
+    assert ["data", "features", "train", "calibrate", "save", "done"] == list(dict.fromkeys(stages))
+    assert len(result.metrics["top1"]) == 4 and "data_s" in result.metrics["times"]
+    drafter = load_drafter(lm, "medusa")  # whatever calibration chose, greedy stays exact
+    params = SamplingParams(max_new_tokens=24)
+    assert run(lm, [3, 4, 5], params, drafter)[1] == run(lm, [3, 4, 5], params)[1]
+
+
+def test_a_cancelled_build_resumes_with_its_data_and_features(lm, monkeypatch):
+    cancel = threading.Event()
+
+    def stop_in_training(p: Progress) -> None:
+        if p.stage == "train":
+            cancel.set()
+
+    first = train_accelerator(lm, _options(), stop_in_training, cancel)
+    assert first.cancelled and first.folder is None
+    writes = []
+    real_write = features_mod._write_shard
+    monkeypatch.setattr(features_mod, "_write_shard", lambda *a: writes.append(a) or real_write(*a))
+    second = train_accelerator(lm, _options(), lambda p: None)
+    assert second.folder is not None and second.data["new"] == 0  # no data made twice
+    assert not writes  # every feature shard came from the cache
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"method": "eagle"}, "unknown method"),
+    ({"max_minutes": 0}, "positive"),
+    ({"prompts_file": "/no/such/prompts.jsonl"}, "prompts file not found"),
+])
+def test_bad_options_are_refused(overrides, words):
+    with pytest.raises(QuickdraftError, match=words):
+        _options(**overrides)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-minutes", "0"], "positive"),
+    (["--prompts", "/no/such/file.txt"], "prompts file not found"),
+])
+def test_the_command_refuses_bad_input_in_one_line(argv, words, capsys):
+    assert main(["train", "--method", "medusa", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and words in err[0]
+
+
+def test_progress_line_shows_stage_fraction_and_eta():
+    line = render(Progress("data", 30, 120, "30/120 conversations", eta_s=125), elapsed_s=61)
+    assert line.startswith("[data     ] [#######") and " 25% " in line
+    assert "elapsed 1:01" in line and "ETA 2:05" in line
+
+
+def test_summary_says_plainly_when_the_heads_do_not_pay():
+    measured = {"plain": {"speedup": 1.0, "mean_accepted": 1.0, "tokens_per_s": 20},
+                "tree-0": {"speedup": 0.83, "mean_accepted": 1.4, "tokens_per_s": 16.6}}
+    result = SimpleNamespace(
+        method="medusa", cancelled=False, folder="/x", data={"conversations": 10, "tokens": 900},
+        settings={"tree": [], "pays": False},
+        metrics={"top1": [0.2, 0.1], "top5": [0.4, 0.2], "times": {"data_s": 60.0},
+                 "calibration": {"chosen": "plain", "measured": measured}},
+    )
+    text = summary(result)
+    assert "head 1:  20.0% /  40.0%" in text
+    assert "do not pay on this machine (the best tree measured 0.83x)" in text

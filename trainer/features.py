@@ -1,0 +1,211 @@
+"""Training features: conversations -> token ids and assistant masks -> the frozen model's
+hidden states, computed once and cached on disk so every epoch reads the cache.
+
+Layer index l selects `output_hidden_states[l]`: 0 is the embeddings, l the output of
+decoder layer l, and L (= num_hidden_layers) the final normed state fed to the LM head.
+The teacher's next-token distributions are not stored: the LM head is frozen, so they come
+back from the cached final states in one matmul.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from engine.errors import QuickdraftError
+from engine.paths import cache_dir
+from trainer.progress import Eta, Progress, ProgressFn, ignore
+
+SHARD_TOKENS = 65536  # tokens per cache shard: the unit of resuming
+BATCH_TOKENS = 8192  # padded tokens per frozen forward (memory / speed balance on a CPU)
+
+
+@dataclass
+class Features:
+    """Concatenated features of many conversations (T tokens in all, C conversations)."""
+
+    ids: torch.Tensor  # (T,) long token ids
+    mask: torch.Tensor  # (T,) bool: token is part of a model answer
+    offsets: torch.Tensor  # (C + 1,) long: conversation c spans offsets[c]:offsets[c + 1]
+    states: dict[int, torch.Tensor]  # layer -> (T, H) hidden states, storage dtype
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.numel())
+
+    @property
+    def conversations(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+
+@dataclass
+class FeatureCache:
+    """A folder of safetensors shards holding Features for one (model, data, layers)."""
+
+    folder: Path
+    layers: list[int]
+    shards: list[Path]
+
+    def load(self, layers: list[int] | None = None) -> Features:
+        """All shards concatenated in memory (only the requested layers)."""
+        want = self.layers if layers is None else layers
+        parts = [_read_shard(p, want) for p in self.shards]
+        ids = torch.cat([p.ids for p in parts])
+        mask = torch.cat([p.mask for p in parts])
+        offsets, base = [torch.zeros(1, dtype=torch.long)], 0
+        for p in parts:
+            offsets.append(p.offsets[1:] + base)
+            base += p.tokens
+        states = {l: torch.cat([p.states[l] for p in parts]) for l in want}
+        return Features(ids, mask, torch.cat(offsets), states)
+
+
+def encode_conversations(lm, conversations: list[list[dict]]) -> tuple[list[list[int]], list[list[bool]]]:
+    """Token ids of each whole conversation through the model's chat template, and a mask
+    that is True on the tokens of the model's answers (including their end-of-turn token).
+
+    The mask comes from encoding each prefix up to an answer's start and end: chat templates
+    render a prefix of a conversation as a prefix of its tokens.
+    """
+    all_ids, all_masks = [], []
+    for messages in conversations:
+        ids = _template(lm.tokenizer, messages, generation_prompt=False)
+        mask = [False] * len(ids)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = len(_template(lm.tokenizer, messages[:i], generation_prompt=True))
+            end = len(_template(lm.tokenizer, messages[: i + 1], generation_prompt=False))
+            for j in range(start, min(end, len(ids))):
+                mask[j] = True
+        all_ids.append(ids)
+        all_masks.append(mask)
+    return all_ids, all_masks
+
+
+def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                            tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+    # No template (a base model): the plain transcript engine.chat.encode also uses.
+    text = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+    text += "\nAssistant:" if generation_prompt else ""
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def hidden_states(lm, ids_batch: list[list[int]], layers: list[int], masks: list[list[bool]] | None = None,
+                  progress: ProgressFn = ignore, cancel: threading.Event | None = None) -> FeatureCache:
+    """Run the frozen model over every conversation and cache the requested layers.
+
+    Shards are keyed by the model, its quantization, the layers and their tokens, so a rerun
+    (or a resumed run after a kill) reuses finished shards. Cancelling stops between shards
+    and raises QuickdraftError.
+    """
+    num_layers = int(lm.model.config.num_hidden_layers)
+    layers = sorted(set(int(l) for l in layers))
+    if not layers or layers[0] < 0 or layers[-1] > num_layers:
+        raise QuickdraftError(f"feature layers must be within 0..{num_layers}, got {layers}")
+    masks = masks if masks is not None else [[True] * len(ids) for ids in ids_batch]
+    groups = _shard_groups([len(ids) for ids in ids_batch])
+    folder = cache_dir() / "features" / lm.fingerprint
+    shards = [folder / f"{_shard_key(lm, layers, [ids_batch[i] for i in g], [masks[i] for i in g])}.safetensors"
+              for g in groups]
+    eta = Eta(sum(len(ids) for ids in ids_batch))
+    done_tokens = 0
+    for path, group in zip(shards, groups):
+        if not _valid(path):
+            if cancel is not None and cancel.is_set():
+                raise QuickdraftError("feature extraction cancelled")
+            _write_shard(lm, path, [ids_batch[i] for i in group], [masks[i] for i in group], layers)
+        done_tokens += sum(len(ids_batch[i]) for i in group)
+        progress(Progress("features", done_tokens, eta.total, f"{done_tokens}/{eta.total} tokens",
+                          eta.left(done_tokens)))
+    return FeatureCache(folder, layers, shards)
+
+
+def _shard_key(lm, layers: list[int], ids_list, mask_list) -> str:
+    """Content hash of a shard: the model, its quantization, the layers and the tokens.
+
+    Shards hold consecutive conversations, so appending data (a resumed or longer run)
+    leaves the earlier shards' keys, and their cached files, unchanged."""
+    digest = hashlib.sha256(json.dumps([lm.fingerprint, lm.quant, layers]).encode())
+    for ids, mask in zip(ids_list, mask_list):
+        digest.update(json.dumps([ids, [int(m) for m in mask]]).encode())
+    return digest.hexdigest()[:20]
+
+
+def _shard_groups(lengths: list[int]) -> list[list[int]]:
+    """Consecutive conversations, about SHARD_TOKENS tokens per shard."""
+    groups, current, size = [], [], 0
+    for i, n in enumerate(lengths):
+        current.append(i)
+        size += n
+        if size >= SHARD_TOKENS:
+            groups.append(current)
+            current, size = [], 0
+    return groups + ([current] if current else [])
+
+
+def _valid(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:  # the header lists every tensor; a torn file fails its size check on open
+        with safe_open(path, framework="pt") as fh:
+            return "offsets" in fh.keys()
+    except (SafetensorError, OSError, ValueError):
+        return False
+
+
+def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None:
+    """Forward the conversations (length-sorted, right-padded batches) and save atomically."""
+    states = {l: [None] * len(ids_list) for l in layers}
+    order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))
+    while order:
+        width = len(ids_list[order[-1]])
+        take = max(1, min(len(order), BATCH_TOKENS // max(1, width)))
+        batch, order = order[-take:], order[:-take]
+        out = _forward(lm, [ids_list[i] for i in batch], width)
+        for row, i in enumerate(batch):
+            for l in layers:
+                states[l][i] = out[l][row, : len(ids_list[i])].cpu()
+    lengths = torch.tensor([len(ids) for ids in ids_list], dtype=torch.long)
+    tensors = {
+        "ids": torch.tensor([t for ids in ids_list for t in ids], dtype=torch.long),
+        "mask": torch.tensor([bool(m) for mask in mask_list for m in mask], dtype=torch.bool),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+    }
+    tensors.update({f"layer{l}": torch.cat(states[l]).contiguous() for l in layers})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    save_file(tensors, tmp)
+    tmp.replace(path)
+
+
+def _forward(lm, batch: list[list[int]], width: int) -> tuple[torch.Tensor, ...]:
+    """One frozen forward over right-padded conversations: all layers' (B, width, H) states."""
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    attn = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, seq in enumerate(batch):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attn[row, : len(seq)] = 1
+    with torch.inference_mode():
+        out = lm.model(input_ids=ids.to(lm.device), attention_mask=attn.to(lm.device),
+                       output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    return out.hidden_states
+
+
+def _read_shard(path: Path, layers: list[int]) -> Features:
+    try:
+        t = load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise QuickdraftError(f"the feature cache shard {path} is unreadable; delete it and rerun") from exc
+    return Features(t["ids"], t["mask"], t["offsets"], {l: t[f"layer{l}"] for l in layers})

@@ -1,0 +1,243 @@
+"""Kangaroo training: the adapter learns the frozen model's own next-token distribution from
+the states after the first l layers (soft cross-entropy against the full model, Kangaroo
+§3.2), on cached features, for each exit layer tried; calibration then times real decoding
+and keeps the fastest exit layer, eta and gamma (trainer.kangaroo_calibrate).
+
+Drafting and training can use a reduced vocabulary: the tokens the model emits most in its
+own self-distilled answers. Decoding stays lossless (verification reads the full
+distribution); the draft head and the training softmax shrink by V / Vd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.drafters import kangaroo_layers as layers
+from engine.drafters.kangaroo import Adapter, KangarooSettings, draft_head, sequence_states
+from engine.errors import QuickdraftError
+from trainer.features import Features, encode_conversations, hidden_states
+from trainer.kangaroo_calibrate import KangarooCalibration, calibrate, prompt_ids
+from trainer.losses import soft_cross_entropy
+from trainer.progress import Progress, ProgressFn, ignore
+from trainer.train import TrainConfig, train_module
+
+
+@dataclass(frozen=True)
+class KangarooTrainConfig:
+    """What the Kangaroo trainer builds and how it batches."""
+
+    exit_layers: tuple[int, ...] = (1, 2, 3)  # exits tried, one adapter each; calibration picks
+    ffn: bool = False  # adapter with a feed-forward block after its attention
+    draft_vocab: int = 8192  # draft over the most frequent answer tokens; 0 = full vocabulary
+    max_len: int = 1024  # conversation tokens trained on (longer conversations are cut)
+    batch_tokens: int = 4096  # padded tokens per training step
+    eval_positions: int = 4096  # held-out positions per agreement evaluation
+    lr: float = 2e-3  # AdamW peak learning rate (cosine schedule from options.train)
+    epochs: int = 8  # passes over the cache per exit layer (the time budget may stop earlier)
+    seed: int = 0  # batch order
+    # the exit layer / eta / gamma sweep timed on this machine
+    calibration: KangarooCalibration = field(default_factory=KangarooCalibration)
+
+
+@dataclass
+class Batch:
+    """Padded conversations and where their loss positions are."""
+
+    index: torch.Tensor  # (B, S) long: rows of the flat feature tensors; padding repeats row 0
+    pad: torch.Tensor  # (B, S) long: 1 on real tokens (the 2-D attention mask)
+    loss: torch.Tensor  # (B, S) bool: the next token belongs to an answer
+
+
+def draft_vocabulary(feats: Features, size: int, eos_ids: tuple[int, ...],
+                     vocab_size: int) -> torch.Tensor | None:
+    """(Vd,) sorted ids of the `size` tokens the model emits most in its answers (plus EOS);
+    None when `size` is 0 or covers the whole vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.bincount(feats.ids[feats.mask], minlength=vocab_size).float()
+    counts[list(eos_ids)] = float("inf")  # the end of a reply must stay draftable
+    top = counts.topk(size).indices
+    return torch.sort(top[counts[top] > 0]).values
+
+
+def make_batches(feats: Features, max_len: int, batch_tokens: int) -> list[Batch]:
+    """Conversations (cut to max_len) grouped by length into padded batches."""
+    spans = []
+    for c in range(feats.conversations):
+        a = int(feats.offsets[c])
+        b = min(int(feats.offsets[c + 1]), a + max_len)
+        if b - a >= 2:
+            spans.append((a, b))
+    spans.sort(key=lambda s: s[1] - s[0])
+    batches, group = [], []
+    for span in spans:  # shortest first: the newest span is the batch's widest
+        if group and (span[1] - span[0]) * (len(group) + 1) > batch_tokens:
+            batches.append(_pad(feats, group))
+            group = []
+        group.append(span)
+    return batches + ([_pad(feats, group)] if group else [])
+
+
+def _pad(feats: Features, spans: list[tuple[int, int]]) -> Batch:
+    width = max(b - a for a, b in spans)
+    index = torch.zeros(len(spans), width, dtype=torch.long)
+    pad = torch.zeros(len(spans), width, dtype=torch.long)
+    loss = torch.zeros(len(spans), width, dtype=torch.bool)
+    for row, (a, b) in enumerate(spans):
+        index[row, : b - a] = torch.arange(a, b)
+        pad[row, : b - a] = 1
+        loss[row, : b - a - 1] = feats.mask[a + 1 : b]  # state t predicts token t + 1
+    return Batch(index, pad, loss)
+
+
+def batch_loss(model, adapter: Adapter, head: torch.Tensor, feats: Features, exit_layer: int,
+               batch: Batch) -> torch.Tensor:
+    """Soft cross-entropy of the draft against the model's own distribution over the draft
+    vocabulary, on the batch's loss positions. head: (Vd, H) float32."""
+    final = layers.num_layers(model)
+    x = feats.states[exit_layer][batch.index].float()  # (B, S, H)
+    out = sequence_states(model, adapter, x, batch.pad)[batch.loss]  # (N, H)
+    with torch.no_grad():
+        teacher = feats.states[final][batch.index[batch.loss]].float() @ head.T  # (N, Vd)
+    return soft_cross_entropy(out @ head.T, teacher)
+
+
+def model_choices(model, feats: Features, batches: list[Batch]) -> list[torch.Tensor]:
+    """Per batch, (N,) the model's own first choice at each loss position (full vocabulary)."""
+    final = layers.num_layers(model)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        return [(feats.states[final][b.index[b.loss]].to(head.dtype) @ head.T).argmax(-1)
+                for b in batches]
+
+
+def agreement(model, adapter: Adapter, head: torch.Tensor, vocab: torch.Tensor | None,
+              feats: Features, exit_layer: int, batches: list[Batch],
+              targets: list[torch.Tensor]) -> float:
+    """Top-1 agreement with the model: the share of loss positions where the draft's first
+    choice (in its vocabulary) is the model's own (targets from model_choices)."""
+    hits = total = 0
+    with torch.no_grad():
+        for batch, target in zip(batches, targets, strict=True):
+            x = feats.states[exit_layer][batch.index].float()
+            out = sequence_states(model, adapter, x, batch.pad)
+            guess = (out[batch.loss] @ head.T).argmax(-1)
+            guess = guess if vocab is None else vocab[guess]
+            hits += int((guess == target).sum())
+            total += guess.numel()
+    return hits / max(1, total)
+
+
+def _eval_batches(batches: list[Batch], positions: int) -> list[Batch]:
+    """The first batches holding about `positions` loss positions."""
+    out, seen = [], 0
+    for batch in batches:
+        if seen >= positions:
+            break
+        out.append(batch)
+        seen += int(batch.loss.sum())
+    return out
+
+
+def fit_adapter(lm, adapter: Adapter, head: torch.Tensor, vocab, data: tuple[Features, Features],
+                exit_layer: int, config: KangarooTrainConfig, train_config: TrainConfig,
+                progress: ProgressFn = ignore, cancel: threading.Event | None = None) -> dict:
+    """Train one adapter with the shared loop (best held-out agreement kept); its figures."""
+    train, heldout = data
+    batches = make_batches(train, config.max_len, config.batch_tokens)
+    held = make_batches(heldout, config.max_len, config.batch_tokens)
+    held = _eval_batches(held, config.eval_positions)
+    targets = model_choices(lm.model, heldout, held)
+    gen = torch.Generator().manual_seed(config.seed)
+
+    def batches_fn(epoch: int) -> list[Batch]:
+        return [batches[i] for i in torch.randperm(len(batches), generator=gen)]
+
+    def loss_fn(module: Adapter, batch: Batch) -> tuple[torch.Tensor, dict]:
+        return batch_loss(lm.model, module, head, train, exit_layer, batch), {}
+
+    def eval_fn(module: Adapter) -> float:
+        return -agreement(lm.model, module, head, vocab, heldout, exit_layer, held, targets)
+
+    adapter.to(torch.float32).train()
+    fit = train_module(adapter, batches_fn, loss_fn, train_config, progress, cancel,
+                       eval_fn if held else None)
+    fit["agreement"] = round(-eval_fn(adapter), 4) if held else 0.0
+    return fit
+
+
+def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
+                   progress: ProgressFn = ignore, cancel: threading.Event | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """Features -> one adapter per exit layer -> calibrated (l, eta, gamma), within
+    options.max_minutes. Returns (checkpoint tensors, drafter.json settings, metrics)."""
+    layers.check_supported(lm.model)
+    config: KangarooTrainConfig = options.kangaroo
+    start = time.perf_counter()
+    final = layers.num_layers(lm.model)
+    exits = sorted({e for e in config.exit_layers if 1 <= e < final})
+    if not exits:
+        raise QuickdraftError(
+            f"no usable Kangaroo exit layer in {config.exit_layers} (the model has {final} layers)"
+        )
+    train = _features(lm, train_convs, [*exits, final], progress, cancel)
+    heldout = _features(lm, heldout_convs, [*exits, final], progress, cancel)
+    times = {"features_s": round(time.perf_counter() - start, 1)}
+    vocab_size = lm.model.get_output_embeddings().weight.shape[0]
+    vocab = draft_vocabulary(train, config.draft_vocab, lm.eos_ids, vocab_size)
+    head = draft_head(lm.model, vocab).float()
+    adapters, fits = {}, {}
+    mark = time.perf_counter()
+    for i, exit_layer in enumerate(exits):
+        elapsed = time.perf_counter() - start
+        left = options.max_minutes * 60 - elapsed - options.calibration_seconds
+        train_config = dataclasses.replace(options.train, lr=config.lr, epochs=config.epochs,
+                                           max_seconds=max(10.0, left / (len(exits) - i)))
+        progress(Progress("train", 0, 1, f"exit layer {exit_layer}: training the adapter"))
+        adapter = Adapter.from_model(lm.model, config.ffn, torch.float32)
+        fits[exit_layer] = fit_adapter(lm, adapter, head, vocab, (train, heldout), exit_layer,
+                                       config, train_config, progress, cancel)
+        adapters[exit_layer] = adapter.requires_grad_(False)
+        if cancel is not None and cancel.is_set():
+            break
+    times["train_s"] = round(time.perf_counter() - mark, 1)
+    mark = time.perf_counter()
+    prompts = [prompt_ids(lm, conv) for conv in heldout_convs]
+    result = calibrate(lm, adapters, config.ffn, vocab, prompts, config.calibration, progress,
+                       cancel)
+    times["calibrate_s"] = round(time.perf_counter() - mark, 1)
+    chosen: KangarooSettings = result.settings
+    weights = adapters[chosen.exit_layer].state_dict()
+    tensors = {f"adapter.{k}": v.to(lm.dtype) for k, v in weights.items()}
+    if vocab is not None:
+        tensors["draft_vocab"] = vocab
+    settings = {**chosen.to_json(),
+                "draft_vocab_size": int(vocab.numel()) if vocab is not None else int(vocab_size)}
+    metrics = {
+        "pays": result.pays, "speedup": result.speedup, "chosen": chosen.to_json(),
+        "agreement": {str(e): fit["agreement"] for e, fit in fits.items()},
+        "train": {str(e): fit for e, fit in fits.items()}, "calibration": result.table,
+        "ctar": result.ctar, "mean_accepted": result.mean_accepted,
+        "vocab_coverage": _coverage(lm, heldout, vocab),
+        "train_tokens": train.tokens, "heldout_tokens": heldout.tokens, "times": times,
+    }
+    return tensors, settings, metrics
+
+
+def _coverage(lm, feats: Features, vocab: torch.Tensor | None) -> float:
+    """Share of held-out answer tokens inside the draft vocabulary."""
+    if vocab is None:
+        return 1.0
+    answer = feats.ids[feats.mask]
+    return round(float(torch.isin(answer, vocab).float().mean()), 4) if answer.numel() else 0.0
+
+
+def _features(lm, convs: list[list[dict]], which: list[int], progress: ProgressFn,
+              cancel) -> Features:
+    ids, masks = encode_conversations(lm, convs)
+    return hidden_states(lm, ids, which, masks, progress, cancel).load()

@@ -1,0 +1,41 @@
+"""Pure loss and metric functions for drafter training (no modules, no state)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum_v p_teacher(v) log p_student(v) (KL up to the teacher's entropy).
+
+    Both (N, C) over the same C columns: the whole vocabulary, or a candidate subset (then
+    both distributions are renormalised over the subset). Computed in float32.
+    """
+    teacher = teacher_logits.float().softmax(-1)
+    return -(teacher * student_logits.float().log_softmax(-1)).sum(-1).mean()
+
+
+def head_weights(num_heads: int, decay: float = 0.8) -> list[float]:
+    """Medusa's loss weights lambda_k = decay^k for heads k = 1..K (later heads matter less)."""
+    return [decay**k for k in range(1, num_heads + 1)]
+
+
+def candidate_columns(teacher_top: torch.Tensor, vocab_size: int, extra: int,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """Vocabulary columns a sampled-softmax step scores: every teacher top-k token in the
+    batch plus `extra` random others (negatives the student must keep low).
+
+    teacher_top: (..., k) long ids. Returns (C,) sorted unique long ids.
+    """
+    rand = torch.randint(0, vocab_size, (extra,), generator=generator)
+    return torch.unique(torch.cat([teacher_top.reshape(-1), rand]))
+
+
+def topk_hits(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, V) logits, (N,) target ids -> (N, k) bool: hits[n, i] = target is the rank-i guess.
+
+    Row sums over the first i columns give top-i accuracy; columns alone give the per-rank
+    (marginal) accuracies the sparse tree is built from.
+    """
+    top = logits.topk(k, dim=-1).indices
+    return top == target.unsqueeze(-1)

@@ -1,0 +1,224 @@
+"""Medusa-1 training on cached final hidden states (the backbone stays frozen).
+
+Head k at position t learns the base model's own distribution at position t + k (soft
+targets, Medusa §2.2.1 with self-distillation), loss weights 0.8^k. The full-vocabulary
+softmax would dominate the cost on a CPU, so each step scores a sampled softmax: the
+teacher's top-k tokens of every target in the batch plus random negatives. The teacher's
+top-k come once from the cached states through the frozen LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from trainer.features import Features, encode_conversations, hidden_states
+from trainer.losses import candidate_columns, head_weights, soft_cross_entropy, topk_hits
+from trainer.progress import Progress, ProgressFn, ignore
+from trainer.train import TrainConfig, train_module
+
+CHUNK = 2048  # positions per LM-head matmul when scoring teachers and accuracies
+
+
+@dataclass(frozen=True)
+class MedusaTrainConfig:
+    """What the Medusa trainer builds and how it scores each step."""
+
+    num_heads: int = 4  # K heads: head k guesses the token k + 1 positions ahead
+    own_vocab: bool = False  # a (V, H) projection per head instead of the shared LM head
+    teacher_topk: int = 16  # teacher tokens kept per position (the soft target's support)
+    negatives: int = 1024  # random extra vocabulary columns per step
+    batch_positions: int = 512  # training positions per step
+    eval_positions: int = 2048  # held-out positions per evaluation
+    max_rank: int = 10  # per-head top-i accuracies measured for i = 1..max_rank
+    seed: int = 0  # batch order and negatives
+
+
+@dataclass
+class Teacher:
+    """The base model's top-k next-token guesses at every cached position."""
+
+    ids: torch.Tensor  # (T, k) long
+    logits: torch.Tensor  # (T, k) float32, same order
+
+
+def teacher_topk(lm, states: torch.Tensor, k: int, progress: ProgressFn = ignore) -> Teacher:
+    """Top-k of the frozen LM head over (T, H) final states, in chunks."""
+    head = lm.model.get_output_embeddings()
+    ids, logits = [], []
+    for start in range(0, states.shape[0], CHUNK):
+        with torch.inference_mode():
+            out = head(states[start:start + CHUNK].to(lm.device, lm.dtype)).float()
+            top = out.topk(k, dim=-1)
+        ids.append(top.indices.cpu())
+        logits.append(top.values.cpu())
+        done = min(start + CHUNK, states.shape[0])
+        progress(Progress("features", done, states.shape[0], "teacher distributions"))
+    return Teacher(torch.cat(ids), torch.cat(logits))
+
+
+def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training positions and their per-head validity.
+
+    Position t is used when token t + 1 belongs to an answer (the state then predicts answer
+    text, as at decode time). Returns (P,) long positions and (P, K) bool: head k has a
+    target when t + k is still inside the same conversation.
+    """
+    total = features.tokens
+    conv_end = torch.empty(total, dtype=torch.long)
+    for c in range(features.conversations):
+        a, b = int(features.offsets[c]), int(features.offsets[c + 1])
+        conv_end[a:b] = b
+    nxt = torch.zeros(total, dtype=torch.bool)
+    nxt[:-1] = features.mask[1:]
+    nxt &= torch.arange(total) + 1 < conv_end
+    pos = nxt.nonzero().squeeze(-1)
+    ks = torch.arange(1, num_heads + 1)
+    valid = pos.unsqueeze(-1) + ks < conv_end[pos].unsqueeze(-1)
+    return pos, valid
+
+
+def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, teacher: Teacher,
+              pos: torch.Tensor, valid: torch.Tensor, config: MedusaTrainConfig,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Weighted sampled-softmax soft cross-entropy of all heads for a batch of positions.
+
+    weight: (V, H) frozen vocabulary projection; states: (T, H); pos: (B,); valid: (B, K).
+    """
+    k_heads = heads.settings.num_heads
+    targets = pos.unsqueeze(-1) + torch.arange(1, k_heads + 1)  # (B, K) teacher positions
+    targets = torch.where(valid, targets, pos.unsqueeze(-1))  # masked out below
+    t_ids, t_logits = teacher.ids[targets], teacher.logits[targets]  # (B, K, k)
+    cols = candidate_columns(t_ids, weight.shape[0], config.negatives, generator)  # (C,)
+    where = torch.searchsorted(cols, t_ids)  # teacher tokens' column in the candidate set
+    full = torch.full((*t_ids.shape[:2], cols.numel()), float("-inf"))
+    full.scatter_(-1, where, t_logits)  # (B, K, C) teacher logits, -inf off its top-k
+    dev = heads.weight.device
+    hidden = heads.transform(states[pos].to(dev, torch.float32))  # (B, K, H)
+    full, cols, valid = full.to(dev), cols.to(dev), valid.to(dev)
+    losses = []
+    for k in range(k_heads):
+        rows = valid[:, k]
+        proj = heads.vocab[k] if heads.vocab is not None else weight
+        student = hidden[rows, k] @ proj[cols].T.to(hidden.dtype)  # (B_k, C)
+        losses.append(soft_cross_entropy(student, full[rows, k]))
+    lam = head_weights(k_heads)
+    return sum(w * l for w, l in zip(lam, losses)) / sum(lam)
+
+
+def head_accuracies(lm, heads: MedusaHeads, states: torch.Tensor, teacher: Teacher, pos: torch.Tensor,
+                    valid: torch.Tensor, max_rank: int) -> list[list[float]]:
+    """Per head, top-i accuracy (i = 1..max_rank) against the base model's greedy token at
+    t + k, over the full vocabulary. Returns K lists of cumulative accuracies."""
+    lm_head = lm.model.get_output_embeddings()
+    k_heads = heads.settings.num_heads
+    hits = torch.zeros(k_heads, max_rank)
+    counts = torch.zeros(k_heads)
+    for start in range(0, pos.numel(), CHUNK // k_heads):
+        p, v = pos[start:start + CHUNK // k_heads], valid[start:start + CHUNK // k_heads]
+        with torch.inference_mode():
+            logits = heads.logits(states[p].to(lm.device), lm_head).float().cpu()  # (B, K, V)
+        for k in range(k_heads):
+            # Head k + 1's target: the greedy token after t + k + 1 (clamped rows are masked).
+            target = teacher.ids[(p + k + 1).clamp(max=teacher.ids.shape[0] - 1), 0]
+            h = topk_hits(logits[v[:, k], k], target[v[:, k]], max_rank)
+            hits[k] += h.float().sum(0)
+            counts[k] += int(v[:, k].sum())
+    cumulative = hits.cumsum(-1) / counts.clamp_min(1).unsqueeze(-1)
+    return [[round(float(a), 4) for a in row] for row in cumulative]
+
+
+def train_medusa(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
+                 progress: ProgressFn = ignore, cancel: threading.Event | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """Features -> heads -> held-out accuracies -> calibrated tree, within
+    options.max_minutes (the time the pipeline left for these stages).
+
+    Returns (checkpoint tensors, settings for drafter.json, metrics for metrics.json).
+    """
+    from trainer.calibrate import calibrate  # calibrate imports the decode loop; keep it lazy
+
+    config: MedusaTrainConfig = options.medusa
+    start = time.perf_counter()
+    final = int(lm.model.config.num_hidden_layers)
+    train = _features(lm, train_convs, final, progress, cancel)
+    heldout = _features(lm, heldout_convs, final, progress, cancel)
+    times = {"features_s": round(time.perf_counter() - start, 1)}
+    mark = time.perf_counter()
+    t_teacher = teacher_topk(lm, train.states[final], config.teacher_topk, progress)
+    h_teacher = teacher_topk(lm, heldout.states[final], config.teacher_topk)
+    times["teacher_s"] = round(time.perf_counter() - mark, 1)
+    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(config.num_heads, config.own_vocab),
+                        lm.model.get_output_embeddings().weight if config.own_vocab else None)
+    left = options.max_minutes * 60 - (time.perf_counter() - start)
+    budget = max(10.0, left - options.calibration_seconds)
+    mark = time.perf_counter()
+    fit = fit_heads(lm, heads, (train, t_teacher), (heldout, h_teacher), config,
+                    dataclasses.replace(options.train, max_seconds=budget), progress, cancel)
+    times["train_s"] = round(time.perf_counter() - mark, 1)
+    mark = time.perf_counter()
+    h_pos, h_valid = positions(heldout, config.num_heads)
+    acc = head_accuracies(lm, heads, heldout.states[final], h_teacher, h_pos, h_valid, config.max_rank)
+    prompts = [_prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
+    result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel)
+    times["calibrate_s"] = round(time.perf_counter() - mark, 1)
+    settings = {"num_heads": config.num_heads, "own_vocab": config.own_vocab, "tree": result.tree,
+                "pays": result.pays}
+    metrics = {
+        "topk_accuracy": {f"head{k + 1}": row for k, row in enumerate(acc)},
+        "top1": [row[0] for row in acc], "top5": [row[min(4, len(row) - 1)] for row in acc],
+        "train": fit, "calibration": {"chosen": result.chosen, "measured": result.measured,
+                        "estimates": result.estimates},
+        "train_tokens": train.tokens, "heldout_tokens": heldout.tokens, "times": times,
+    }
+    return heads.tensors(), settings, metrics
+
+
+def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher], heldout: tuple[Features, Teacher],
+              config: MedusaTrainConfig, train_config: TrainConfig, progress: ProgressFn = ignore,
+              cancel: threading.Event | None = None) -> dict:
+    """Train the heads on cached features with the shared loop; returns its figures."""
+    final = int(lm.model.config.num_hidden_layers)
+    feats, teacher = train
+    states = feats.states[final]
+    pos, valid = positions(feats, config.num_heads)
+    weight = lm.model.get_output_embeddings().weight.detach()
+    gen = torch.Generator().manual_seed(config.seed)
+
+    def batches(epoch: int) -> list[torch.Tensor]:
+        order = torch.randperm(pos.numel(), generator=gen)
+        return list(order.split(config.batch_positions))
+
+    def loss_fn(module: MedusaHeads, idx: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return step_loss(module, weight, states, teacher, pos[idx], valid[idx], config, gen), {}
+
+    h_feats, h_teacher = heldout
+    h_pos, h_valid = positions(h_feats, config.num_heads)
+    pick = torch.randperm(h_pos.numel(), generator=torch.Generator().manual_seed(config.seed))
+    pick = pick[: config.eval_positions]
+
+    def eval_fn(module: MedusaHeads) -> float:
+        acc = head_accuracies(lm, module, h_feats.states[final], h_teacher, h_pos[pick], h_valid[pick], 1)
+        lam = head_weights(config.num_heads)
+        return -sum(w * row[0] for w, row in zip(lam, acc)) / sum(lam)  # lower is better
+
+    heads.to(lm.device, torch.float32).train()
+    return train_module(heads, batches, loss_fn, train_config, progress, cancel,
+                        eval_fn if h_pos.numel() else None)
+
+
+def _features(lm, convs, layer: int, progress: ProgressFn, cancel) -> Features:
+    ids, masks = encode_conversations(lm, convs)
+    return hidden_states(lm, ids, [layer], masks, progress, cancel).load()
+
+
+def _prompt_ids(lm, conv: list[dict]) -> list[int]:
+    """The first user turn of a held-out conversation, as the app would prompt it."""
+    from engine.chat import conversation, encode
+
+    return encode(lm.tokenizer, conversation(conv[0]["content"]))

@@ -1,0 +1,115 @@
+"""Build an accelerator end to end: self-distilled data -> features -> training ->
+calibration -> checkpoint, within one time budget, resumable after a kill (the data file
+resumes and the feature cache is reused)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.accelerators import METHODS, save_checkpoint
+from engine.errors import QuickdraftError
+from trainer.calibrate import CalibrationConfig
+from trainer.kangaroo import KangarooTrainConfig
+from trainer.medusa import MedusaTrainConfig
+from trainer.progress import Progress, ProgressFn, ignore
+from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
+from trainer.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What to build and how long it may take."""
+
+    method: str  # "medusa" | "kangaroo"
+    max_minutes: float = 20.0  # whole job, data generation included; the method's trainer
+    # receives a copy whose max_minutes is the time left after data generation
+    prompts_file: Path | None = None  # the user's extra seed prompts (JSONL or plain text)
+    data_share: float = 0.5  # fraction of the budget spent generating data
+    heldout_fraction: float = 0.06  # seed prompts kept out of training for held-out figures
+    calibration_seconds: float = 90.0  # time kept back for calibration after training
+    data: DataBudget = field(default_factory=DataBudget)  # sampling settings (time set by the share)
+    medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)  # Medusa heads and loss
+    kangaroo: KangarooTrainConfig = field(default_factory=KangarooTrainConfig)  # adapter, exits, sweep
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimiser and schedule
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # tree search
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuickdraftError(f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}")
+        if not self.max_minutes > 0:
+            raise QuickdraftError("--max-minutes must be a positive number")
+        if self.prompts_file is not None and not Path(self.prompts_file).is_file():
+            raise QuickdraftError(f"prompts file not found: {self.prompts_file}")
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or cancelled) run produced."""
+
+    method: str
+    folder: Path | None  # the saved checkpoint; None when cancelled before saving
+    settings: dict  # drafter.json settings
+    metrics: dict  # metrics.json (per-stage times included)
+    data: dict  # data summary: conversations, tokens, seconds
+    cancelled: bool = False
+
+
+def train_accelerator(lm, options: TrainOptions, progress: ProgressFn = ignore,
+                      cancel: threading.Event | None = None) -> TrainResult:
+    """Run every stage for `options.method` and save the checkpoint for `lm`."""
+    start = time.perf_counter()
+    total_s = options.max_minutes * 60
+    report = _with_eta(progress, start, total_s, options.calibration_seconds)
+    budget = dataclasses.replace(options.data, max_seconds=total_s * options.data_share)
+    prompt_files = [Path(options.prompts_file)] if options.prompts_file else None
+    data = generate_data(lm, data_path(lm), prompt_files, budget, report, cancel)
+    if _cancelled(cancel):
+        return TrainResult(options.method, None, {}, {}, data, cancelled=True)
+    train_convs, heldout_convs = split_heldout(data_path(lm), options.heldout_fraction)
+    if len(train_convs) < 2 or not heldout_convs:
+        raise QuickdraftError(
+            f"too little training data ({len(train_convs)} conversations, {len(heldout_convs)} held out): "
+            "give training more time with --max-minutes"
+        )
+    left_min = max(1.0, total_s - (time.perf_counter() - start)) / 60
+    stage_options = dataclasses.replace(options, max_minutes=left_min)
+    if options.method == "medusa":
+        from trainer.medusa import train_medusa
+
+        tensors, settings, metrics = train_medusa(lm, train_convs, heldout_convs, stage_options, report, cancel)
+    else:
+        from trainer.kangaroo import train_kangaroo
+
+        tensors, settings, metrics = train_kangaroo(lm, train_convs, heldout_convs, stage_options, report, cancel)
+    if _cancelled(cancel):
+        return TrainResult(options.method, None, settings, metrics, data, cancelled=True)
+    metrics.setdefault("times", {})["data_s"] = data["seconds"]
+    metrics["times"]["total_s"] = round(time.perf_counter() - start, 1)
+    summary = {**data, "train_conversations": len(train_convs), "heldout_conversations": len(heldout_convs)}
+    report(Progress("save", 0, 1, "saving the checkpoint"))
+    folder = save_checkpoint(lm, options.method, tensors, settings, metrics, summary)
+    report(Progress("done", 1, 1, f"saved to {folder}", 0.0))
+    return TrainResult(options.method, folder, settings, metrics, summary)
+
+
+def _cancelled(cancel: threading.Event | None) -> bool:
+    return cancel is not None and cancel.is_set()
+
+
+def _with_eta(progress: ProgressFn, start: float, total_s: float, calibration_s: float) -> ProgressFn:
+    """The job's ETA: training fills the budget, so until it runs the ETA is the time left in
+    the budget; from then on the stage's own ETA (plus calibration while training)."""
+
+    def report(p: Progress) -> None:
+        left = max(0.0, total_s - (time.perf_counter() - start))
+        if p.stage in ("data", "features") or p.eta_s is None:
+            p.eta_s = left if p.stage != "done" else 0.0
+        else:
+            p.eta_s = min(left, p.eta_s + (calibration_s if p.stage == "train" else 0.0))
+        progress(p)
+
+    return report

@@ -1,0 +1,235 @@
+"""Self-distillation data: the loaded model answers seed prompts through its own chat
+template, so drafters learn what this model really says (Medusa §2.3.2).
+
+Seeds are the bundled assets/seed_prompts.jsonl plus an optional user file. Multi-turn seeds
+are answered turn by turn (the next user turn follows the model's own answer). Answers are
+sampled in batches with left padding, and every finished conversation is appended to a
+JSONL file at once, so an interrupted run resumes where it stopped without duplicates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.chat import encode
+from engine.config import ChatMessage, Conversation
+from engine.errors import QuickdraftError
+from engine.paths import data_dir
+from trainer.progress import Eta, Progress, ProgressFn
+
+SEED_FILE = Path(__file__).resolve().parent.parent / "assets" / "seed_prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class DataBudget:
+    """When data generation stops, and how answers are sampled."""
+
+    max_conversations: int = 3000  # stop once the file holds this many conversations
+    max_seconds: float = 600.0  # generation time for this file, summed over resumed runs
+    batch_size: int = 16  # conversations sampled together (left-padded)
+    temperature: float = 0.7  # sampling temperature: > 0 covers what the model really says
+    greedy_first_pass: bool = True  # pass 0 answers greedily: the text greedy decoding sees
+    max_new_tokens: int = 256  # cap per answer
+    samples_per_seed: int = 8  # passes over the seed set, each with fresh samples
+    seed: int = 0  # fixes the seed order and the sampling RNG per batch
+
+
+@dataclass(frozen=True)
+class Seed:
+    """One seed conversation to answer, in one of its sampling passes."""
+
+    key: str  # stable id (content hash + pass): what resuming compares
+    sample: int  # which pass over the seed set (0 = first)
+    turns: tuple[str, ...]  # user turns, answered in order
+    category: str
+
+
+def data_path(lm) -> Path:
+    """Where the self-distilled conversations of this model live."""
+    return data_dir() / "selfdistill" / lm.fingerprint / "conversations.jsonl"
+
+
+def read_prompt_file(path: Path) -> list[dict]:
+    """A user prompt file: JSONL with {"prompt"} (or {"turns"}) per line, or plain text with
+    one prompt per line. Returns seed records {"turns": [...], "category": ...}."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QuickdraftError(f"cannot read the prompts file {path}: {exc}") from exc
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise QuickdraftError(f"the prompts file {path} has no prompts")
+    if not lines[0][1].startswith("{"):
+        return [{"turns": [line], "category": "user"} for _n, line in lines]
+    records = []
+    for n, line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise QuickdraftError(f"{path}, line {n}: not valid JSON ({exc})") from exc
+        turns = obj.get("turns") or ([obj["prompt"]] if isinstance(obj.get("prompt"), str) else None)
+        if not isinstance(obj, dict) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise QuickdraftError(f'{path}, line {n}: expected {{"prompt": "..."}} or {{"turns": [...]}}')
+        records.append({"turns": list(turns), "category": str(obj.get("category", "user"))})
+    return records
+
+
+def build_seeds(prompt_files: list[Path] | None, budget: DataBudget) -> list[Seed]:
+    """All (seed, pass) pairs in generation order: pass by pass, each pass shuffled, so a
+    time-limited run still covers every category."""
+    records = read_prompt_file(SEED_FILE)
+    for path in prompt_files or []:
+        records += read_prompt_file(path)
+    rng = random.Random(budget.seed)
+    seeds: list[Seed] = []
+    for sample in range(budget.samples_per_seed):
+        order = list(range(len(records)))
+        rng.shuffle(order)
+        # Multi-turn seeds first and together: their later turns then batch well.
+        order.sort(key=lambda i: -len(records[i]["turns"]))
+        for i in order:
+            turns = tuple(records[i]["turns"])
+            digest = hashlib.sha1(json.dumps(turns).encode()).hexdigest()[:12]
+            seeds.append(Seed(f"{digest}#{sample}", sample, turns, records[i]["category"]))
+    return seeds
+
+
+def load_conversations(path: Path) -> list[list[dict]]:
+    """The stored conversations: each a list of {"role", "content"} messages (the user
+    turns and the model's answers), in file order. A torn last line is skipped."""
+    return [rec["messages"] for rec in _records(Path(path))]
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a kill mid-write
+        if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            out.append(rec)
+    return out
+
+
+def _repair(path: Path) -> None:
+    """Cut a torn last line (a kill mid-write) so appending starts on a fresh line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def generate_data(lm, out_path: Path, prompt_files: list[Path] | None, budget: DataBudget,
+                  progress: ProgressFn, cancel: threading.Event | None = None) -> dict:
+    """Answer seeds until the budget is spent; resumes an existing file.
+
+    The time budget counts every run on this file (kept in a sidecar .meta.json), so a run
+    killed and restarted generates only what the first one had left. Returns
+    {"conversations", "tokens", "seconds", "new"}: totals for the file and the number of
+    conversations this run added.
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _repair(out_path)
+    meta_path = out_path.with_suffix(".meta.json")
+    spent = _read_meta(meta_path).get("seconds", 0.0)
+    done = {rec.get("key") for rec in _records(out_path)}
+    todo = [s for s in build_seeds(prompt_files, budget) if s.key not in done]
+    target = min(budget.max_conversations, len(done) + len(todo))
+    start, added = time.perf_counter(), 0
+    eta = Eta(max(1, target - len(done)))
+    with out_path.open("a", encoding="utf-8") as fh:
+        while todo and len(done) + added < target and spent < budget.max_seconds:
+            if cancel is not None and cancel.is_set():
+                break
+            batch_start = time.perf_counter()
+            size = min(budget.batch_size, target - len(done) - added)
+            size = sum(1 for s in todo[:size] if s.sample == todo[0].sample)  # one pass per batch
+            batch, todo = todo[:size], todo[size:]
+            torch.manual_seed(int(hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()[:8], 16))
+            for seed, messages, n_tokens in _answer_batch(lm, batch, budget):
+                rec = {"key": seed.key, "category": seed.category, "tokens": n_tokens, "messages": messages}
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            fh.flush()
+            spent += time.perf_counter() - batch_start
+            meta_path.write_text(json.dumps({"seconds": round(spent, 2)}))
+            added += len(batch)
+            left = eta.left(added)
+            progress(Progress("data", len(done) + added, target,
+                              f"{len(done) + added}/{target} conversations",
+                              None if left is None else min(left, max(0.0, budget.max_seconds - spent))))
+    total_tokens = sum(int(rec.get("tokens", 0)) for rec in _records(out_path))
+    return {"conversations": len(done) + added, "tokens": total_tokens, "seconds": round(spent, 1),
+            "new": added}
+
+
+def split_heldout(path: Path, fraction: float) -> tuple[list[list[dict]], list[list[dict]]]:
+    """(train, held-out) conversations, split by seed prompt: every sample of a seed lands on
+    the same side, so held-out figures measure prompts the drafter never saw."""
+    train, heldout = [], []
+    for rec in _records(Path(path)):
+        digest = str(rec.get("key", "")).split("#")[0]
+        bucket = int(hashlib.sha1(digest.encode()).hexdigest()[:8], 16) % 10000
+        (heldout if bucket < fraction * 10000 else train).append(rec["messages"])
+    return train, heldout
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed, list[dict], int]]:
+    """Answer every seed of the batch turn by turn; returns (seed, messages, answer tokens)."""
+    history: list[list[dict]] = [[] for _ in batch]
+    counts = [0] * len(batch)
+    for turn in range(max(len(s.turns) for s in batch)):
+        active = [i for i, s in enumerate(batch) if turn < len(s.turns)]
+        prompts = []
+        for i in active:
+            history[i].append({"role": "user", "content": batch[i].turns[turn]})
+            conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in history[i]))
+            prompts.append(encode(lm.tokenizer, conv))
+        for i, answer in zip(active, _sample(lm, prompts, batch, budget)):
+            history[i].append({"role": "assistant", "content": lm.tokenizer.decode(answer, skip_special_tokens=True)})
+            counts[i] += len(answer)
+    return [(s, h, c) for s, h, c in zip(batch, history, counts)]
+
+
+def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:
+    """Batched sampling with left padding: one answer (token ids, EOS cut) per prompt."""
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_ids[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    greedy = budget.temperature <= 0 or (budget.greedy_first_pass and batch[0].sample == 0)
+    with torch.inference_mode():
+        out = lm.model.generate(
+            input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
+            **({"do_sample": False} if greedy else
+               {"do_sample": True, "temperature": budget.temperature, "top_p": 1.0, "top_k": 0}),
+            max_new_tokens=budget.max_new_tokens,
+            pad_token_id=pad, eos_token_id=list(lm.eos_ids),
+        )
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in lm.eos_ids), len(row))
+        answers.append(row[:cut])
+    return answers
