@@ -55,3 +55,17 @@ def keep_path(cache: DynamicCache, start: int, keep: Sequence[int], layers: rang
 def layer_length(cache: DynamicCache, layer: int) -> int:
     """Positions held by one layer (Kangaroo's layers can differ in length mid-round)."""
     return cache.layers[layer].get_seq_length() if layer < len(cache.layers) else 0
+
+
+def enable_rollback(cache: DynamicCache) -> None:
+    """Let sliding-window layers be rolled back: they keep the states a rollback needs until
+    the next `rollback` call trims them to their window again (transformers' past recording)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
+
+
+def rollback(cache: DynamicCache, n: int) -> None:
+    """Remove the last n positions from every layer and trim sliding-window layers (n >= 0;
+    unlike drop_last, n = 0 still trims, as rollback-enabled sliding layers need)."""
+    cache.crop(-n)

@@ -30,7 +30,9 @@ class TreeBuffers:
     children: list[list[int]]  # children[i]: node i's children, best rank first
     depths: list[int]  # depth below the root = position offset of the node
     parents: list[int]  # parent node index; -1 for the root
-    mask: torch.Tensor | None  # (n, n) bool, node i attends to node j (ancestors + self); None = chain
+    mask: (
+        torch.Tensor | None
+    )  # (n, n) bool, node i attends to node j (ancestors + self); None = chain
     node_heads: torch.Tensor  # (n - 1,) long: head (0-based) that fills node i + 1
     node_ranks: torch.Tensor  # (n - 1,) long: rank in that head's top-k
     top_k: int  # top-k the heads must return (largest rank + 1)
@@ -49,7 +51,9 @@ def build_tree(choices: Sequence[Sequence[int]], num_heads: int) -> TreeBuffers:
     Raises QuickdraftError on a choice whose parent is missing or that is deeper than the
     heads can fill.
     """
-    nodes = sorted({tuple(int(r) for r in c) for c in choices if len(c) > 0}, key=lambda c: (len(c), c))
+    nodes = sorted(
+        {tuple(int(r) for r in c) for c in choices if len(c) > 0}, key=lambda c: (len(c), c)
+    )
     for c in nodes:
         if min(c) < 0:
             raise QuickdraftError(f"tree choice {list(c)} has a negative rank")
@@ -113,7 +117,9 @@ def greedy_tree(marginal: Sequence[Sequence[float]], budget: int) -> list[Choice
     """
     num_heads = len(marginal)
     # Max-heap of (-probability, choice); a popped node offers its children as candidates.
-    frontier = [(-float(marginal[0][r]), (r,)) for r in range(len(marginal[0]))] if num_heads else []
+    frontier = (
+        [(-float(marginal[0][r]), (r,)) for r in range(len(marginal[0]))] if num_heads else []
+    )
     heapq.heapify(frontier)
     chosen: list[Choice] = []
     while frontier and len(chosen) < budget:

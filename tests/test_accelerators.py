@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.cli import main
-from engine.accelerators import INFO, WEIGHTS, checkpoint_dir, save_checkpoint
+from engine.accelerators import INFO, WEIGHTS, save_checkpoint
 from engine.config import SamplingParams
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
 from engine.drafters.registry import load_drafter
@@ -22,12 +22,20 @@ TREE = [list(c) for c in greedy_tree([[0.5, 0.2], [0.3, 0.1], [0.2], [0.1]], 8)]
 FIX = "python launcher.py train --method medusa"
 
 
-def _save(lm, tree=TREE, num_heads: int = 4, **extra_settings):
-    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(num_heads))
+def _save(lm, tree=TREE, num_heads: int = 4, vocab_ids=None, **extra_settings):
+    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(num_heads), vocab_ids)
     with torch.no_grad():
         heads.weight.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
-    settings = {"num_heads": num_heads, "own_vocab": False, "tree": tree, "pays": bool(tree), **extra_settings}
-    return heads, save_checkpoint(lm, "medusa", heads.tensors(), settings, {"top1": [0.1] * num_heads})
+    settings = {
+        "num_heads": num_heads,
+        "own_vocab": False,
+        "tree": tree,
+        "pays": bool(tree),
+        **extra_settings,
+    }
+    return heads, save_checkpoint(
+        lm, "medusa", heads.tensors(), settings, {"top1": [0.1] * num_heads}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +60,31 @@ def test_saved_heads_load_back_and_decode_like_plain_greedy(lm):
     assert info["fingerprint"] == lm.fingerprint and info["kind"] == "medusa"
 
 
+def test_a_draft_vocabulary_round_trips(lm):
+    _save(lm, vocab_ids=torch.tensor([2, 7, 11, 500]))
+    drafter = load_drafter(lm, "medusa")
+    assert drafter.heads.vocab_ids.tolist() == [2, 7, 11, 500]
+    params = SamplingParams(max_new_tokens=12)
+    assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
+
+
+def test_a_draft_vocabulary_outside_the_model_is_refused(lm):
+    _save(lm, vocab_ids=torch.tensor([2, 10**6]))
+    with pytest.raises(AcceleratorError, match="draft vocabulary does not fit.*" + FIX):
+        load_drafter(lm, "medusa")
+
+
+def test_a_checkpoint_timed_in_another_dtype_is_re_timed_at_load(lm):
+    _save(lm)  # as timed on this fp32 model: the stored tree is used as it is
+    assert not load_drafter(lm, "medusa").retimed
+    accuracies = [[0.9, 0.95], [0.8, 0.9], [0.7, 0.8], [0.6, 0.7]]
+    _save(lm, quant="bf16", accuracies=accuracies)  # timed in bf16, loaded in fp32
+    drafter = load_drafter(lm, "medusa")
+    assert drafter.retimed
+    params = SamplingParams(max_new_tokens=16)
+    assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
+
+
 def test_no_trained_heads_names_the_command(lm):
     with pytest.raises(AcceleratorError, match=FIX):
         load_drafter(lm, "medusa")
@@ -60,8 +93,9 @@ def test_no_trained_heads_names_the_command(lm):
 def test_heads_of_another_model_are_refused(lm):
     _heads, folder = _save(lm)
     info = json.loads((folder / INFO).read_text())
-    (folder / INFO).write_text(json.dumps({**info, "fingerprint": "0123456789abcdef",
-                                           "base_model_id": "someone/else"}))
+    (folder / INFO).write_text(
+        json.dumps({**info, "fingerprint": "0123456789abcdef", "base_model_id": "someone/else"})
+    )
     with pytest.raises(AcceleratorError, match="built for another model .someone/else.*" + FIX):
         load_drafter(lm, "medusa")
 
@@ -71,8 +105,13 @@ def test_corrupt_or_truncated_weights_are_refused(lm, damage):
     _heads, folder = _save(lm)
     path = folder / WEIGHTS
     data = path.read_bytes()
-    path.write_bytes({"garbage": b"not a safetensors file" * 10, "truncated": data[: len(data) // 2],
-                      "empty": b""}[damage])
+    path.write_bytes(
+        {
+            "garbage": b"not a safetensors file" * 10,
+            "truncated": data[: len(data) // 2],
+            "empty": b"",
+        }[damage]
+    )
     with pytest.raises(AcceleratorError, match="corrupt or truncated.*" + FIX):
         load_drafter(lm, "medusa")
 
@@ -113,5 +152,8 @@ def test_chat_without_trained_heads_prints_one_line(capsys):
     code = main(["chat", "--prompt", "hi", "--accel", "medusa", "--max-new-tokens", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1].startswith("error: no medusa accelerator is trained for this model") and FIX in err[-1]
+    assert (
+        err[-1].startswith("error: no medusa accelerator is trained for this model")
+        and FIX in err[-1]
+    )
     assert not any("Traceback" in line for line in err)

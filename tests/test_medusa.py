@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import kv_cache, verify
+from engine.chat import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.base import Draft, forward_nodes
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings
@@ -17,6 +18,9 @@ from engine.sampling import make_generator, sample_from
 from engine.tree import build_tree, greedy_tree
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
+from trainer.features import encode_conversations, hidden_states
+from trainer.medusa import MedusaTrainConfig, fit_heads, teacher_topk
+from trainer.train import TrainConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
 # A bushy 16-node tree: three guesses for the next token, fewer deeper down.
@@ -28,7 +32,9 @@ def random_heads(lm, scale: float = 0.3, seed: int = 1) -> MedusaHeads:
     heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(4))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        heads.weight.copy_(torch.randn(heads.weight.shape, generator=gen) * scale / heads.weight.shape[-1] ** 0.5)
+        heads.weight.copy_(
+            torch.randn(heads.weight.shape, generator=gen) * scale / heads.weight.shape[-1] ** 0.5
+        )
         heads.bias.copy_(torch.randn(heads.bias.shape, generator=gen) * scale)
     return heads
 
@@ -51,6 +57,32 @@ def test_random_heads_match_plain_greedy(tiny_lm):
         assert run(tiny_lm, prompt, params, drafter)[1] == run(tiny_lm, prompt, params)[1]
 
 
+def test_trained_heads_match_plain_greedy(tiny_lm, tmp_path, monkeypatch):
+    """Heads trained on the model's own replies (the real trainer, a few seconds)."""
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))  # a private feature cache
+    lm = tiny_lm
+    replies = [
+        run(lm, encode(lm.tokenizer, conversation(p)), SamplingParams(max_new_tokens=24))[0]
+        for p in ("Tell me a story.", "List three colours.")
+    ]
+    convs = [
+        [{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+        for p, r in zip(("Tell me a story.", "List three colours."), replies, strict=True)
+    ]
+    ids, masks = encode_conversations(lm, convs)
+    final = int(lm.model.config.num_hidden_layers)
+    feats = hidden_states(lm, ids, [final], masks).load()
+    teacher = teacher_topk(lm, feats.states[final], 4)
+    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(4))
+    cfg = MedusaTrainConfig(teacher_topk=4, negatives=64, batch_positions=32)
+    fit_heads(lm, heads, (feats, teacher), (feats, teacher), cfg, TrainConfig(lr=0.03, epochs=20))
+    assert heads.weight.abs().sum() > 0  # training moved the heads
+    drafter = medusa(lm, heads)
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in [*ids, *PROMPTS]:
+        assert run(lm, prompt[:12], params, drafter)[1] == run(lm, prompt[:12], params)[1]
+
+
 def test_greedy_matches_when_many_drafts_are_accepted(bundled_tokenizer):
     """A 12-token vocabulary makes random guesses right often, so long paths get accepted."""
     lm = small_vocab_model(bundled_tokenizer, "llama-untied", 12)
@@ -66,7 +98,9 @@ def test_greedy_matches_when_many_drafts_are_accepted(bundled_tokenizer):
 def test_typical_acceptance_at_zero_temperature_is_greedy(bundled_tokenizer):
     lm = small_vocab_model(bundled_tokenizer, "qwen2", 12)
     params = SamplingParams(max_new_tokens=40, acceptance="typical")
-    assert run(lm, [3, 1, 4], params, medusa(lm, random_heads(lm)))[1] == run(lm, [3, 1, 4], params)[1]
+    assert (
+        run(lm, [3, 1, 4], params, medusa(lm, random_heads(lm)))[1] == run(lm, [3, 1, 4], params)[1]
+    )
 
 
 def test_untrained_heads_repeat_the_models_next_token_guess(tiny_lm):
@@ -74,12 +108,28 @@ def test_untrained_heads_repeat_the_models_next_token_guess(tiny_lm):
     heads = MedusaHeads(int(tiny_lm.model.config.hidden_size), MedusaSettings(3))
     hidden = torch.randn(5, heads.weight.shape[-1])
     lm_head = tiny_lm.model.get_output_embeddings()
-    logits = heads.logits(hidden, lm_head)  # (5, K, V) in one batched matmul
+    logits = heads.logits(hidden, heads.project(lm_head.weight))  # (5, K, V), one matmul
     assert logits.shape == (5, 3, lm_head.weight.shape[0])
     for k in range(3):
         assert torch.allclose(logits[:, k], lm_head(hidden), atol=1e-5)
-    own = MedusaHeads(heads.weight.shape[-1], MedusaSettings(3, own_vocab=True), lm_head.weight)
-    assert torch.allclose(own.logits(hidden, lm_head), logits, atol=1e-5)
+    own = MedusaHeads(
+        heads.weight.shape[-1], MedusaSettings(3, own_vocab=True), None, lm_head.weight
+    )
+    assert torch.allclose(own.logits(hidden, lm_head.weight), logits, atol=1e-5)
+
+
+def test_a_draft_vocabulary_limits_what_heads_propose(tiny_lm):
+    ids = torch.tensor([3, 17, 200, 4000])
+    heads = MedusaHeads(int(tiny_lm.model.config.hidden_size), MedusaSettings(2), ids)
+    weight = tiny_lm.model.get_output_embeddings().weight
+    hidden = torch.randn(6, weight.shape[1])
+    logits = heads.logits(hidden, heads.project(weight))  # (6, K, 4) over the draft vocabulary
+    assert logits.shape == (6, 2, 4)
+    assert torch.allclose(logits[:, 0], hidden @ weight[ids].T, atol=1e-5)
+    assert set(heads.tokens(logits.argmax(-1)).flatten().tolist()) <= set(ids.tolist())
+    drafter = medusa(tiny_lm, heads, [(0,), (1,), (0, 0)])
+    params = SamplingParams(max_new_tokens=12)
+    assert run(tiny_lm, PROMPTS[0], params, drafter)[1] == run(tiny_lm, PROMPTS[0], params)[1]
 
 
 def test_no_tree_means_plain_decoding(tiny_lm):
@@ -99,20 +149,25 @@ def test_cache_after_a_tree_step_equals_decoding_the_path_one_by_one(tiny_lm):
     with torch.no_grad():
         cache = kv_cache.new_cache(model)
         model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
-        state = DecodeState(tiny_lm, SamplingParams(), cache, [*prompt, tokens[0]], len(prompt), make_generator(0))
-        forward_nodes(state, Draft(tokens, tree.children, tree.depths, tree.mask), want_hidden=False)
+        state = DecodeState(
+            tiny_lm, SamplingParams(), cache, [*prompt, tokens[0]], len(prompt), make_generator(0)
+        )
+        forward_nodes(
+            state, Draft(tokens, tree.children, tree.depths, tree.mask), want_hidden=False
+        )
         kv_cache.keep_path(cache, len(prompt), [0, *path])
         ref = kv_cache.new_cache(model)
         model(input_ids=torch.tensor([prompt]), cache=ref, use_cache=True)
         for t in [tokens[0], tokens[2], tokens[5]]:
             model(input_ids=torch.tensor([[t]]), cache=ref, use_cache=True)
     assert kv_cache.cache_length(cache) == kv_cache.cache_length(ref) == len(prompt) + 3
-    for got, want in zip(cache.layers, ref.layers):
+    for got, want in zip(cache.layers, ref.layers, strict=True):
         assert torch.allclose(got.keys, want.keys, atol=1e-5)
         assert torch.allclose(got.values, want.values, atol=1e-5)
 
 
 # --- lossless sampling ---------------------------------------------------------------------
+
 
 def _exact_joint(lm, prompt, n_tokens: int) -> torch.Tensor:
     """P(first n_tokens of the reply), enumerated from the model itself: (V ** n,)."""
@@ -148,8 +203,14 @@ def _forgetful_pointmass(children, tokens, target_probs, generator):
     path, node = [], 0
     while True:
         p = target_probs[node]
-        chosen = next((c for c in children[node]
-                       if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
+        chosen = next(
+            (
+                c
+                for c in children[node]
+                if float(torch.rand((), generator=generator)) < float(p[tokens[c]])
+            ),
+            None,
+        )
         if chosen is None:
             return path, sample_from(p, generator)
         path.append(chosen)

@@ -31,8 +31,20 @@ def test_bundled_seeds_are_broad_and_include_multi_turn():
     seeds = build_seeds(None, DataBudget(samples_per_seed=1))
     categories = {s.category for s in seeds}
     assert len(seeds) >= 500
-    assert {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
-            "translation", "summarization", "qa", "multiturn"} <= categories
+    assert {
+        "writing",
+        "roleplay",
+        "reasoning",
+        "math",
+        "coding",
+        "extraction",
+        "stem",
+        "humanities",
+        "translation",
+        "summarization",
+        "qa",
+        "multiturn",
+    } <= categories
     assert any(len(s.turns) >= 2 for s in seeds)
     assert len({s.key for s in seeds}) == len(seeds)
 
@@ -46,19 +58,26 @@ def test_each_pass_samples_every_seed_again_with_its_own_key():
 
 def test_prompt_files_in_jsonl_and_plain_text(tmp_path):
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text('{"prompt": "Name a colour.", "category": "qa"}\n\n{"turns": ["Hi", "And then?"]}\n')
-    assert read_prompt_file(jsonl) == [{"turns": ["Name a colour."], "category": "qa"},
-                                       {"turns": ["Hi", "And then?"], "category": "user"}]
+    jsonl.write_text(
+        '{"prompt": "Name a colour.", "category": "qa"}\n\n{"turns": ["Hi", "And then?"]}\n'
+    )
+    assert read_prompt_file(jsonl) == [
+        {"turns": ["Name a colour."], "category": "qa"},
+        {"turns": ["Hi", "And then?"], "category": "user"},
+    ]
     text = tmp_path / "p.txt"
     text.write_text("First prompt\n\nSecond prompt\n")
     assert [r["turns"] for r in read_prompt_file(text)] == [["First prompt"], ["Second prompt"]]
 
 
-@pytest.mark.parametrize("content, words", [
-    ('{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
-    ('{"text": "no prompt key"}\n', 'line 1: expected {"prompt"'),
-    ("\n\n", "has no prompts"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ('{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
+        ('{"text": "no prompt key"}\n', 'line 1: expected {"prompt"'),
+        ("\n\n", "has no prompts"),
+    ],
+)
 def test_bad_prompt_files_get_one_clear_line(tmp_path, content, words):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
@@ -73,20 +92,37 @@ def test_missing_prompt_file(tmp_path):
 
 def test_generation_writes_conversations_with_the_models_answers(lm, tmp_path):
     out = tmp_path / "conversations.jsonl"
-    summary = generate_data(lm, out, None, SMALL, lambda p: None)
+    budget = DataBudget(max_conversations=40, batch_size=4, max_new_tokens=4)
+    summary = generate_data(lm, out, None, budget, lambda p: None)
     convs = load_conversations(out)
-    assert summary["conversations"] == len(convs) == 6 and summary["new"] == 6
+    assert summary["conversations"] == len(convs) == 40 and summary["new"] == 40
     assert summary["tokens"] > 0
     for messages in convs:
         roles = [m["role"] for m in messages]
         assert roles[0] == "user" and roles == ["user", "assistant"] * (len(roles) // 2)
-    assert any(len(m) >= 4 for m in convs)  # multi-turn seeds come first in a pass
+    multi = [m for m in convs if len(m) >= 4]  # answered turn by turn
+    assert len(multi) == 4 and all(m[1]["content"] != m[3]["content"] for m in multi)
+
+
+def test_multi_turn_seeds_come_in_blocks_spread_through_each_pass():
+    seeds = build_seeds(None, DataBudget(samples_per_seed=1, batch_size=8))
+    multi = [i for i, s in enumerate(seeds) if len(s.turns) > 1]
+    blocks = [multi[j : j + 8] for j in range(0, len(multi), 8)]
+    assert all(b == list(range(b[0], b[0] + len(b))) for b in blocks)  # batched together
+    n = len(seeds)
+    assert multi[0] < n // 4 and any(n // 4 < b[0] < 3 * n // 4 for b in blocks)  # spread out
+    assert len({s.category for s in seeds[:80]}) >= 8  # a short run still sees the breadth
 
 
 def test_an_interrupted_run_resumes_without_duplicates(lm, tmp_path):
     out = tmp_path / "conversations.jsonl"
     cancel = threading.Event()
-    first = generate_data(lm, out, None, SMALL, lambda p: cancel.set(), cancel)  # stops after a batch
+
+    def stop_after_a_batch(p):
+        if p.done:  # the first report (0 done) comes before any batch
+            cancel.set()
+
+    first = generate_data(lm, out, None, SMALL, stop_after_a_batch, cancel)
     assert first["conversations"] == 4
     with out.open("a") as fh:
         fh.write('{"key": "torn", "messages": [{"role": "us')  # a kill mid-write
@@ -117,8 +153,10 @@ def test_heldout_split_keeps_every_sample_of_a_seed_together(tmp_path):
     with out.open("w") as fh:
         for seed in range(200):
             for sample in range(3):
-                messages = [{"role": "user", "content": f"seed {seed}"},
-                            {"role": "assistant", "content": f"answer {sample}"}]
+                messages = [
+                    {"role": "user", "content": f"seed {seed}"},
+                    {"role": "assistant", "content": f"answer {sample}"},
+                ]
                 fh.write(json.dumps({"key": f"{seed:012x}#{sample}", "messages": messages}) + "\n")
     train, heldout = split_heldout(out, 0.2)
     first_turn = lambda convs: {c[0]["content"] for c in convs}  # noqa: E731

@@ -13,14 +13,24 @@ from tests.conftest import make_tiny_model
 from trainer import calibrate as calibration
 from trainer import features as features_mod
 from trainer.features import Features, encode_conversations, hidden_states
-from trainer.losses import candidate_columns, head_weights, soft_cross_entropy, topk_hits
+from trainer.losses import (
+    candidate_columns,
+    head_weights,
+    rank_hits,
+    soft_cross_entropy,
+    sparse_soft_cross_entropy,
+)
 from trainer.medusa import MedusaTrainConfig, fit_heads, head_accuracies, positions, teacher_topk
 from trainer.train import TrainConfig, lr_factor, train_module
 
 CONVS = [
     [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One, two, three."}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Count to three."},
+        {"role": "assistant", "content": "One, two, three."},
+    ],
 ]
 
 
@@ -32,9 +42,10 @@ def lm(bundled_tokenizer, tmp_path, monkeypatch):
 
 # --- features ------------------------------------------------------------------------------
 
+
 def test_the_mask_covers_exactly_the_models_answers(lm):
     ids, masks = encode_conversations(lm, CONVS)
-    answers = lm.tokenizer.decode([t for t, m in zip(ids[1], masks[1]) if m])
+    answers = lm.tokenizer.decode([t for t, m in zip(ids[1], masks[1], strict=True) if m])
     assert "Hello! How can I help?" in answers and "One, two, three." in answers
     assert "Count to three" not in answers and "Hi" not in answers.replace("Hello", "")
     assert "<|im_end|>" in answers  # the model must learn to end its turn too
@@ -50,7 +61,9 @@ def test_cached_states_equal_a_direct_forward(lm):
             out = lm.model(torch.tensor([seq]), output_hidden_states=True)
             a, b = int(feats.offsets[c]), int(feats.offsets[c + 1])
             for layer in (1, 2):  # 2 = the final normed state the LM head reads
-                assert torch.allclose(feats.states[layer][a:b], out.hidden_states[layer][0], atol=1e-4)
+                assert torch.allclose(
+                    feats.states[layer][a:b], out.hidden_states[layer][0], atol=1e-4
+                )
             assert feats.ids[a:b].tolist() == seq and feats.mask[a:b].tolist() == masks[c]
 
 
@@ -74,23 +87,44 @@ def test_bad_layers_are_refused(lm):
 
 # --- losses --------------------------------------------------------------------------------
 
+
 def test_soft_cross_entropy_of_a_one_hot_teacher_is_cross_entropy():
     student = torch.randn(4, 10)
     target = torch.tensor([1, 5, 0, 9])
     teacher = torch.full((4, 10), -1e9).scatter(1, target.unsqueeze(1), 0.0)
-    assert torch.allclose(soft_cross_entropy(student, teacher), torch.nn.functional.cross_entropy(student, target))
+    assert torch.allclose(
+        soft_cross_entropy(student, teacher), torch.nn.functional.cross_entropy(student, target)
+    )
 
 
-def test_soft_cross_entropy_is_smallest_at_the_teacher():
-    teacher = torch.randn(3, 7)
-    best = soft_cross_entropy(teacher, teacher)
-    assert best < soft_cross_entropy(teacher + 0.5 * torch.randn(3, 7), teacher)
+def test_sparse_soft_cross_entropy_equals_the_dense_formula():
+    student = torch.randn(4, 10)
+    cols = torch.tensor([[1, 5], [0, 9], [3, 4], [2, 2]])
+    t_logits = torch.randn(4, 2)
+    dense_teacher = torch.zeros(4, 10).scatter_add(1, cols, t_logits.softmax(-1))
+    dense = -(dense_teacher * student.log_softmax(-1)).sum(-1)
+    assert torch.allclose(sparse_soft_cross_entropy(student, cols, t_logits), dense, atol=1e-6)
+
+
+def test_a_one_hot_teacher_gives_cross_entropy_and_the_teacher_is_the_minimum():
+    student = torch.randn(4, 10)
+    target = torch.tensor([1, 5, 0, 9])
+    hard = sparse_soft_cross_entropy(student, target.unsqueeze(1), torch.zeros(4, 1))
+    assert torch.allclose(
+        hard, torch.nn.functional.cross_entropy(student, target, reduction="none")
+    )
+    cols = torch.arange(10).expand(3, 10)
+    teacher = torch.randn(3, 10)
+    best = sparse_soft_cross_entropy(teacher, cols, teacher).mean()
+    assert (
+        best < sparse_soft_cross_entropy(teacher + 0.5 * torch.randn(3, 10), cols, teacher).mean()
+    )
 
 
 def test_head_weights_and_hits():
     assert head_weights(3) == pytest.approx([0.8, 0.64, 0.512])
-    logits = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.2, 0.1]])
-    assert topk_hits(logits, torch.tensor([2, 0]), 2).tolist() == [[False, True], [True, False]]
+    guesses = torch.tensor([[1, 2], [0, 1]])  # ranked ids per row
+    assert rank_hits(guesses, torch.tensor([2, 0])).tolist() == [[False, True], [True, False]]
 
 
 def test_candidate_columns_keep_every_teacher_token():
@@ -101,11 +135,12 @@ def test_candidate_columns_keep_every_teacher_token():
 
 # --- the shared loop -----------------------------------------------------------------------
 
+
 def _regression():
     torch.manual_seed(0)
     x = torch.randn(256, 8)
     y = x @ torch.randn(8, 1)
-    return torch.nn.Linear(8, 1), [(x[i:i + 32], y[i:i + 32]) for i in range(0, 256, 32)]
+    return torch.nn.Linear(8, 1), [(x[i : i + 32], y[i : i + 32]) for i in range(0, 256, 32)]
 
 
 def _mse(module, batch):
@@ -117,8 +152,13 @@ def test_the_loop_fits_and_reports(monkeypatch):
     module, batches = _regression()
     before = sum(_mse(module, b)[0].item() for b in batches)
     seen = []
-    figures = train_module(module, lambda e: batches, _mse, TrainConfig(lr=0.05, epochs=20, report_every=8),
-                           seen.append)
+    figures = train_module(
+        module,
+        lambda e: batches,
+        _mse,
+        TrainConfig(lr=0.05, epochs=20, report_every=8),
+        seen.append,
+    )
     after = sum(_mse(module, b)[0].item() for b in batches)
     assert after < 0.05 * before and figures["steps"] == 160 and figures["stopped"] == "done"
     assert seen and seen[-1].stage == "train" and seen[-1].done == 160
@@ -136,15 +176,23 @@ def test_cancel_keeps_the_best_weights_seen():
             cancel.set()
         return next(scores)
 
-    figures = train_module(module, lambda e: batches, _mse, TrainConfig(lr=0.05, epochs=10), cancel=cancel,
-                           eval_fn=eval_fn)
+    figures = train_module(
+        module,
+        lambda e: batches,
+        _mse,
+        TrainConfig(lr=0.05, epochs=10),
+        cancel=cancel,
+        eval_fn=eval_fn,
+    )
     assert figures["stopped"] == "cancelled" and figures["best_eval_loss"] == 1.0
     assert torch.equal(module.weight, snapshots[1])  # evaluation 2 scored best
 
 
 def test_the_time_budget_stops_the_loop():
     module, batches = _regression()
-    figures = train_module(module, lambda e: batches, _mse, TrainConfig(epochs=1000, max_seconds=0.0))
+    figures = train_module(
+        module, lambda e: batches, _mse, TrainConfig(epochs=1000, max_seconds=0.0)
+    )
     assert figures["stopped"] == "time" and figures["steps"] == 0
 
 
@@ -158,6 +206,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 
 # --- Medusa trainer ------------------------------------------------------------------------
 
+
 def test_positions_use_states_that_predict_answer_text():
     # two conversations: tokens 0-4 and 5-7; answers at 2, 3, 4 and 7
     mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1], dtype=torch.bool)
@@ -169,8 +218,12 @@ def test_positions_use_states_that_predict_answer_text():
 
 def test_training_teaches_heads_the_models_continuations(lm):
     """On one repeated conversation, trained heads guess t + 2 far better than untrained ones."""
-    convs = [[{"role": "user", "content": "Say it."},
-              {"role": "assistant", "content": "alpha beta gamma delta epsilon zeta eta theta"}]] * 4
+    convs = [
+        [
+            {"role": "user", "content": "Say it."},
+            {"role": "assistant", "content": "alpha beta gamma delta epsilon zeta eta theta"},
+        ]
+    ] * 4
     ids, masks = encode_conversations(lm, convs)
     feats = hidden_states(lm, ids, [2], masks).load()
     teacher = teacher_topk(lm, feats.states[2], 4)
@@ -185,6 +238,7 @@ def test_training_teaches_heads_the_models_continuations(lm):
 
 # --- calibration ---------------------------------------------------------------------------
 
+
 def test_candidate_trees_grow_with_the_budget():
     trees = calibration.candidate_trees([[0.5, 0.6], [0.3, 0.4]], (1, 2, 3, 50))
     assert [len(t) for t in trees] == sorted(len(t) for t in trees) and trees[0] == [(0,)]
@@ -198,7 +252,12 @@ def test_calibration_keeps_the_fastest_measured_option(lm, monkeypatch, speedups
     def fake_measure(_lm, _heads, trees, _prompts, _config, *_a):
         out = {"plain": {"tokens_per_s": 10.0, "mean_accepted": 1.0, "speedup": 1.0, "nodes": 0}}
         for i, s in enumerate(speedups[: len(trees)]):
-            out[f"tree-{i}"] = {"tokens_per_s": 10 * s, "mean_accepted": 1.5, "speedup": s, "nodes": len(trees[i])}
+            out[f"tree-{i}"] = {
+                "tokens_per_s": 10 * s,
+                "mean_accepted": 1.5,
+                "speedup": s,
+                "nodes": len(trees[i]),
+            }
         return out
 
     monkeypatch.setattr(calibration, "measure_decoding", fake_measure)

@@ -26,11 +26,16 @@ from trainer.train import TrainConfig
 
 def _options(**overrides) -> TrainOptions:
     small = dict(
-        method="medusa", max_minutes=2.0, heldout_fraction=0.3, calibration_seconds=1.0,
+        method="medusa",
+        max_minutes=2.0,
+        heldout_fraction=0.3,
+        calibration_seconds=1.0,
         data=DataBudget(max_conversations=12, batch_size=6, max_new_tokens=8),
         medusa=MedusaTrainConfig(negatives=64, batch_positions=32, eval_positions=64),
         train=TrainConfig(epochs=2),
-        calibration=CalibrationConfig(budgets=(2, 4), finalists=1, prompts=1, max_new_tokens=6, step_repeats=1),
+        calibration=CalibrationConfig(
+            budgets=(2, 4), finalists=1, prompts=1, max_new_tokens=6, step_repeats=1
+        ),
     )
     return TrainOptions(**{**small, **overrides})
 
@@ -70,20 +75,26 @@ def test_a_cancelled_build_resumes_with_its_data_and_features(lm, monkeypatch):
     assert not writes  # every feature shard came from the cache
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"method": "eagle"}, "unknown method"),
-    ({"max_minutes": 0}, "positive"),
-    ({"prompts_file": "/no/such/prompts.jsonl"}, "prompts file not found"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"method": "eagle"}, "unknown method"),
+        ({"max_minutes": 0}, "positive"),
+        ({"prompts_file": "/no/such/prompts.jsonl"}, "prompts file not found"),
+    ],
+)
 def test_bad_options_are_refused(overrides, words):
     with pytest.raises(QuickdraftError, match=words):
         _options(**overrides)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--max-minutes", "0"], "positive"),
-    (["--prompts", "/no/such/file.txt"], "prompts file not found"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--max-minutes", "0"], "positive"),
+        (["--prompts", "/no/such/file.txt"], "prompts file not found"),
+    ],
+)
 def test_the_command_refuses_bad_input_in_one_line(argv, words, capsys):
     assert main(["train", "--method", "medusa", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -97,13 +108,22 @@ def test_progress_line_shows_stage_fraction_and_eta():
 
 
 def test_summary_says_plainly_when_the_heads_do_not_pay():
-    measured = {"plain": {"speedup": 1.0, "mean_accepted": 1.0, "tokens_per_s": 20},
-                "tree-0": {"speedup": 0.83, "mean_accepted": 1.4, "tokens_per_s": 16.6}}
+    measured = {
+        "plain": {"speedup": 1.0, "mean_accepted": 1.0, "tokens_per_s": 20},
+        "tree-0": {"speedup": 0.83, "mean_accepted": 1.4, "tokens_per_s": 16.6},
+    }
     result = SimpleNamespace(
-        method="medusa", cancelled=False, folder="/x", data={"conversations": 10, "tokens": 900},
+        method="medusa",
+        cancelled=False,
+        folder="/x",
+        data={"conversations": 10, "tokens": 900},
         settings={"tree": [], "pays": False},
-        metrics={"top1": [0.2, 0.1], "top5": [0.4, 0.2], "times": {"data_s": 60.0},
-                 "calibration": {"chosen": "plain", "measured": measured}},
+        metrics={
+            "top1": [0.2, 0.1],
+            "top5": [0.4, 0.2],
+            "times": {"data_s": 60.0},
+            "calibration": {"chosen": "plain", "measured": measured},
+        },
     )
     text = summary(result)
     assert "head 1:  20.0% /  40.0%" in text

@@ -33,14 +33,17 @@ def test_node_slots_say_which_head_and_rank_fill_each_node():
 
 def test_mask_lets_each_node_see_exactly_its_ancestors():
     t = build_tree(CHOICES, num_heads=4)
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],
-        [1, 0, 1, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0],
+            [1, 1, 0, 0, 1, 0],
+            [1, 0, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(t.mask, expected)
 
 
@@ -56,11 +59,14 @@ def test_empty_tree_is_just_the_root():
     assert t.size == 1 and t.children == [[]] and t.node_heads.numel() == 0
 
 
-@pytest.mark.parametrize("bad, words", [
-    ([(0, 0)], "no parent"),
-    ([(0,), (0, 0), (0, 0, 0)], "deeper"),
-    ([(-1,)], "negative"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ([(0, 0)], "no parent"),
+        ([(0,), (0, 0), (0, 0, 0)], "deeper"),
+        ([(-1,)], "negative"),
+    ],
+)
 def test_malformed_choices_are_refused(bad, words):
     with pytest.raises(QuickdraftError, match=words):
         build_tree(bad, num_heads=2)

@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 from dataclasses import dataclass, field
 
-import torch
-
-from engine import kv_cache
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads
-from engine.generate import DecodeState, generate
-from engine.sampling import make_generator
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads, step_seconds
+from engine.generate import generate
 from engine.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
 from trainer.progress import Progress, ProgressFn, ignore
 
@@ -33,9 +28,9 @@ class CalibrationConfig:
     """What calibration tries and how long it measures."""
 
     budgets: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # drafted nodes per tree tried
-    finalists: int = 3  # best-estimated trees decoded for real against plain decoding
+    finalists: int = 2  # best-estimated trees decoded for real against plain decoding
     prompts: int = 4  # held-out prompts decoded per finalist
-    max_new_tokens: int = 96  # tokens per timed reply
+    max_new_tokens: int = 64  # tokens per timed reply
     step_repeats: int = 5  # timed repetitions per tree size (the median is kept)
 
 
@@ -46,11 +41,15 @@ class CalibrationResult:
     tree: list[list[int]]  # chosen choices; [] = no tree beat plain decoding here
     pays: bool  # a tree was measurably faster than plain decoding
     chosen: str = "plain"  # key of the winner in `measured`
-    measured: dict = field(default_factory=dict)  # name -> {"tokens_per_s", "mean_accepted", "speedup"}
-    estimates: list[dict] = field(default_factory=list)  # per budget: nodes, expected tokens, step ms
+    # name -> {"tokens_per_s", "mean_accepted", "speedup", "nodes"}
+    measured: dict = field(default_factory=dict)
+    # per budget: nodes, expected tokens, step ms, estimated speedup, tree
+    estimates: list[dict] = field(default_factory=list)
 
 
-def candidate_trees(topk_acc: list[list[float]], budgets: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
+def candidate_trees(
+    topk_acc: list[list[float]], budgets: tuple[int, ...]
+) -> list[list[tuple[int, ...]]]:
     """The greedy sparse tree for each node budget (distinct trees only)."""
     marginal = marginal_accuracies(topk_acc)
     trees, seen = [], set()
@@ -62,29 +61,15 @@ def candidate_trees(topk_acc: list[list[float]], budgets: tuple[int, ...]) -> li
     return trees
 
 
-def step_seconds(lm, heads: MedusaHeads, choices, context: list[int], repeats: int) -> float:
-    """Median wall time of one decode step's propose + verification forward with this tree
-    (choices [] = a plain one-token step), over a prefilled held-out context."""
-    drafter = MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
-    cache = kv_cache.new_cache(lm.model)
-    with torch.inference_mode():
-        out = lm.model(input_ids=torch.tensor([context[:-1]], device=lm.device), cache=cache,
-                       use_cache=True, output_hidden_states=True, logits_to_keep=1)
-        state = DecodeState(lm, SamplingParams(), cache, list(context), len(context) - 1, make_generator(0, lm.device))
-        state.hidden = out.hidden_states[-1][0, -1]
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            begin = time.perf_counter()
-            draft = drafter.propose(state)
-            drafter.score(state, draft)
-            times.append(time.perf_counter() - begin)
-            kv_cache.drop_last(cache, draft.size)
-    return statistics.median(times[1:])
-
-
-def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list[list[int]],
-              config: CalibrationConfig, progress: ProgressFn = ignore,
-              cancel: threading.Event | None = None) -> CalibrationResult:
+def calibrate(
+    lm,
+    heads: MedusaHeads,
+    topk_acc: list[list[float]],
+    prompts: list[list[int]],
+    config: CalibrationConfig,
+    progress: ProgressFn = ignore,
+    cancel: threading.Event | None = None,
+) -> CalibrationResult:
     """Choose the fastest tree measured on this machine (or none, when none pays)."""
     marginal = marginal_accuracies(topk_acc)
     trees = candidate_trees(topk_acc, config.budgets)
@@ -94,13 +79,28 @@ def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list
     for i, choices in enumerate(trees):
         secs = step_seconds(lm, heads, choices, context, config.step_repeats)
         expected = expected_tokens(choices, marginal)
-        estimates.append({"nodes": len(choices), "expected_tokens": round(expected, 3),
-                          "step_ms": round(secs * 1e3, 2), "plain_step_ms": round(plain_s * 1e3, 2),
-                          "estimated_speedup": round(expected * plain_s / secs, 3), "tree": choices})
-        progress(Progress("calibrate", i + 1, len(trees) + config.finalists, f"timed a {len(choices)}-node tree"))
+        estimates.append(
+            {
+                "nodes": len(choices),
+                "expected_tokens": round(expected, 3),
+                "step_ms": round(secs * 1e3, 2),
+                "plain_step_ms": round(plain_s * 1e3, 2),
+                "estimated_speedup": round(expected * plain_s / secs, 3),
+                "tree": choices,
+            }
+        )
+        progress(
+            Progress(
+                "calibrate",
+                i + 1,
+                len(trees) + config.finalists,
+                f"timed a {len(choices)}-node tree",
+            )
+        )
     best = sorted(estimates, key=lambda e: -e["estimated_speedup"])[: config.finalists]
-    measured = measure_decoding(lm, heads, [e["tree"] for e in best], prompts[: config.prompts], config,
-                                progress, cancel)
+    measured = measure_decoding(
+        lm, heads, [e["tree"] for e in best], prompts[: config.prompts], config, progress, cancel
+    )
     # Plain decoding's speedup is 1 by definition; a tree must beat it to be kept.
     winner = max(measured, key=lambda name: measured[name]["speedup"], default="plain")
     tree = [] if winner == "plain" else [list(c) for c in best[int(winner.split("-")[1])]["tree"]]
@@ -109,13 +109,22 @@ def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list
     return CalibrationResult(tree, bool(tree), winner, measured, estimates)
 
 
-def measure_decoding(lm, heads: MedusaHeads, trees, prompts: list[list[int]], config: CalibrationConfig,
-                     progress: ProgressFn = ignore, cancel: threading.Event | None = None) -> dict:
+def measure_decoding(
+    lm,
+    heads: MedusaHeads,
+    trees,
+    prompts: list[list[int]],
+    config: CalibrationConfig,
+    progress: ProgressFn = ignore,
+    cancel: threading.Event | None = None,
+) -> dict:
     """Greedy replies to `prompts` with plain decoding and with each tree, interleaved per
     prompt (the machine's speed drifts). Returns name -> tokens/s, tokens/step, speedup."""
     drafters: dict[str, Drafter] = {"plain": Drafter()}
     for i, choices in enumerate(trees):
-        drafters[f"tree-{i}"] = MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
+        drafters[f"tree-{i}"] = MedusaDrafter(
+            lm, heads, build_tree(choices, heads.settings.num_heads)
+        )
     params = SamplingParams(max_new_tokens=config.max_new_tokens)
     rates: dict[str, list[float]] = {name: [] for name in drafters}
     accepted: dict[str, list[float]] = {name: [] for name in drafters}
@@ -123,21 +132,25 @@ def measure_decoding(lm, heads: MedusaHeads, trees, prompts: list[list[int]], co
         if cancel is not None and cancel.is_set():
             break
         names = list(drafters)
-        for name in names[n % len(names):] + names[: n % len(names)]:  # rotate the order
+        for name in names[n % len(names) :] + names[: n % len(names)]:  # rotate the order
             stats = _final_stats(lm, ids, params, drafters[name])
             rates[name].append(stats.tokens_per_s)
             accepted[name].append(stats.mean_accepted)
-        progress(Progress("calibrate", n + 1, len(prompts), f"timed {n + 1}/{len(prompts)} replies"))
+        progress(
+            Progress("calibrate", n + 1, len(prompts), f"timed {n + 1}/{len(prompts)} replies")
+        )
     plain = rates["plain"]
     out = {}
     for name in drafters:
         if not rates[name]:
             continue
-        ratios = [r / p for r, p in zip(rates[name], plain) if p > 0]
-        out[name] = {"tokens_per_s": round(statistics.median(rates[name]), 2),
-                     "mean_accepted": round(statistics.mean(accepted[name]), 3),
-                     "speedup": round(statistics.median(ratios), 3) if ratios else 0.0,
-                     "nodes": 0 if name == "plain" else len(trees[int(name.split("-")[1])])}
+        ratios = [r / p for r, p in zip(rates[name], plain, strict=True) if p > 0]
+        out[name] = {
+            "tokens_per_s": round(statistics.median(rates[name]), 2),
+            "mean_accepted": round(statistics.mean(accepted[name]), 3),
+            "speedup": round(statistics.median(ratios), 3) if ratios else 0.0,
+            "nodes": 0 if name == "plain" else len(trees[int(name.split("-")[1])]),
+        }
     return out
 
 

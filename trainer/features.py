@@ -64,11 +64,13 @@ class FeatureCache:
         for p in parts:
             offsets.append(p.offsets[1:] + base)
             base += p.tokens
-        states = {l: torch.cat([p.states[l] for p in parts]) for l in want}
+        states = {layer: torch.cat([p.states[layer] for p in parts]) for layer in want}
         return Features(ids, mask, torch.cat(offsets), states)
 
 
-def encode_conversations(lm, conversations: list[list[dict]]) -> tuple[list[list[int]], list[list[bool]]]:
+def encode_conversations(
+    lm, conversations: list[list[dict]]
+) -> tuple[list[list[int]], list[list[bool]]]:
     """Token ids of each whole conversation through the model's chat template, and a mask
     that is True on the tokens of the model's answers (including their end-of-turn token).
 
@@ -93,8 +95,9 @@ def encode_conversations(lm, conversations: list[list[dict]]) -> tuple[list[list
 
 def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                            tokenize=True, return_dict=True)
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
+        )
         return list(out["input_ids"])
     # No template (a base model): the plain transcript engine.chat.encode also uses.
     text = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
@@ -102,8 +105,14 @@ def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def hidden_states(lm, ids_batch: list[list[int]], layers: list[int], masks: list[list[bool]] | None = None,
-                  progress: ProgressFn = ignore, cancel: threading.Event | None = None) -> FeatureCache:
+def hidden_states(
+    lm,
+    ids_batch: list[list[int]],
+    layers: list[int],
+    masks: list[list[bool]] | None = None,
+    progress: ProgressFn = ignore,
+    cancel: threading.Event | None = None,
+) -> FeatureCache:
     """Run the frozen model over every conversation and cache the requested layers.
 
     Shards are keyed by the model, its quantization, the layers and their tokens, so a rerun
@@ -111,24 +120,34 @@ def hidden_states(lm, ids_batch: list[list[int]], layers: list[int], masks: list
     and raises QuickdraftError.
     """
     num_layers = int(lm.model.config.num_hidden_layers)
-    layers = sorted(set(int(l) for l in layers))
+    layers = sorted({int(layer) for layer in layers})
     if not layers or layers[0] < 0 or layers[-1] > num_layers:
         raise QuickdraftError(f"feature layers must be within 0..{num_layers}, got {layers}")
     masks = masks if masks is not None else [[True] * len(ids) for ids in ids_batch]
     groups = _shard_groups([len(ids) for ids in ids_batch])
     folder = cache_dir() / "features" / lm.fingerprint
-    shards = [folder / f"{_shard_key(lm, layers, [ids_batch[i] for i in g], [masks[i] for i in g])}.safetensors"
-              for g in groups]
+    shards = [
+        folder
+        / f"{_shard_key(lm, layers, [ids_batch[i] for i in g], [masks[i] for i in g])}.safetensors"
+        for g in groups
+    ]
     eta = Eta(sum(len(ids) for ids in ids_batch))
     done_tokens = 0
-    for path, group in zip(shards, groups):
+    for path, group in zip(shards, groups, strict=True):
         if not _valid(path):
             if cancel is not None and cancel.is_set():
                 raise QuickdraftError("feature extraction cancelled")
             _write_shard(lm, path, [ids_batch[i] for i in group], [masks[i] for i in group], layers)
         done_tokens += sum(len(ids_batch[i]) for i in group)
-        progress(Progress("features", done_tokens, eta.total, f"{done_tokens}/{eta.total} tokens",
-                          eta.left(done_tokens)))
+        progress(
+            Progress(
+                "features",
+                done_tokens,
+                eta.total,
+                f"{done_tokens}/{eta.total} tokens",
+                eta.left(done_tokens),
+            )
+        )
     return FeatureCache(folder, layers, shards)
 
 
@@ -138,7 +157,7 @@ def _shard_key(lm, layers: list[int], ids_list, mask_list) -> str:
     Shards hold consecutive conversations, so appending data (a resumed or longer run)
     leaves the earlier shards' keys, and their cached files, unchanged."""
     digest = hashlib.sha256(json.dumps([lm.fingerprint, lm.quant, layers]).encode())
-    for ids, mask in zip(ids_list, mask_list):
+    for ids, mask in zip(ids_list, mask_list, strict=True):
         digest.update(json.dumps([ids, [int(m) for m in mask]]).encode())
     return digest.hexdigest()[:20]
 
@@ -167,7 +186,7 @@ def _valid(path: Path) -> bool:
 
 def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None:
     """Forward the conversations (length-sorted, right-padded batches) and save atomically."""
-    states = {l: [None] * len(ids_list) for l in layers}
+    states = {layer: [None] * len(ids_list) for layer in layers}
     order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))
     while order:
         width = len(ids_list[order[-1]])
@@ -175,15 +194,15 @@ def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None
         batch, order = order[-take:], order[:-take]
         out = _forward(lm, [ids_list[i] for i in batch], width)
         for row, i in enumerate(batch):
-            for l in layers:
-                states[l][i] = out[l][row, : len(ids_list[i])].cpu()
+            for layer in layers:
+                states[layer][i] = out[layer][row, : len(ids_list[i])].cpu()
     lengths = torch.tensor([len(ids) for ids in ids_list], dtype=torch.long)
     tensors = {
         "ids": torch.tensor([t for ids in ids_list for t in ids], dtype=torch.long),
         "mask": torch.tensor([bool(m) for mask in mask_list for m in mask], dtype=torch.bool),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
     }
-    tensors.update({f"layer{l}": torch.cat(states[l]).contiguous() for l in layers})
+    tensors.update({f"layer{n}": torch.cat(states[n]).contiguous() for n in layers})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     save_file(tensors, tmp)
@@ -198,8 +217,13 @@ def _forward(lm, batch: list[list[int]], width: int) -> tuple[torch.Tensor, ...]
         ids[row, : len(seq)] = torch.tensor(seq)
         attn[row, : len(seq)] = 1
     with torch.inference_mode():
-        out = lm.model(input_ids=ids.to(lm.device), attention_mask=attn.to(lm.device),
-                       output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        out = lm.model(
+            input_ids=ids.to(lm.device),
+            attention_mask=attn.to(lm.device),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
     return out.hidden_states
 
 
@@ -207,5 +231,7 @@ def _read_shard(path: Path, layers: list[int]) -> Features:
     try:
         t = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise QuickdraftError(f"the feature cache shard {path} is unreadable; delete it and rerun") from exc
-    return Features(t["ids"], t["mask"], t["offsets"], {l: t[f"layer{l}"] for l in layers})
+        raise QuickdraftError(
+            f"the feature cache shard {path} is unreadable; delete it and rerun"
+        ) from exc
+    return Features(t["ids"], t["mask"], t["offsets"], {n: t[f"layer{n}"] for n in layers})

@@ -32,8 +32,12 @@ class KangarooTrainConfig:
     """What the Kangaroo trainer builds and how it batches."""
 
     exit_layers: tuple[int, ...] = (1, 2, 3)  # exits tried, one adapter each; calibration picks
-    ffn: bool = False  # adapter with a feed-forward block after its attention
+    # adapter with a feed-forward block after its attention (bundled model, same data and
+    # budget: held-out agreement 30.5% with it, 24.8% without)
+    ffn: bool = True
     draft_vocab: int = 8192  # draft over the most frequent answer tokens; 0 = full vocabulary
+    max_memory_share: float = 0.05  # adapter + copied head rows, as a share of the model's
+    # weights; the draft vocabulary shrinks to fit
     max_len: int = 1024  # conversation tokens trained on (longer conversations are cut)
     batch_tokens: int = 4096  # padded tokens per training step
     eval_positions: int = 4096  # held-out positions per agreement evaluation
@@ -63,6 +67,20 @@ def draft_vocabulary(feats: Features, size: int, eos_ids: tuple[int, ...],
     counts[list(eos_ids)] = float("inf")  # the end of a reply must stay draftable
     top = counts.topk(size).indices
     return torch.sort(top[counts[top] > 0]).values
+
+
+def fitting_vocab(model, ffn: bool, wanted: int, share: float) -> int:
+    """The largest draft vocabulary (<= wanted) whose copied LM-head rows, with the adapter,
+    stay within `share` of the model's weight memory; 0 = the full vocabulary (no copy)."""
+    if wanted <= 0:
+        return 0
+    head = model.get_output_embeddings().weight
+    vocab_size, row_bytes = head.shape[0], head.shape[1] * head.element_size()
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    adapter = Adapter(model, ffn)
+    adapter_bytes = sum(p.numel() for p in adapter.parameters()) * head.element_size()
+    room = max(0, int((share * model_bytes - adapter_bytes) // row_bytes))
+    return min(wanted, room, vocab_size)
 
 
 def make_batches(feats: Features, max_len: int, batch_tokens: int) -> list[Batch]:
@@ -134,14 +152,12 @@ def agreement(model, adapter: Adapter, head: torch.Tensor, vocab: torch.Tensor |
 
 
 def _eval_batches(batches: list[Batch], positions: int) -> list[Batch]:
-    """The first batches holding about `positions` loss positions."""
-    out, seen = [], 0
-    for batch in batches:
-        if seen >= positions:
-            break
-        out.append(batch)
-        seen += int(batch.loss.sum())
-    return out
+    """Batches spread evenly over the (length-sorted) list, about `positions` loss positions."""
+    total = sum(int(b.loss.sum()) for b in batches)
+    if total <= positions:
+        return batches
+    keep = positions / total  # share of the batches kept, every 1/keep-th one
+    return [b for i, b in enumerate(batches) if int(i * keep) != int((i + 1) * keep)]
 
 
 def fit_adapter(lm, adapter: Adapter, head: torch.Tensor, vocab, data: tuple[Features, Features],
@@ -189,7 +205,8 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
     heldout = _features(lm, heldout_convs, [*exits, final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
     vocab_size = lm.model.get_output_embeddings().weight.shape[0]
-    vocab = draft_vocabulary(train, config.draft_vocab, lm.eos_ids, vocab_size)
+    rows = fitting_vocab(lm.model, config.ffn, config.draft_vocab, config.max_memory_share)
+    vocab = draft_vocabulary(train, rows, lm.eos_ids, vocab_size)
     head = draft_head(lm.model, vocab).float()
     adapters, fits = {}, {}
     mark = time.perf_counter()
@@ -206,6 +223,8 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
         if cancel is not None and cancel.is_set():
             break
     times["train_s"] = round(time.perf_counter() - mark, 1)
+    if cancel is not None and cancel.is_set():
+        return {}, {}, {"times": times}  # the pipeline saves nothing after a cancel
     mark = time.perf_counter()
     prompts = [prompt_ids(lm, conv) for conv in heldout_convs]
     result = calibrate(lm, adapters, config.ffn, vocab, prompts, config.calibration, progress,
@@ -216,7 +235,7 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
     tensors = {f"adapter.{k}": v.to(lm.dtype) for k, v in weights.items()}
     if vocab is not None:
         tensors["draft_vocab"] = vocab
-    settings = {**chosen.to_json(),
+    settings = {**chosen.to_json(), "pays": result.pays,
                 "draft_vocab_size": int(vocab.numel()) if vocab is not None else int(vocab_size)}
     metrics = {
         "pays": result.pays, "speedup": result.speedup, "chosen": chosen.to_json(),
@@ -241,3 +260,24 @@ def _features(lm, convs: list[list[dict]], which: list[int], progress: ProgressF
               cancel) -> Features:
     ids, masks = encode_conversations(lm, convs)
     return hidden_states(lm, ids, which, masks, progress, cancel).load()
+
+
+def summary_lines(metrics: dict, settings: dict) -> list[str]:
+    """What the trained Kangaroo drafter does here, for people (the train command prints it)."""
+    agreement = ", ".join(f"l={e} {a * 100:.1f}%" for e, a in metrics.get("agreement", {}).items())
+    lines = [f"held-out top-1 agreement with the model: {agreement}",
+             f"draft vocabulary: {settings.get('draft_vocab_size')} tokens "
+             f"({metrics.get('vocab_coverage', 0) * 100:.1f}% of held-out answer tokens)"]
+    speedup = metrics.get("speedup", 0.0)
+    if metrics.get("pays"):
+        ctar = " ".join(f"{c:.2f}" for c in metrics.get("ctar", []))
+        lines.append(
+            f"chosen: exit layer {settings['exit_layer']}, eta {settings['eta']}, gamma "
+            f"{settings['gamma']}: measured {speedup:.2f}x plain decoding, "
+            f"{metrics.get('mean_accepted', 0):.2f} tokens per step, CTAR(1..6) {ctar}")
+    else:
+        lines.append(
+            f"Kangaroo does not pay on this machine (the best setting measured {speedup:.2f}x "
+            "plain decoding): --accel kangaroo will decode exactly like plain decoding, "
+            "never slower.")
+    return lines

@@ -18,7 +18,7 @@ import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
 from trainer.features import Features, encode_conversations, hidden_states
-from trainer.losses import candidate_columns, head_weights, soft_cross_entropy, topk_hits
+from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
 from trainer.progress import Progress, ProgressFn, ignore
 from trainer.train import TrainConfig, train_module
 
@@ -31,11 +31,15 @@ class MedusaTrainConfig:
 
     num_heads: int = 4  # K heads: head k guesses the token k + 1 positions ahead
     own_vocab: bool = False  # a (V, H) projection per head instead of the shared LM head
+    draft_vocab: int = 8192  # heads propose only the N most frequent answer tokens; 0 = all
+    # (ignored with own_vocab, whose projections cover the whole vocabulary)
     teacher_topk: int = 16  # teacher tokens kept per position (the soft target's support)
     negatives: int = 1024  # random extra vocabulary columns per step
     batch_positions: int = 512  # training positions per step
     eval_positions: int = 2048  # held-out positions per evaluation
     max_rank: int = 10  # per-head top-i accuracies measured for i = 1..max_rank
+    epochs: int = 30  # upper bound: the time budget usually ends training first (the best
+    # held-out weights are kept, so extra epochs on little data cannot overfit the result)
     seed: int = 0  # batch order and negatives
 
 
@@ -53,7 +57,7 @@ def teacher_topk(lm, states: torch.Tensor, k: int, progress: ProgressFn = ignore
     ids, logits = [], []
     for start in range(0, states.shape[0], CHUNK):
         with torch.inference_mode():
-            out = head(states[start:start + CHUNK].to(lm.device, lm.dtype)).float()
+            out = head(states[start : start + CHUNK].to(lm.device, lm.dtype)).float()
             top = out.topk(k, dim=-1)
         ids.append(top.indices.cpu())
         logits.append(top.values.cpu())
@@ -83,9 +87,16 @@ def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.T
     return pos, valid
 
 
-def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, teacher: Teacher,
-              pos: torch.Tensor, valid: torch.Tensor, config: MedusaTrainConfig,
-              generator: torch.Generator | None = None) -> torch.Tensor:
+def step_loss(
+    heads: MedusaHeads,
+    weight: torch.Tensor,
+    states: torch.Tensor,
+    teacher: Teacher,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    config: MedusaTrainConfig,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Weighted sampled-softmax soft cross-entropy of all heads for a batch of positions.
 
     weight: (V, H) frozen vocabulary projection; states: (T, H); pos: (B,); valid: (B, K).
@@ -95,47 +106,76 @@ def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, te
     targets = torch.where(valid, targets, pos.unsqueeze(-1))  # masked out below
     t_ids, t_logits = teacher.ids[targets], teacher.logits[targets]  # (B, K, k)
     cols = candidate_columns(t_ids, weight.shape[0], config.negatives, generator)  # (C,)
-    where = torch.searchsorted(cols, t_ids)  # teacher tokens' column in the candidate set
-    full = torch.full((*t_ids.shape[:2], cols.numel()), float("-inf"))
-    full.scatter_(-1, where, t_logits)  # (B, K, C) teacher logits, -inf off its top-k
+    where = torch.searchsorted(cols, t_ids)  # (B, K, k): teacher tokens' scored columns
     dev = heads.weight.device
-    hidden = heads.transform(states[pos].to(dev, torch.float32))  # (B, K, H)
-    full, cols, valid = full.to(dev), cols.to(dev), valid.to(dev)
-    losses = []
-    for k in range(k_heads):
-        rows = valid[:, k]
-        proj = heads.vocab[k] if heads.vocab is not None else weight
-        student = hidden[rows, k] @ proj[cols].T.to(hidden.dtype)  # (B_k, C)
-        losses.append(soft_cross_entropy(student, full[rows, k]))
-    lam = head_weights(k_heads)
-    return sum(w * l for w, l in zip(lam, losses)) / sum(lam)
+    cols, where, t_logits, valid = cols.to(dev), where.to(dev), t_logits.to(dev), valid.to(dev)
+    # bf16 matmuls (fp32 master weights, fp32 softmax): ~4x faster on CPUs with bf16 units.
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        hidden = heads.transform(states[pos].to(dev))  # (B, K, H)
+        if heads.vocab is None:
+            student = (hidden.flatten(0, 1) @ weight[cols].T).unflatten(
+                0, hidden.shape[:2]
+            )  # (B, K, C)
+        else:
+            student = torch.einsum("bkh,kch->bkc", hidden, heads.vocab[:, cols])
+    losses = sparse_soft_cross_entropy(student, where, t_logits)  # (B, K)
+    per_head = (losses * valid).sum(0) / valid.sum(0).clamp_min(1)  # (K,)
+    lam = torch.tensor(head_weights(k_heads), device=dev)
+    return (lam * per_head).sum() / lam.sum()
 
 
-def head_accuracies(lm, heads: MedusaHeads, states: torch.Tensor, teacher: Teacher, pos: torch.Tensor,
-                    valid: torch.Tensor, max_rank: int) -> list[list[float]]:
+def draft_vocabulary(
+    features: Features, teacher: Teacher, size: int, vocab_size: int
+) -> torch.Tensor | None:
+    """The `size` tokens the heads may propose: the most frequent among the answers' tokens
+    and the model's own top guesses at answer positions. None (the whole vocabulary) when
+    size is 0 or covers the vocabulary. Returns sorted (V',) long ids."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    seen = torch.cat([features.ids[features.mask], teacher.ids[features.mask, 0]])
+    counts = torch.bincount(seen, minlength=vocab_size)
+    return torch.sort(torch.topk(counts, size).indices).values
+
+
+def head_accuracies(
+    lm,
+    heads: MedusaHeads,
+    states: torch.Tensor,
+    teacher: Teacher,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    max_rank: int,
+) -> list[list[float]]:
     """Per head, top-i accuracy (i = 1..max_rank) against the base model's greedy token at
-    t + k, over the full vocabulary. Returns K lists of cumulative accuracies."""
-    lm_head = lm.model.get_output_embeddings()
+    t + k, guessing from the heads' vocabulary as the drafter does. Returns K lists of
+    cumulative accuracies."""
+    projection = heads.project(lm.model.get_output_embeddings().weight.detach())  # (V', H)
     k_heads = heads.settings.num_heads
     hits = torch.zeros(k_heads, max_rank)
     counts = torch.zeros(k_heads)
     for start in range(0, pos.numel(), CHUNK // k_heads):
-        p, v = pos[start:start + CHUNK // k_heads], valid[start:start + CHUNK // k_heads]
+        p, v = pos[start : start + CHUNK // k_heads], valid[start : start + CHUNK // k_heads]
         with torch.inference_mode():
-            logits = heads.logits(states[p].to(lm.device), lm_head).float().cpu()  # (B, K, V)
+            logits = heads.logits(states[p].to(lm.device), projection).float()  # (B, K, V')
+            guesses = heads.tokens(logits.topk(max_rank, dim=-1).indices).cpu()  # (B, K, R)
         for k in range(k_heads):
             # Head k + 1's target: the greedy token after t + k + 1 (clamped rows are masked).
             target = teacher.ids[(p + k + 1).clamp(max=teacher.ids.shape[0] - 1), 0]
-            h = topk_hits(logits[v[:, k], k], target[v[:, k]], max_rank)
+            h = rank_hits(guesses[v[:, k], k], target[v[:, k]])
             hits[k] += h.float().sum(0)
             counts[k] += int(v[:, k].sum())
     cumulative = hits.cumsum(-1) / counts.clamp_min(1).unsqueeze(-1)
     return [[round(float(a), 4) for a in row] for row in cumulative]
 
 
-def train_medusa(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
-                 progress: ProgressFn = ignore, cancel: threading.Event | None = None
-                 ) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def train_medusa(
+    lm,
+    train_convs: list[list[dict]],
+    heldout_convs: list[list[dict]],
+    options,
+    progress: ProgressFn = ignore,
+    cancel: threading.Event | None = None,
+) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Features -> heads -> held-out accuracies -> calibrated tree, within
     options.max_minutes (the time the pipeline left for these stages).
 
@@ -153,35 +193,85 @@ def train_medusa(lm, train_convs: list[list[dict]], heldout_convs: list[list[dic
     t_teacher = teacher_topk(lm, train.states[final], config.teacher_topk, progress)
     h_teacher = teacher_topk(lm, heldout.states[final], config.teacher_topk)
     times["teacher_s"] = round(time.perf_counter() - mark, 1)
-    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(config.num_heads, config.own_vocab),
-                        lm.model.get_output_embeddings().weight if config.own_vocab else None)
+    heads = _new_heads(lm, config, train, t_teacher)
     left = options.max_minutes * 60 - (time.perf_counter() - start)
     budget = max(10.0, left - options.calibration_seconds)
+    train_config = dataclasses.replace(options.train, epochs=config.epochs, max_seconds=budget)
     mark = time.perf_counter()
-    fit = fit_heads(lm, heads, (train, t_teacher), (heldout, h_teacher), config,
-                    dataclasses.replace(options.train, max_seconds=budget), progress, cancel)
+    fit = fit_heads(
+        lm, heads, (train, t_teacher), (heldout, h_teacher), config, train_config, progress, cancel
+    )
     times["train_s"] = round(time.perf_counter() - mark, 1)
+    if cancel is not None and cancel.is_set():
+        return heads.tensors(), {}, {"train": fit, "times": times}  # the pipeline saves nothing
     mark = time.perf_counter()
     h_pos, h_valid = positions(heldout, config.num_heads)
-    acc = head_accuracies(lm, heads, heldout.states[final], h_teacher, h_pos, h_valid, config.max_rank)
+    acc = head_accuracies(
+        lm, heads, heldout.states[final], h_teacher, h_pos, h_valid, config.max_rank
+    )
     prompts = [_prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
     result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
-    settings = {"num_heads": config.num_heads, "own_vocab": config.own_vocab, "tree": result.tree,
-                "pays": result.pays}
-    metrics = {
-        "topk_accuracy": {f"head{k + 1}": row for k, row in enumerate(acc)},
-        "top1": [row[0] for row in acc], "top5": [row[min(4, len(row) - 1)] for row in acc],
-        "train": fit, "calibration": {"chosen": result.chosen, "measured": result.measured,
-                        "estimates": result.estimates},
-        "train_tokens": train.tokens, "heldout_tokens": heldout.tokens, "times": times,
+    settings = {
+        "num_heads": config.num_heads,
+        "own_vocab": config.own_vocab,
+        "tree": result.tree,
+        "pays": result.pays,
+        "quant": lm.quant,  # the dtype the tree was timed in (another one re-times at load)
+        "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
     }
+    metrics = _metrics(acc, result, fit, heads, train, heldout, times)
     return heads.tensors(), settings, metrics
 
 
-def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher], heldout: tuple[Features, Teacher],
-              config: MedusaTrainConfig, train_config: TrainConfig, progress: ProgressFn = ignore,
-              cancel: threading.Event | None = None) -> dict:
+def _new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher) -> MedusaHeads:
+    """Untrained heads (W = 0) over the draft vocabulary chosen from the training data.
+    Own projections are trained over the whole vocabulary, so they get all of it."""
+    weight = lm.model.get_output_embeddings().weight.detach()
+    size = 0 if config.own_vocab else config.draft_vocab
+    return MedusaHeads(
+        int(lm.model.config.hidden_size),
+        MedusaSettings(config.num_heads, config.own_vocab),
+        draft_vocabulary(train, teacher, size, len(weight)),
+        weight if config.own_vocab else None,
+    )
+
+
+def _metrics(
+    acc, result, fit: dict, heads: MedusaHeads, train: Features, heldout: Features, times: dict
+) -> dict:
+    """metrics.json: held-out accuracies, training and calibration figures, stage times."""
+    chosen = result.measured.get(result.chosen, {})
+    return {
+        "topk_accuracy": {f"head{k + 1}": row for k, row in enumerate(acc)},
+        "top1": [row[0] for row in acc],
+        "top5": [row[min(4, len(row) - 1)] for row in acc],
+        # The chosen configuration as measured here (plain decoding: 1.0 when no tree pays).
+        "speedup": chosen.get("speedup", 1.0),
+        "mean_accepted": chosen.get("mean_accepted", 1.0),
+        "train": fit,
+        "calibration": {
+            "chosen": result.chosen,
+            "measured": result.measured,
+            "estimates": result.estimates,
+        },
+        "draft_vocab": _coverage(heads, heldout),
+        "train_tokens": train.tokens,
+        "heldout_tokens": heldout.tokens,
+        "times": times,
+    }
+
+
+def fit_heads(
+    lm,
+    heads: MedusaHeads,
+    train: tuple[Features, Teacher],
+    heldout: tuple[Features, Teacher],
+    config: MedusaTrainConfig,
+    train_config: TrainConfig,
+    progress: ProgressFn = ignore,
+    cancel: threading.Event | None = None,
+) -> dict:
     """Train the heads on cached features with the shared loop; returns its figures."""
     final = int(lm.model.config.num_hidden_layers)
     feats, teacher = train
@@ -203,13 +293,27 @@ def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher], heldout: 
     pick = pick[: config.eval_positions]
 
     def eval_fn(module: MedusaHeads) -> float:
-        acc = head_accuracies(lm, module, h_feats.states[final], h_teacher, h_pos[pick], h_valid[pick], 1)
+        acc = head_accuracies(
+            lm, module, h_feats.states[final], h_teacher, h_pos[pick], h_valid[pick], 1
+        )
         lam = head_weights(config.num_heads)
-        return -sum(w * row[0] for w, row in zip(lam, acc)) / sum(lam)  # lower is better
+        return -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(
+            lam
+        )  # lower is better
 
     heads.to(lm.device, torch.float32).train()
-    return train_module(heads, batches, loss_fn, train_config, progress, cancel,
-                        eval_fn if h_pos.numel() else None)
+    return train_module(
+        heads, batches, loss_fn, train_config, progress, cancel, eval_fn if h_pos.numel() else None
+    )
+
+
+def _coverage(heads: MedusaHeads, heldout: Features) -> dict:
+    """Size of the heads' vocabulary and the share of held-out answer tokens inside it."""
+    answers = heldout.ids[heldout.mask]
+    if heads.vocab_ids is None:
+        return {"size": None, "heldout_coverage": 1.0}
+    inside = torch.isin(answers, heads.vocab_ids.cpu()).float().mean()
+    return {"size": int(heads.vocab_ids.numel()), "heldout_coverage": round(float(inside), 4)}
 
 
 def _features(lm, convs, layer: int, progress: ProgressFn, cancel) -> Features:

@@ -31,15 +31,21 @@ class TrainOptions:
     data_share: float = 0.5  # fraction of the budget spent generating data
     heldout_fraction: float = 0.06  # seed prompts kept out of training for held-out figures
     calibration_seconds: float = 90.0  # time kept back for calibration after training
-    data: DataBudget = field(default_factory=DataBudget)  # sampling settings (time set by the share)
+    data: DataBudget = field(
+        default_factory=DataBudget
+    )  # sampling settings (time set by the share)
     medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)  # Medusa heads and loss
-    kangaroo: KangarooTrainConfig = field(default_factory=KangarooTrainConfig)  # adapter, exits, sweep
+    kangaroo: KangarooTrainConfig = field(
+        default_factory=KangarooTrainConfig
+    )  # adapter, exits, sweep
     train: TrainConfig = field(default_factory=TrainConfig)  # optimiser and schedule
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # tree search
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise QuickdraftError(f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}")
+            raise QuickdraftError(
+                f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}"
+            )
         if not self.max_minutes > 0:
             raise QuickdraftError("--max-minutes must be a positive number")
         if self.prompts_file is not None and not Path(self.prompts_file).is_file():
@@ -58,8 +64,9 @@ class TrainResult:
     cancelled: bool = False
 
 
-def train_accelerator(lm, options: TrainOptions, progress: ProgressFn = ignore,
-                      cancel: threading.Event | None = None) -> TrainResult:
+def train_accelerator(
+    lm, options: TrainOptions, progress: ProgressFn = ignore, cancel: threading.Event | None = None
+) -> TrainResult:
     """Run every stage for `options.method` and save the checkpoint for `lm`."""
     start = time.perf_counter()
     total_s = options.max_minutes * 60
@@ -72,24 +79,38 @@ def train_accelerator(lm, options: TrainOptions, progress: ProgressFn = ignore,
     train_convs, heldout_convs = split_heldout(data_path(lm), options.heldout_fraction)
     if len(train_convs) < 2 or not heldout_convs:
         raise QuickdraftError(
-            f"too little training data ({len(train_convs)} conversations, {len(heldout_convs)} held out): "
+            f"too little training data ({len(train_convs)} conversations, "
+            f"{len(heldout_convs)} held out): "
             "give training more time with --max-minutes"
         )
     left_min = max(1.0, total_s - (time.perf_counter() - start)) / 60
     stage_options = dataclasses.replace(options, max_minutes=left_min)
-    if options.method == "medusa":
-        from trainer.medusa import train_medusa
+    try:
+        if options.method == "medusa":
+            from trainer.medusa import train_medusa
 
-        tensors, settings, metrics = train_medusa(lm, train_convs, heldout_convs, stage_options, report, cancel)
-    else:
-        from trainer.kangaroo import train_kangaroo
+            tensors, settings, metrics = train_medusa(
+                lm, train_convs, heldout_convs, stage_options, report, cancel
+            )
+        else:
+            from trainer.kangaroo import train_kangaroo
 
-        tensors, settings, metrics = train_kangaroo(lm, train_convs, heldout_convs, stage_options, report, cancel)
+            tensors, settings, metrics = train_kangaroo(
+                lm, train_convs, heldout_convs, stage_options, report, cancel
+            )
+    except QuickdraftError:
+        if not _cancelled(cancel):
+            raise
+        tensors, settings, metrics = {}, {}, {}  # a stage stopped at the cancel
     if _cancelled(cancel):
         return TrainResult(options.method, None, settings, metrics, data, cancelled=True)
     metrics.setdefault("times", {})["data_s"] = data["seconds"]
     metrics["times"]["total_s"] = round(time.perf_counter() - start, 1)
-    summary = {**data, "train_conversations": len(train_convs), "heldout_conversations": len(heldout_convs)}
+    summary = {
+        **data,
+        "train_conversations": len(train_convs),
+        "heldout_conversations": len(heldout_convs),
+    }
     report(Progress("save", 0, 1, "saving the checkpoint"))
     folder = save_checkpoint(lm, options.method, tensors, settings, metrics, summary)
     report(Progress("done", 1, 1, f"saved to {folder}", 0.0))
@@ -100,7 +121,9 @@ def _cancelled(cancel: threading.Event | None) -> bool:
     return cancel is not None and cancel.is_set()
 
 
-def _with_eta(progress: ProgressFn, start: float, total_s: float, calibration_s: float) -> ProgressFn:
+def _with_eta(
+    progress: ProgressFn, start: float, total_s: float, calibration_s: float
+) -> ProgressFn:
     """The job's ETA: training fills the budget, so until it runs the ETA is the time left in
     the budget; from then on the stage's own ETA (plus calibration while training)."""
 

@@ -34,7 +34,7 @@ class DataBudget:
 
     max_conversations: int = 3000  # stop once the file holds this many conversations
     max_seconds: float = 600.0  # generation time for this file, summed over resumed runs
-    batch_size: int = 16  # conversations sampled together (left-padded)
+    batch_size: int = 32  # conversations sampled together (left-padded)
     temperature: float = 0.7  # sampling temperature: > 0 covers what the model really says
     greedy_first_pass: bool = True  # pass 0 answers greedily: the text greedy decoding sees
     max_new_tokens: int = 256  # cap per answer
@@ -75,9 +75,17 @@ def read_prompt_file(path: Path) -> list[dict]:
             obj = json.loads(line)
         except ValueError as exc:
             raise QuickdraftError(f"{path}, line {n}: not valid JSON ({exc})") from exc
-        turns = obj.get("turns") or ([obj["prompt"]] if isinstance(obj.get("prompt"), str) else None)
-        if not isinstance(obj, dict) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise QuickdraftError(f'{path}, line {n}: expected {{"prompt": "..."}} or {{"turns": [...]}}')
+        turns = obj.get("turns") or (
+            [obj["prompt"]] if isinstance(obj.get("prompt"), str) else None
+        )
+        if (
+            not isinstance(obj, dict)
+            or not turns
+            or not all(isinstance(t, str) and t.strip() for t in turns)
+        ):
+            raise QuickdraftError(
+                f'{path}, line {n}: expected {{"prompt": "..."}} or {{"turns": [...]}}'
+            )
         records.append({"turns": list(turns), "category": str(obj.get("category", "user"))})
     return records
 
@@ -91,15 +99,30 @@ def build_seeds(prompt_files: list[Path] | None, budget: DataBudget) -> list[See
     rng = random.Random(budget.seed)
     seeds: list[Seed] = []
     for sample in range(budget.samples_per_seed):
-        order = list(range(len(records)))
-        rng.shuffle(order)
-        # Multi-turn seeds first and together: their later turns then batch well.
-        order.sort(key=lambda i: -len(records[i]["turns"]))
-        for i in order:
+        for i in _pass_order(records, budget.batch_size, rng):
             turns = tuple(records[i]["turns"])
             digest = hashlib.sha1(json.dumps(turns).encode()).hexdigest()[:12]
             seeds.append(Seed(f"{digest}#{sample}", sample, turns, records[i]["category"]))
     return seeds
+
+
+def _pass_order(records: list[dict], batch: int, rng: random.Random) -> list[int]:
+    """One pass over the seeds, shuffled, in batch-sized blocks of single-turn or of
+    multi-turn seeds (later turns then batch well), the multi-turn blocks spread evenly
+    so that a run cut short by its time budget still has both kinds and every category."""
+    single = [i for i, r in enumerate(records) if len(r["turns"]) == 1]
+    multi = [i for i, r in enumerate(records) if len(r["turns"]) > 1]
+    rng.shuffle(single)
+    rng.shuffle(multi)
+    blocks = [single[j : j + batch] for j in range(0, len(single), batch)]
+    every = max(1, round(len(blocks) / max(1, -(-len(multi) // batch))))  # singles per multi
+    order: list[int] = []
+    for n, block in enumerate(blocks):
+        order += block
+        if n % every == every - 1 and multi:
+            order += multi[:batch]
+            multi = multi[batch:]
+    return order + multi
 
 
 def load_conversations(path: Path) -> list[list[dict]]:
@@ -131,8 +154,14 @@ def _repair(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def generate_data(lm, out_path: Path, prompt_files: list[Path] | None, budget: DataBudget,
-                  progress: ProgressFn, cancel: threading.Event | None = None) -> dict:
+def generate_data(
+    lm,
+    out_path: Path,
+    prompt_files: list[Path] | None,
+    budget: DataBudget,
+    progress: ProgressFn,
+    cancel: threading.Event | None = None,
+) -> dict:
     """Answer seeds until the budget is spent; resumes an existing file.
 
     The time budget counts every run on this file (kept in a sidecar .meta.json), so a run
@@ -148,31 +177,54 @@ def generate_data(lm, out_path: Path, prompt_files: list[Path] | None, budget: D
     done = {rec.get("key") for rec in _records(out_path)}
     todo = [s for s in build_seeds(prompt_files, budget) if s.key not in done]
     target = min(budget.max_conversations, len(done) + len(todo))
-    start, added = time.perf_counter(), 0
-    eta = Eta(max(1, target - len(done)))
+    count, eta = len(done), Eta(max(1, target - len(done)))
+    _report(progress, count, target, spent, budget, None)
     with out_path.open("a", encoding="utf-8") as fh:
-        while todo and len(done) + added < target and spent < budget.max_seconds:
+        while todo and count < target and spent < budget.max_seconds:
             if cancel is not None and cancel.is_set():
                 break
-            batch_start = time.perf_counter()
-            size = min(budget.batch_size, target - len(done) - added)
+            size = min(budget.batch_size, target - count)
             size = sum(1 for s in todo[:size] if s.sample == todo[0].sample)  # one pass per batch
             batch, todo = todo[:size], todo[size:]
-            torch.manual_seed(int(hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()[:8], 16))
-            for seed, messages, n_tokens in _answer_batch(lm, batch, budget):
-                rec = {"key": seed.key, "category": seed.category, "tokens": n_tokens, "messages": messages}
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            fh.flush()
-            spent += time.perf_counter() - batch_start
+            spent += _write_batch(lm, fh, batch, budget)
             meta_path.write_text(json.dumps({"seconds": round(spent, 2)}))
-            added += len(batch)
-            left = eta.left(added)
-            progress(Progress("data", len(done) + added, target,
-                              f"{len(done) + added}/{target} conversations",
-                              None if left is None else min(left, max(0.0, budget.max_seconds - spent))))
+            count += len(batch)
+            _report(progress, count, target, spent, budget, eta.left(count - len(done)))
     total_tokens = sum(int(rec.get("tokens", 0)) for rec in _records(out_path))
-    return {"conversations": len(done) + added, "tokens": total_tokens, "seconds": round(spent, 1),
-            "new": added}
+    return {
+        "conversations": count,
+        "tokens": total_tokens,
+        "seconds": round(spent, 1),
+        "new": count - len(done),
+    }
+
+
+def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> float:
+    """Answer one batch and append its conversations; returns the seconds it took."""
+    start = time.perf_counter()
+    digest = hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()
+    torch.manual_seed(int(digest[:8], 16))  # the same batch samples the same answers
+    for seed, messages, n_tokens in _answer_batch(lm, batch, budget):
+        rec = {"key": seed.key, "category": seed.category, "tokens": n_tokens, "messages": messages}
+        fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    fh.flush()
+    return time.perf_counter() - start
+
+
+def _report(
+    progress: ProgressFn,
+    count: int,
+    target: int,
+    spent: float,
+    budget: DataBudget,
+    left: float | None,
+) -> None:
+    """The stage ends at the conversation target or the time budget, whichever comes first:
+    the bar shows the nearer of the two."""
+    frac = min(1.0, max(count / max(1, target), spent / max(1e-9, budget.max_seconds)))
+    time_left = max(0.0, budget.max_seconds - spent)
+    eta = time_left if left is None else min(left, time_left)
+    progress(Progress("data", round(frac * 1000), 1000, f"{count} conversations", eta))
 
 
 def split_heldout(path: Path, fraction: float) -> tuple[list[list[dict]], list[list[dict]]]:
@@ -204,10 +256,15 @@ def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed,
             history[i].append({"role": "user", "content": batch[i].turns[turn]})
             conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in history[i]))
             prompts.append(encode(lm.tokenizer, conv))
-        for i, answer in zip(active, _sample(lm, prompts, batch, budget)):
-            history[i].append({"role": "assistant", "content": lm.tokenizer.decode(answer, skip_special_tokens=True)})
+        for i, answer in zip(active, _sample(lm, prompts, batch, budget), strict=True):
+            history[i].append(
+                {
+                    "role": "assistant",
+                    "content": lm.tokenizer.decode(answer, skip_special_tokens=True),
+                }
+            )
             counts[i] += len(answer)
-    return [(s, h, c) for s, h, c in zip(batch, history, counts)]
+    return [(s, h, c) for s, h, c in zip(batch, history, counts, strict=True)]
 
 
 def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:
@@ -217,16 +274,26 @@ def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     greedy = budget.temperature <= 0 or (budget.greedy_first_pass and batch[0].sample == 0)
     with torch.inference_mode():
         out = lm.model.generate(
-            input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
-            **({"do_sample": False} if greedy else
-               {"do_sample": True, "temperature": budget.temperature, "top_p": 1.0, "top_k": 0}),
+            input_ids=ids.to(lm.device),
+            attention_mask=mask.to(lm.device),
+            **(
+                {"do_sample": False}
+                if greedy
+                else {
+                    "do_sample": True,
+                    "temperature": budget.temperature,
+                    "top_p": 1.0,
+                    "top_k": 0,
+                }
+            ),
             max_new_tokens=budget.max_new_tokens,
-            pad_token_id=pad, eos_token_id=list(lm.eos_ids),
+            pad_token_id=pad,
+            eos_token_id=list(lm.eos_ids),
         )
     answers = []
     for row in out[:, width:].tolist():

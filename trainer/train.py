@@ -47,9 +47,15 @@ def lr_factor(progress: float, config: TrainConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
 
 
-def train_module(module: torch.nn.Module, batches_fn: BatchesFn, loss_fn: LossFn, config: TrainConfig,
-                 progress: ProgressFn = ignore, cancel: threading.Event | None = None,
-                 eval_fn: EvalFn | None = None) -> dict:
+def train_module(
+    module: torch.nn.Module,
+    batches_fn: BatchesFn,
+    loss_fn: LossFn,
+    config: TrainConfig,
+    progress: ProgressFn = ignore,
+    cancel: threading.Event | None = None,
+    eval_fn: EvalFn | None = None,
+) -> dict:
     """Train `module`'s parameters that require grad; returns the run's figures.
 
     The schedule runs on max(step fraction, time fraction), so a time-limited run still
@@ -58,12 +64,17 @@ def train_module(module: torch.nn.Module, batches_fn: BatchesFn, loss_fn: LossFn
     ones when there is no eval_fn.
     """
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    opt = torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
     first = batches_fn(0)
     steps_per_epoch = max(1, len(first))
     total = steps_per_epoch * config.epochs
-    eval_at = {round(steps_per_epoch * (i + 1) / config.evals_per_epoch) for i in range(config.evals_per_epoch)}
-    start, step, stopped = time.perf_counter(), 0, ""
+    eval_at = {
+        round(steps_per_epoch * (i + 1) / config.evals_per_epoch)
+        for i in range(config.evals_per_epoch)
+    }
+    start, step, stopped, evaluated = time.perf_counter(), 0, "", -1
     best = {"loss": math.inf, "state": None, "step": 0}
     smoothed, metrics = None, {}
     module.train()
@@ -72,32 +83,54 @@ def train_module(module: torch.nn.Module, batches_fn: BatchesFn, loss_fn: LossFn
             stopped = _stop_reason(start, config, cancel)
             if stopped:
                 break
-            frac = max(step / total, (time.perf_counter() - start) / config.max_seconds if config.max_seconds else 0)
-            for group in opt.param_groups:
-                group["lr"] = config.lr * lr_factor(frac, config)
-            loss, metrics = loss_fn(module, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            opt.step()
+            frac = max(step / total, _time_fraction(start, config))
+            lr = config.lr * lr_factor(frac, config)
+            value, metrics = _optimizer_step(module, opt, params, loss_fn, batch, lr, config)
             step += 1
-            value = float(loss.detach())
             smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
             if step % config.report_every == 0 or step == total:
                 _report(progress, step, total, start, config, smoothed, metrics)
             if eval_fn is not None and (i + 1) in eval_at:
                 _evaluate(module, eval_fn, best, step)
+                evaluated = step
         if stopped:
             break
-    if eval_fn is not None and best["step"] != step:
+    if eval_fn is not None and evaluated != step:  # the last weights were not evaluated yet
         _evaluate(module, eval_fn, best, step)
     if best["state"] is not None:
         module.load_state_dict(best["state"])
     module.eval()
-    return {"steps": step, "epochs": round(step / steps_per_epoch, 2), "seconds": round(time.perf_counter() - start, 1),
-            "train_loss": smoothed, "best_eval_loss": None if best["state"] is None else best["loss"],
-            "best_step": best["step"], "stopped": stopped or "done", **{f"last_{k}": v for k, v in metrics.items()}}
+    return {
+        "steps": step,
+        "epochs": round(step / steps_per_epoch, 2),
+        "seconds": round(time.perf_counter() - start, 1),
+        "train_loss": smoothed,
+        "best_eval_loss": None if best["state"] is None else best["loss"],
+        "best_step": best["step"],
+        "stopped": stopped or "done",
+        **{f"last_{k}": v for k, v in metrics.items()},
+    }
+
+
+def _time_fraction(start: float, config: TrainConfig) -> float:
+    if not config.max_seconds:
+        return 0.0
+    return (time.perf_counter() - start) / config.max_seconds
+
+
+def _optimizer_step(
+    module, opt, params, loss_fn: LossFn, batch, lr: float, config: TrainConfig
+) -> tuple[float, dict]:
+    """One AdamW update at learning rate `lr`; returns (loss, metrics)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss, metrics = loss_fn(module, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+    opt.step()
+    return float(loss.detach()), metrics
 
 
 def _stop_reason(start: float, config: TrainConfig, cancel: threading.Event | None) -> str:
@@ -118,11 +151,26 @@ def _evaluate(module: torch.nn.Module, eval_fn: EvalFn, best: dict, step: int) -
         best.update(loss=loss, state=copy.deepcopy(module.state_dict()), step=step)
 
 
-def _report(progress: ProgressFn, step: int, total: int, start: float, config: TrainConfig,
-            loss: float | None, metrics: dict) -> None:
+def _report(
+    progress: ProgressFn,
+    step: int,
+    total: int,
+    start: float,
+    config: TrainConfig,
+    loss: float | None,
+    metrics: dict,
+) -> None:
     elapsed = time.perf_counter() - start
     left = elapsed / step * (total - step)
     if config.max_seconds is not None:
         left = min(left, max(0.0, config.max_seconds - elapsed))
-    progress(Progress("train", step, total, f"step {step}/{total}, loss {loss:.3f}", left,
-                      {"loss": loss, **metrics}))
+    progress(
+        Progress(
+            "train",
+            step,
+            total,
+            f"step {step}/{total}, loss {loss:.3f}",
+            left,
+            {"loss": loss, **metrics},
+        )
+    )

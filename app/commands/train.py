@@ -15,28 +15,44 @@ BAR = 28  # progress bar width in characters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", required=True, choices=METHODS, help="which accelerator to build")
+    parser.add_argument(
+        "--method", required=True, choices=METHODS, help="which accelerator to build"
+    )
     add_model_args(parser)
-    parser.add_argument("--prompts", type=Path, default=None,
-                        help="extra seed prompts: JSONL with {\"prompt\": ...} per line, or plain text lines")
-    parser.add_argument("--max-minutes", type=float, default=20.0,
-                        help="time budget for the whole job, data generation included (default 20)")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='extra seed prompts: JSONL with {"prompt": ...} per line, or plain text lines',
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=20.0,
+        help="time budget for the whole job, data generation included (default 20)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from trainer.pipeline import TrainOptions, train_accelerator
 
     # Check the options before the model loads, so a typo fails at once.
-    options = TrainOptions(method=args.method, max_minutes=args.max_minutes, prompts_file=args.prompts,
-                           calibration_seconds=min(90.0, args.max_minutes * 60 * 0.1))
+    options = TrainOptions(
+        method=args.method,
+        max_minutes=args.max_minutes,
+        prompts_file=args.prompts,
+        calibration_seconds=min(90.0, args.max_minutes * 60 * 0.1),
+    )
     lm = load(args)
     bar = ProgressBar(sys.stderr)
     try:
         result = train_accelerator(lm, options, bar.update)
     except KeyboardInterrupt:
         bar.close()
-        print("interrupted: run the same command again to resume (the data and features are kept)",
-              file=sys.stderr)
+        print(
+            "interrupted: run the same command again to resume (the data and features are kept)",
+            file=sys.stderr,
+        )
         return 130
     bar.close()
     print(summary(result), flush=True)
@@ -75,8 +91,10 @@ def render(p, elapsed_s: float) -> str:
     """`[data     ] [######......]  45% 300/686 conversations  elapsed 4:10  ETA 5:23`"""
     filled = int(BAR * p.fraction)
     eta = "" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
-    return (f"[{p.stage:<9}] [{'#' * filled}{'.' * (BAR - filled)}] {p.fraction * 100:3.0f}% "
-            f"{p.message}  elapsed {_clock(elapsed_s)}{eta}")
+    return (
+        f"[{p.stage:<9}] [{'#' * filled}{'.' * (BAR - filled)}] {p.fraction * 100:3.0f}% "
+        f"{p.message}  elapsed {_clock(elapsed_s)}{eta}"
+    )
 
 
 def _clock(seconds: float) -> str:
@@ -89,32 +107,47 @@ def summary(result) -> str:
     if result.cancelled:
         return "cancelled: run the same command again to resume"
     m, s = result.metrics, result.settings
-    lines = [f"{result.method} accelerator saved to {result.folder}",
-             f"data: {result.data.get('conversations')} conversations, {result.data.get('tokens')} answer tokens"]
+    lines = [
+        f"{result.method} accelerator saved to {result.folder}",
+        f"data: {result.data.get('conversations')} conversations, "
+        f"{result.data.get('tokens')} answer tokens",
+    ]
     times = m.get("times", {})
     if times:
-        lines.append("time: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in times.items()))
+        lines.append(
+            "time: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in times.items())
+        )
     if result.method == "medusa":
         lines += _medusa_lines(m, s)
+    elif result.method == "kangaroo":
+        from trainer.kangaroo import summary_lines
+
+        lines += summary_lines(m, s)
     elif s.get("pays") is False:
-        lines.append("On this machine the accelerator does not make decoding faster: "
-                     "acceleration stays available but will not speed up replies.")
+        lines.append(
+            "On this machine the accelerator does not make decoding faster: "
+            "acceleration stays available but will not speed up replies."
+        )
     return "\n".join(lines)
 
 
 def _medusa_lines(m: dict, s: dict) -> list[str]:
     lines = ["held-out accuracy per head (top-1 / top-5):"]
-    for k, (t1, t5) in enumerate(zip(m.get("top1", []), m.get("top5", [])), 1):
+    for k, (t1, t5) in enumerate(zip(m.get("top1", []), m.get("top5", []), strict=False), 1):
         lines.append(f"  head {k}: {t1 * 100:5.1f}% / {t5 * 100:5.1f}%")
     calibration = m.get("calibration", {})
     measured = calibration.get("measured", {})
     if s.get("pays"):
         chosen = measured[calibration["chosen"]]
-        lines.append(f"tree: {len(s['tree'])} nodes, measured {chosen['speedup']:.2f}x plain decoding, "
-                     f"{chosen['mean_accepted']:.2f} tokens per step")
+        lines.append(
+            f"tree: {len(s['tree'])} nodes, measured {chosen['speedup']:.2f}x plain decoding, "
+            f"{chosen['mean_accepted']:.2f} tokens per step"
+        )
     else:
         best = max((v["speedup"] for k, v in measured.items() if k != "plain"), default=None)
         tried = f" (the best tree measured {best:.2f}x)" if best is not None else ""
-        lines.append(f"The Medusa heads do not pay on this machine{tried}: --accel medusa will decode "
-                     "exactly like plain decoding, never slower.")
+        lines.append(
+            f"The Medusa heads do not pay on this machine{tried}: --accel medusa will decode "
+            "exactly like plain decoding, never slower."
+        )
     return lines

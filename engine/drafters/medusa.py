@@ -9,16 +9,34 @@ it. Verification, acceptance and the cache update are the decode loop's shared c
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.drafters.base import Draft, Drafter
+from engine import kv_cache
+from engine.config import SamplingParams
+from engine.drafters.base import Draft, Drafter, forward_nodes
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.tree import TreeBuffers, build_tree
+from engine.generate import DecodeState
+from engine.sampling import make_generator
+from engine.tree import (
+    TreeBuffers,
+    build_tree,
+    expected_tokens,
+    greedy_tree,
+    marginal_accuracies,
+)
 
-WEIGHT, BIAS, VOCAB = "heads.weight", "heads.bias", "heads.vocab"
+WEIGHT, BIAS, VOCAB, VOCAB_IDS = "heads.weight", "heads.bias", "heads.vocab", "heads.vocab_ids"
+FIX = "run: python launcher.py train --method medusa"
+# Loading in a dtype calibration did not time (e.g. trained in bf16, loaded in fp32): the
+# tree budgets re-timed at load, and the estimated speedup a tree must reach to be used
+# (acceptance estimates from held-out accuracies run a little high).
+RETIME_BUDGETS = (1, 2, 4, 8, 16)
+RETIME_MARGIN = 1.1
 
 
 @dataclass(frozen=True)
@@ -26,63 +44,95 @@ class MedusaSettings:
     """Shape of the heads (stored in the checkpoint's settings)."""
 
     num_heads: int = 4  # K: head k guesses the token k + 1 positions after the hidden state
-    own_vocab: bool = False  # True: each head has its own (V, H) projection (large!)
+    own_vocab: bool = False  # True: each head has its own (V', H) projection (large!)
 
 
 class MedusaHeads(nn.Module):
-    """K residual blocks over the final hidden state, evaluated together."""
+    """K residual blocks over the final hidden state, evaluated together.
 
-    def __init__(self, hidden_size: int, settings: MedusaSettings, vocab_init: torch.Tensor | None = None):
+    The heads may be limited to a draft vocabulary of V' token ids (vocab_ids): reading
+    only those rows of the LM head makes proposing several times cheaper on small models,
+    whose LM head is a large share of the weights. vocab_ids None = the whole vocabulary.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        settings: MedusaSettings,
+        vocab_ids: torch.Tensor | None = None,
+        vocab_init: torch.Tensor | None = None,
+    ):
         super().__init__()
         k, h = settings.num_heads, hidden_size
         self.settings = settings
-        self.weight = nn.Parameter(torch.zeros(k, h, h))  # (K, H_out, H_in), zero: starts as identity
+        self.weight = nn.Parameter(torch.zeros(k, h, h))  # (K, H_out, H_in); 0: starts as h
         self.bias = nn.Parameter(torch.zeros(k, h))  # (K, H)
+        self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long())
         self.vocab = None
         if settings.own_vocab:
             if vocab_init is None:
-                raise AcceleratorError("own-vocabulary Medusa heads need a (V, H) projection to start from")
-            # (K, V, H): every head starts as a copy of vocab_init (the model's LM head).
-            self.vocab = nn.Parameter(vocab_init.detach().float().unsqueeze(0).repeat(k, 1, 1))
+                raise AcceleratorError(
+                    "own-vocabulary Medusa heads need a projection to start from"
+                )
+            # (K, V', H): every head starts as a copy of the LM head's rows for its vocabulary.
+            init = self.project(vocab_init.detach().float())
+            self.vocab = nn.Parameter(init.unsqueeze(0).repeat(k, 1, 1))
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) final hidden states -> (..., K, H) per-head states h + SiLU(W_k h + b_k)."""
         z = torch.einsum("...i,koi->...ko", hidden, self.weight) + self.bias
         return hidden.unsqueeze(-2) + nn.functional.silu(z)
 
-    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """(..., H) -> (..., K, V): all heads' logits in one batched matmul."""
+    def project(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The (V', H) rows of a (V, H) LM-head weight the heads read (no copy for all V)."""
+        return lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
+
+    def logits(self, hidden: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., K, V') logits over the heads' vocabulary, all heads in one
+        batched matmul. projection: (V', H) shared LM-head rows (see project)."""
         states = self.transform(hidden.to(self.weight.dtype))
         if self.vocab is None:
-            return lm_head(states.to(lm_head.weight.dtype))
+            return states.to(projection.dtype) @ projection.T
         return torch.einsum("...kh,kvh->...kv", states, self.vocab)
+
+    def tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns of logits() -> token ids."""
+        return columns if self.vocab_ids is None else self.vocab_ids[columns]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Weights for the checkpoint (safetensors names)."""
         out = {WEIGHT: self.weight.detach(), BIAS: self.bias.detach()}
         if self.vocab is not None:
             out[VOCAB] = self.vocab.detach()
+        if self.vocab_ids is not None:
+            out[VOCAB_IDS] = self.vocab_ids
         return out
 
 
-def heads_from_tensors(tensors: dict[str, torch.Tensor], hidden_size: int, vocab_size: int,
-                       settings: MedusaSettings) -> MedusaHeads:
+def heads_from_tensors(
+    tensors: dict[str, torch.Tensor], hidden_size: int, vocab_size: int, settings: MedusaSettings
+) -> MedusaHeads:
     """Rebuild heads from checkpoint tensors, refusing shapes that do not fit the model."""
     k, h = settings.num_heads, hidden_size
+    ids = tensors.get(VOCAB_IDS)
+    fix = FIX
+    if ids is not None and (ids.dim() != 1 or ids.numel() == 0 or int(ids.max()) >= vocab_size):
+        raise AcceleratorError(f"the Medusa draft vocabulary does not fit this model; {fix}")
     expected = {WEIGHT: (k, h, h), BIAS: (k, h)}
     if settings.own_vocab:
-        expected[VOCAB] = (k, vocab_size, h)
+        expected[VOCAB] = (k, vocab_size if ids is None else ids.numel(), h)
     for name, shape in expected.items():
         got = tensors.get(name)
         if got is None or tuple(got.shape) != shape:
             found = "missing" if got is None else f"shape {tuple(got.shape)}"
             raise AcceleratorError(
-                f"the Medusa weights do not fit this model ({name}: {found}, expected {shape}); "
-                "run: python launcher.py train --method medusa"
+                f"the Medusa weights do not fit this model ({name}: {found}, "
+                f"expected {shape}); {fix}"
             )
-    vocab_init = tensors[VOCAB][0] if settings.own_vocab else None
-    heads = MedusaHeads(h, settings, vocab_init)
-    heads.load_state_dict({name.split(".", 1)[1]: tensors[name] for name in expected})
+    init = torch.zeros(vocab_size, h) if settings.own_vocab else None  # overwritten below
+    heads = MedusaHeads(h, settings, ids, init)
+    names = [*expected, *([VOCAB_IDS] if ids is not None else [])]
+    heads.load_state_dict({n.split(".", 1)[1]: tensors[n] for n in names})
     return heads
 
 
@@ -92,51 +142,117 @@ class MedusaDrafter(Drafter):
     name = "medusa"
     wants_hidden = True
 
-    def __init__(self, lm, heads: MedusaHeads, tree: TreeBuffers):
+    def __init__(self, lm, heads: MedusaHeads, tree: TreeBuffers, retimed: bool = False):
         if tree.depth > heads.settings.num_heads:
             raise AcceleratorError(
-                f"the Medusa tree needs {tree.depth} heads but the checkpoint has {heads.settings.num_heads}"
+                f"the Medusa tree needs {tree.depth} heads but the checkpoint has "
+                f"{heads.settings.num_heads}"
             )
         self.heads = heads.to(lm.device, lm.dtype).eval().requires_grad_(False)
-        self.lm_head = lm.model.get_output_embeddings()
+        # (V', H) LM-head rows the heads read: a small copy for a draft vocabulary.
+        self._projection = heads.project(lm.model.get_output_embeddings().weight.detach())
         self.tree = tree
+        self.retimed = retimed  # the tree was re-timed at load for an uncalibrated dtype
         # Gather indices live on the heads' device once; only token values change per step.
         self._slots = (tree.node_heads.to(lm.device), tree.node_ranks.to(lm.device))
 
     @classmethod
     def from_checkpoint(cls, lm, ckpt) -> MedusaDrafter:
-        """Build from a validated engine.accelerators.Checkpoint."""
+        """Build from a validated engine.accelerators.Checkpoint.
+
+        The stored tree was timed in the dtype training ran in; loaded in another (bf16 heads
+        on an fp32 or 4-bit model), the tree is re-timed here from the stored accuracies."""
         s = ckpt.info.get("settings", {})
         try:
             settings = MedusaSettings(int(s["num_heads"]), bool(s.get("own_vocab", False)))
             choices = [tuple(c) for c in s["tree"]]
+            accuracies = [[float(a) for a in row] for row in s.get("accuracies", [])]
         except (KeyError, TypeError, ValueError) as exc:
             raise AcceleratorError(
-                f"the Medusa accelerator in {ckpt.folder} has unreadable settings ({exc}); "
-                "run: python launcher.py train --method medusa"
+                f"the Medusa accelerator in {ckpt.folder} has unreadable settings ({exc}); {FIX}"
             ) from exc
         lm_head = lm.model.get_output_embeddings()
-        heads = heads_from_tensors(ckpt.tensors, int(lm.model.config.hidden_size),
-                                   int(lm_head.weight.shape[0]), settings)
+        heads = heads_from_tensors(
+            ckpt.tensors, int(lm.model.config.hidden_size), int(lm_head.weight.shape[0]), settings
+        )
+        retime = s.get("quant", lm.quant) != lm.quant and bool(accuracies)
+        if retime:
+            choices = retimed_tree(lm, heads, accuracies)
         try:
             tree = build_tree(choices, settings.num_heads)
         except QuickdraftError as exc:
-            raise AcceleratorError(f"the Medusa tree in {ckpt.folder} is invalid: {exc}; "
-                                   "run: python launcher.py train --method medusa") from exc
-        return cls(lm, heads, tree)
+            raise AcceleratorError(
+                f"the Medusa tree in {ckpt.folder} is invalid: {exc}; {FIX}"
+            ) from exc
+        return cls(lm, heads, tree, retime)
 
     @property
     def pays(self) -> bool:
         """False when calibration stored an empty tree: no tree beat plain decoding here."""
         return self.tree.size > 1
 
+    def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shared tree forward; logits come back as float32 because the acceptance
+        rules reduce over the vocabulary per node, which CPUs do ~6x slower in bf16."""
+        logits, hidden = forward_nodes(state, draft, want_hidden=True)
+        return logits.float(), hidden
+
     def propose(self, state) -> Draft:
         """Heads read state.hidden (the state that predicted the pending token) -> tree."""
         root = state.ids[-1]
         if self.tree.size == 1:  # calibration found no tree that pays: plain decoding
             return Draft.chain(root, [])
-        logits = self.heads.logits(state.hidden, self.lm_head)  # (K, V)
-        top = torch.topk(logits, self.tree.top_k, dim=-1).indices  # (K, top_k)
-        drafted = top[self._slots].tolist()  # (n - 1,) node tokens in node order
+        logits = self.heads.logits(state.hidden, self._projection)  # (K, V')
+        top = torch.topk(logits, self.tree.top_k, dim=-1).indices  # (K, top_k) columns
+        drafted = self.heads.tokens(top[self._slots]).tolist()  # (n - 1,) node tokens
         t = self.tree
         return Draft([root, *drafted], t.children, t.depths, t.mask)
+
+
+def step_seconds(lm, heads: MedusaHeads, choices, context: list[int], repeats: int) -> float:
+    """Median wall time of one decode step's propose + verification forward with this tree
+    (choices [] = a plain one-token step) after a prefilled `context`."""
+    drafter = MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
+    cache = kv_cache.new_cache(lm.model)
+    with torch.inference_mode():
+        ids = torch.tensor([context[:-1]], device=lm.device)
+        out = lm.model(
+            input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1
+        )
+        state = DecodeState(
+            lm,
+            SamplingParams(),
+            cache,
+            list(context),
+            len(context) - 1,
+            make_generator(0, lm.device),
+        )
+        state.hidden = out.hidden_states[-1][0, -1]
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            begin = time.perf_counter()
+            draft = drafter.propose(state)
+            drafter.score(state, draft)
+            times.append(time.perf_counter() - begin)
+            kv_cache.drop_last(cache, draft.size)
+    return statistics.median(times[1:])
+
+
+def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]], repeats: int = 3) -> list:
+    """The greedy tree with the best estimated speedup from step times measured now (the
+    expected tokens per step come from the stored held-out accuracies); [] when no budget
+    reaches RETIME_MARGIN, so a re-timed drafter is never expected to be slower."""
+    marginal = marginal_accuracies(topk_acc)
+    context = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, 193)]  # 192 tokens
+    plain = step_seconds(lm, heads, [], context, repeats)
+    best, best_speedup = [], RETIME_MARGIN
+    for budget in RETIME_BUDGETS:
+        choices = greedy_tree(marginal, budget)
+        speedup = (
+            expected_tokens(choices, marginal)
+            * plain
+            / step_seconds(lm, heads, choices, context, repeats)
+        )
+        if speedup > best_speedup:
+            best, best_speedup = choices, speedup
+    return best
