@@ -30,11 +30,11 @@ TINY_CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _isolated_data_dir(tmp_path_factory):
-    """Accelerators, conversations and settings written by tests go to a temp folder."""
-    os.environ["QUICKDRAFT_DATA_DIR"] = str(tmp_path_factory.mktemp("quickdraft-data"))
-    yield
+@pytest.fixture(autouse=True)
+def _isolated_data_dir(tmp_path_factory, monkeypatch):
+    """Accelerators, conversations and settings written by a test go to its own temp
+    folder, so no test sees another's checkpoints."""
+    monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path_factory.mktemp("quickdraft-data")))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,329 @@
+"""Kangaroo: the model drafts for itself from an early exit (Liu et al., 2024).
+
+Draft model = the model's first `l` decoder layers (frozen, shared) + a small adapter
+(RMSNorm -> one attention block in the model's own layout -> RMSNorm) + the model's frozen
+LM head. Drafting stops once the draft's top-1 probability is <= eta or after gamma tokens.
+Verification runs only layers l..L on the layer-l states saved while drafting, so the shallow
+layers never run twice for a token; the verifier's own next token starts the next round.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from engine import kv_cache
+from engine.drafters import kangaroo_layers as layers
+from engine.drafters.base import Draft, Drafter
+from engine.errors import AcceleratorError
+from engine.sampling import logits_to_probs, sample_from
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KangarooSettings:
+    """Everything besides the weights that rebuilds a Kangaroo drafter."""
+
+    exit_layer: int = 2  # l: the adapter reads the output of the first l decoder layers
+    eta: float = 0.6  # stop drafting once the draft's top-1 probability is <= eta
+    gamma: int = 6  # at most this many draft tokens per step; 0 = off (nothing paid here)
+    ffn: bool = False  # the adapter adds a feed-forward block (initialised from the last layer's)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> KangarooSettings:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def check(self, num_layers: int) -> None:
+        """Raise AcceleratorError for settings this model cannot run."""
+        if not 1 <= self.exit_layer < num_layers:
+            raise AcceleratorError(
+                f"Kangaroo exit layer {self.exit_layer} is outside 1..{num_layers - 1} "
+                "for this model"
+            )
+        if self.gamma < 0 or not 0.0 <= self.eta < 1.0:
+            raise AcceleratorError(f"invalid Kangaroo settings: gamma {self.gamma}, eta {self.eta}")
+
+
+class Adapter(nn.Module):
+    """RMSNorm -> attention (+ residual) [-> RMSNorm -> FFN (+ residual)] -> RMSNorm.
+
+    Built from the model's own classes, so it has the model's head count, grouped-query
+    layout, q/k norms and biases; its output goes through the model's frozen LM head.
+    """
+
+    def __init__(self, model, ffn: bool = False):
+        super().__init__()
+        config = model.config
+        last = model.model.layers[-1]
+        eps = config.rms_norm_eps
+        self.norm_in = type(last.input_layernorm)(config.hidden_size, eps=eps)
+        self.attn = type(last.self_attn)(config, layer_idx=0)  # layer 0 of the adapter's cache
+        self.ffn_norm = self.mlp = None
+        if ffn:
+            self.ffn_norm = type(last.post_attention_layernorm)(config.hidden_size, eps=eps)
+            self.mlp = type(last.mlp)(config)
+        self.norm_out = type(model.model.norm)(config.hidden_size, eps=eps)
+
+    @classmethod
+    def from_model(cls, model, ffn: bool = False, dtype: torch.dtype = torch.float32) -> Adapter:
+        """An adapter initialised from the model's last layer (attention, norms, FFN) and
+        final norm, in `dtype` (quantized source weights are dequantized)."""
+        adapter = cls(model, ffn)
+        last = model.model.layers[-1]
+        pairs = [(adapter.norm_in, last.input_layernorm), (adapter.attn, last.self_attn),
+                 (adapter.norm_out, model.model.norm)]
+        if ffn:
+            pairs += [(adapter.ffn_norm, last.post_attention_layernorm), (adapter.mlp, last.mlp)]
+        with torch.no_grad():
+            for dst, src in pairs:
+                _copy_dense(src, dst)
+        return adapter.to(device=model.model.embed_tokens.weight.device, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
+        """h: (B, S, H) layer-l states -> (B, S, H) states for the LM head."""
+        x = h + self.attn(self.norm_in(h), rope, mask, cache)[0]
+        if self.mlp is not None:
+            x = x + self.mlp(self.ffn_norm(x))
+        return self.norm_out(x)
+
+
+def sequence_states(model, adapter: Adapter, x: torch.Tensor,
+                    pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Adapter over whole sequences x (B, S, H) from position 0, causally, without a cache
+    (training and teacher-forced evaluation); pad: (B, S) 1 on real tokens, or None."""
+    pos = layers.positions(0, x.shape[1], x.device).expand(x.shape[0], -1)
+    rope = model.model.rotary_emb(x, pos)
+    mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=pad,
+                              cache=None, position_ids=pos)
+    return adapter(x, rope, mask)
+
+
+def _dense_weight(module: nn.Module) -> torch.Tensor:
+    """A linear's weight as a plain tensor (bitsandbytes 4-/8-bit weights are dequantized)."""
+    if type(module.weight).__name__ in ("Params4bit", "Int8Params"):
+        from peft.utils.integrations import dequantize_module_weight
+
+        return dequantize_module_weight(module)
+    return module.weight
+
+
+def _copy_dense(src: nn.Module, dst: nn.Module) -> None:
+    """Copy src's parameters into dst (same structure), dequantizing on the way."""
+    for name, module in dst.named_modules():
+        source = src.get_submodule(name) if name else src
+        for pname, param in module.named_parameters(recurse=False):
+            value = _dense_weight(source) if pname == "weight" else getattr(source, pname)
+            param.copy_(value.detach().to(param.device, param.dtype).reshape(param.shape))
+
+
+def draft_head(model, vocab: torch.Tensor | None) -> torch.Tensor:
+    """(Vd, H) rows of the frozen LM head the drafter scores: all, or the reduced vocabulary
+    (a copy of those rows: one contiguous matmul per draft token)."""
+    weight = _dense_weight(model.get_output_embeddings()).detach()
+    return weight if vocab is None else weight[vocab.to(weight.device)].clone()
+
+
+def _fits(vocab: torch.Tensor, vocab_size: int) -> bool:
+    return vocab.numel() > 0 and 0 <= int(vocab.min()) and int(vocab.max()) < vocab_size
+
+
+@dataclass
+class _Run:
+    """One generation's drafter state (made by start(), advanced by each step)."""
+
+    cache: DynamicCache  # the adapter's own KV cache (one layer)
+    lag: torch.Tensor  # (1, m, H) layer-l states of committed tokens the adapter has not read
+    drafted: torch.Tensor | None = None  # (1, k, H) layer-l states of the root and d1..d(k-1)
+    scored: torch.Tensor | None = None  # (1, k + 1, H) layer-l states of all verified nodes
+
+
+class KangarooDrafter(Drafter):
+    """Drafts with the early exit + adapter; verifies with the remaining layers only."""
+
+    name = "kangaroo"
+    wants_hidden = True  # start() reads the prompt's layer-l states from the prefill
+
+    def __init__(self, lm, adapter: Adapter, settings: KangarooSettings,
+                 vocab: torch.Tensor | None = None, metrics: dict | None = None):
+        layers.check_supported(lm.model)
+        settings.check(layers.num_layers(lm.model))
+        vocab_size = lm.model.get_output_embeddings().weight.shape[0]
+        if vocab is not None and not _fits(vocab, vocab_size):
+            raise AcceleratorError("the Kangaroo draft vocabulary does not fit this model's")
+        self.lm = lm
+        self.settings = settings
+        # A copy: the caller's adapter (e.g. one being trained in float32) stays as it is.
+        self.adapter = copy.deepcopy(adapter).to(lm.device, lm.dtype).eval().requires_grad_(False)
+        self.vocab = None if vocab is None else vocab.to(lm.device, torch.long)
+        self.head = draft_head(lm.model, self.vocab).to(lm.dtype)  # (Vd, H)
+        self.vocab_size = vocab_size
+        self.metrics = metrics or {}
+        self.run: _Run | None = None
+        # gamma 0: calibration found no setting faster than plain decoding, so decode plainly.
+        self.off = settings.gamma == 0
+        self.wants_hidden = not self.off
+
+    @classmethod
+    def from_checkpoint(cls, lm, ckpt) -> KangarooDrafter:
+        """Rebuild the drafter stored in `ckpt` (engine.accelerators.Checkpoint) for `lm`."""
+        layers.check_supported(lm.model)
+        settings = KangarooSettings.from_json(ckpt.info.get("settings", {}))
+        adapter = Adapter(lm.model, settings.ffn)
+        state = {k.removeprefix("adapter."): v for k, v in ckpt.tensors.items()
+                 if k.startswith("adapter.")}
+        try:
+            adapter.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise AcceleratorError(
+                f"the Kangaroo accelerator in {ckpt.folder} does not match this model's layout; "
+                "run: python launcher.py train --method kangaroo"
+            ) from exc
+        drafter = cls(lm, adapter, settings, ckpt.tensors.get("draft_vocab"), ckpt.metrics)
+        if ckpt.metrics.get("pays") is False:
+            log.warning("%s", drafter.verdict())
+        return drafter
+
+    def with_schedule(self, eta: float, gamma: int) -> KangarooDrafter:
+        """A drafter sharing these weights with another eta and gamma (calibration)."""
+        other = copy.copy(self)
+        other.settings = replace(self.settings, eta=eta, gamma=gamma)
+        other.settings.check(layers.num_layers(self.lm.model))
+        other.off = gamma == 0
+        other.wants_hidden = not other.off
+        other.run = None
+        return other
+
+    @property
+    def pays(self) -> bool:
+        """False when calibration measured Kangaroo slower than plain decoding here."""
+        return self.metrics.get("pays", True) is not False
+
+    def verdict(self) -> str:
+        """One line on whether calibration found this drafter faster than plain decoding."""
+        speedup = self.metrics.get("speedup")
+        if self.metrics.get("pays") is False:
+            return (f"Kangaroo was measured slower than plain decoding on this machine "
+                    f"({speedup:.2f}x): acceleration Off is faster")
+        return f"Kangaroo: {speedup:.2f}x plain decoding at calibration" if speedup else "Kangaroo"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors: adapter weights and the reduced vocabulary, if any."""
+        out = {f"adapter.{k}": v for k, v in self.adapter.state_dict().items()}
+        if self.vocab is not None:
+            out["draft_vocab"] = self.vocab.cpu()
+        return out
+
+    def extra_bytes(self) -> int:
+        """Memory the drafter adds to the model: adapter weights and any copied head rows."""
+        total = sum(p.numel() * p.element_size() for p in self.adapter.parameters())
+        if self.vocab is not None:
+            total += self.head.numel() * self.head.element_size()
+        return total
+
+    # -- the decode loop's hooks ---------------------------------------------------------
+
+    def start(self, state) -> None:
+        """The adapter will read the whole prompt's layer-l states at the first propose."""
+        if not self.off:
+            kv_cache.enable_rollback(state.cache)  # sliding-window layers (Mistral, Qwen2)
+            hidden = state.prefill_hidden
+            self.run = _Run(DynamicCache(), layers.exit_states(hidden, self.settings.exit_layer))
+
+    def propose(self, state) -> Draft:
+        """Run the pending token through the shallow layers, then draft until unsure."""
+        if self.off:
+            return super().propose(state)
+        run, s = self.run, self.settings
+        start = state.cached
+        h = self._shallow(state, state.ids[-1], start)  # (1, 1, H) root state
+        x, x_start = torch.cat([run.lag, h], dim=1), start - run.lag.shape[1]
+        states, tokens, qs = [h], [], []
+        while True:
+            out = self._adapt(x, x_start)  # (H,) adapter state of the last position
+            token, q, confident = self._choose(out, state)
+            tokens.append(token)
+            qs.append(q)
+            if len(tokens) == s.gamma or not confident:
+                break
+            x_start = start + len(tokens)
+            x = self._shallow(state, token, x_start)
+            states.append(x)
+        run.lag = run.lag[:, :0]
+        run.drafted = torch.cat(states, dim=1)
+        q_rows = torch.stack(qs) if qs[0] is not None else None
+        return Draft.chain(state.ids[-1], tokens, q_rows)
+
+    def score(self, state, draft: Draft) -> tuple[torch.Tensor, None]:
+        """Layers l..L over the saved layer-l states (+ the last draft token's, computed now)."""
+        if self.off:
+            return super().score(state, draft)
+        run, model = self.run, self.lm.model
+        start, k = state.cached, draft.size - 1
+        last = self._shallow(state, draft.tokens[-1], start + k)
+        run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
+        deep = range(self.settings.exit_layer, layers.num_layers(model))
+        h = layers.run_layers(model, run.scored, deep, state.cache, start)
+        # float32: argmax and softmax over a bf16 vocabulary row are several times slower.
+        return layers.logits(model, h)[0].float(), None
+
+    def commit(self, state, draft: Draft, path: list[int]) -> None:
+        """Keep the root and accepted drafts in every layer and in the adapter's cache."""
+        if self.off:
+            return super().commit(state, draft, path)
+        run = self.run
+        k, a = draft.size - 1, len(path)
+        kv_cache.rollback(state.cache, k - a)  # every layer held start + k + 1 positions
+        if a < k:
+            # The adapter read the root and d1..d(k-1): keep the root and d1..da.
+            kv_cache.drop_last(run.cache, k - a - 1)
+        else:
+            run.lag = run.scored[:, k:]  # dk's state, read at the next propose
+        run.drafted = run.scored = None
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _shallow(self, state, token: int, position: int) -> torch.Tensor:
+        """(1, 1, H): `token` at `position` through the first l layers (cached)."""
+        model = self.lm.model
+        h = layers.embed(model, [token])
+        return layers.run_layers(model, h, range(self.settings.exit_layer), state.cache, position)
+
+    def _adapt(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Adapter over x (1, n, H) at positions start..; returns the last position's (H,)."""
+        model, cache = self.lm.model, self.run.cache
+        pos = layers.positions(start, x.shape[1], x.device)
+        rope = model.model.rotary_emb(x, pos)
+        mask = None
+        if x.shape[1] > 1:
+            mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None,
+                                      cache=cache, position_ids=pos, layer_idx=0)
+        return self.adapter(x, rope, mask, cache)[0, -1]
+
+    def _choose(self, out: torch.Tensor, state) -> tuple[int, torch.Tensor | None, bool]:
+        """Draft token, its q row (V,) for speculative sampling (else None), and whether
+        the draft is confident enough to go on (top-1 probability > eta)."""
+        # (1, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
+        logits = nn.functional.linear(out[None], self.head)[0].float()  # (Vd,)
+        top = float(torch.softmax(logits, -1).max())
+        params = state.params
+        if params.acceptance_mode != "lossless":
+            idx, q = int(logits.argmax()), None
+        else:
+            q_small = logits_to_probs(logits, params)
+            idx = sample_from(q_small, state.generator)
+            q = q_small if self.vocab is None else torch.zeros(
+                self.vocab_size, device=q_small.device).index_copy_(0, self.vocab, q_small)
+        token = idx if self.vocab is None else int(self.vocab[idx])
+        return token, q, top > self.settings.eta

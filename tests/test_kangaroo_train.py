@@ -1,0 +1,182 @@
+"""Kangaroo training and calibration: the pure pieces, one adapter trained per exit layer on
+a tiny model (still exact), the whole pipeline, and the CLI with nothing trained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.chat import conversation, encode
+from engine.config import SamplingParams
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
+from engine.drafters.registry import load_drafter
+from engine.generate import run
+from tests.conftest import make_tiny_model
+from trainer.features import Features, encode_conversations, hidden_states
+from trainer.kangaroo import (
+    KangarooTrainConfig,
+    batch_loss,
+    draft_vocabulary,
+    fit_adapter,
+    make_batches,
+)
+from trainer.kangaroo_calibrate import KangarooCalibration, simulate
+from trainer.train import TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request):
+    """Tiny models: one thread is faster and immune to other processes' threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_simulate_follows_the_drafting_rule():
+    # Pending token at position 0; match[t]: the draft from position t is right.
+    match = [True, True, False, True, True, True, True]
+    conf = [0.9, 0.9, 0.9, 0.9, 0.2, 0.9, 0.9]
+    # gamma 3, eta 0: [T T F] -> 2 accepted, t=3; [T T T] -> 3, t=7: 2 steps, 6 drafts.
+    assert simulate(match, conf, 0, 0.0, 3) == (2, 6)
+    # eta 0.5 stops after the draft at position 4 (confidence 0.2): t=3 drafts [T T] -> t=6;
+    # then one draft from t=6 -> t=8.
+    assert simulate(match, conf, 0, 0.5, 3) == (3, 6)
+    # gamma 1: one draft per step, every position visited once unless accepted.
+    assert simulate([False] * 5, [0.9] * 5, 0, 0.0, 1) == (5, 5)
+
+
+def _features(ids: list[list[int]], masks: list[list[bool]]) -> Features:
+    flat = torch.tensor([t for seq in ids for t in seq])
+    lengths = torch.tensor([0] + [len(seq) for seq in ids])
+    return Features(flat, torch.tensor([m for mask in masks for m in mask]), lengths.cumsum(0), {})
+
+
+def test_draft_vocabulary_keeps_the_most_emitted_tokens_and_eos():
+    feats = _features([[7, 5, 5, 5, 6, 6, 9]], [[False, True, True, True, True, True, True]])
+    assert draft_vocabulary(feats, 2, (1,), 20).tolist() == [1, 5]
+    assert draft_vocabulary(feats, 3, (1,), 20).tolist() == [1, 5, 6]
+    assert draft_vocabulary(feats, 0, (1,), 20) is None
+
+
+def test_batches_put_the_loss_where_the_next_token_is_an_answer():
+    feats = _features([[1, 2, 3, 4], [5, 6]], [[False, False, True, True], [False, True]])
+    batches = make_batches(feats, max_len=16, batch_tokens=4)
+    assert len(batches) == 2  # 2 x 4 padded tokens do not fit in 4
+    short, long = batches
+    assert short.index.tolist() == [[4, 5]] and short.loss.tolist() == [[True, False]]
+    assert long.loss.tolist() == [[False, True, True, False]]
+    assert long.pad.tolist() == [[1, 1, 1, 1]]
+
+
+CONVS = [
+    [
+        {"role": "user", "content": f"Question {i}: tell me about {topic}."},
+        {
+            "role": "assistant",
+            "content": f"Here is something about {topic}: it is {adj} and {adj2}.",
+        },
+    ]
+    for i, (topic, adj, adj2) in enumerate(
+        [
+            ("rivers", "long", "wet"),
+            ("cats", "soft", "quiet"),
+            ("stars", "far", "bright"),
+            ("bread", "warm", "fresh"),
+            ("trains", "fast", "loud"),
+            ("snow", "cold", "white"),
+        ]
+        * 4
+    )
+]
+
+
+def test_each_trained_exit_layer_lowers_the_loss_and_stays_exact(bundled_tokenizer):
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+    final = lm.model.config.num_hidden_layers
+    ids, masks = encode_conversations(lm, CONVS)
+    feats = hidden_states(lm, ids, [1, 2, 3, final], masks).load()
+    vocab = draft_vocabulary(feats, 256, lm.eos_ids, lm.model.config.vocab_size)
+    head = draft_head(lm.model, vocab).float()
+    config = KangarooTrainConfig(batch_tokens=256, eval_positions=512)
+    prompt = encode(lm.tokenizer, conversation("Question 99: tell me about rivers."))
+    params = SamplingParams(max_new_tokens=32)
+    plain = run(lm, prompt, params)[1]
+    for exit_layer in (1, 2, 3):
+        adapter = Adapter.from_model(lm.model)
+        batch = make_batches(feats, 1024, 4096)[0]
+        with torch.no_grad():
+            before = float(batch_loss(lm.model, adapter, head, feats, exit_layer, batch))
+        fit_adapter(
+            lm,
+            adapter,
+            head,
+            vocab,
+            (feats, feats),
+            exit_layer,
+            config,
+            TrainConfig(lr=3e-3, epochs=10, report_every=100),
+        )
+        with torch.no_grad():
+            after = float(batch_loss(lm.model, adapter, head, feats, exit_layer, batch))
+        assert after < before - 0.05, exit_layer
+        d = KangarooDrafter(lm, adapter, KangarooSettings(exit_layer, 0.0, 4), vocab)
+        assert run(lm, prompt, params, d)[1] == plain
+
+
+def test_pipeline_trains_calibrates_and_saves_a_loadable_drafter(bundled_tokenizer):
+    from trainer.pipeline import TrainOptions, train_accelerator
+    from trainer.selfdistill import DataBudget
+
+    lm = make_tiny_model("qwen2", bundled_tokenizer)
+    options = TrainOptions(
+        "kangaroo",
+        max_minutes=1.0,
+        calibration_seconds=5,
+        heldout_fraction=0.15,
+        data=DataBudget(max_conversations=40, batch_size=8, max_new_tokens=24, temperature=0.5),
+        kangaroo=KangarooTrainConfig(
+            exit_layers=(1, 2),
+            epochs=2,
+            draft_vocab=1000,
+            calibration=KangarooCalibration(prompts=2, max_new_tokens=16, finalists=2),
+        ),
+    )
+    result = train_accelerator(lm, options)
+    m = result.metrics
+    assert set(m["agreement"]) == {"1", "2"} and isinstance(m["pays"], bool)
+    assert len(m["ctar"]) == 6 and m["speedup"] > 0
+    assert result.settings["draft_vocab_size"] <= 1000
+    assert result.settings["exit_layer"] in (1, 2)
+    assert result.settings["gamma"] == 0 or m["pays"]  # never kept slower than plain decoding
+    drafter = load_drafter(lm, "kangaroo")
+    ids = encode(lm.tokenizer, conversation("Say something."))
+    params = SamplingParams(max_new_tokens=24)
+    assert run(lm, ids, params, drafter)[1] == run(lm, ids, params)[1]
+    forced = drafter.with_schedule(0.0, 3)  # the trained adapter, drafting for sure
+    assert run(lm, ids, params, forced)[1] == run(lm, ids, params)[1]
+
+
+@pytest.mark.slow
+def test_chat_with_no_kangaroo_trained_says_how_to_train(capsys):
+    from app.cli import main
+
+    code = main(["chat", "--prompt", "hi", "--accel", "kangaroo", "--quant", "fp32"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "no kangaroo accelerator is trained for this model" in err
+    assert "python launcher.py train --method kangaroo" in err
+    assert "Traceback" not in err
+
+
+def test_train_summary_says_plainly_whether_it_pays():
+    from trainer.kangaroo import summary_lines
+
+    settings = {"exit_layer": 2, "eta": 0.2, "gamma": 4, "draft_vocab_size": 5000}
+    metrics = {"agreement": {"1": 0.25, "2": 0.3}, "vocab_coverage": 0.9, "pays": True,
+               "speedup": 1.12, "mean_accepted": 1.4, "ctar": [0.3, 0.1, 0, 0, 0, 0]}
+    text = "\n".join(summary_lines(metrics, settings))
+    assert "l=2 30.0%" in text and "measured 1.12x plain decoding" in text
+    text = "\n".join(summary_lines({**metrics, "pays": False, "speedup": 0.93}, settings))
+    assert "does not pay on this machine" in text and "0.93x" in text
+    assert "never slower" in text
