@@ -44,6 +44,7 @@ class Drafter:
     """Plain decoding: proposes nothing, so every step is one token from the full model."""
 
     name = "off"
+    wants_hidden = False  # True when the drafter reads hidden states (state.hidden, prefill)
 
     def start(self, state: DecodeState) -> None:
         """Called once after prefill (state.hidden holds the prompt's last hidden state)."""
@@ -58,8 +59,6 @@ class Drafter:
     def commit(self, state: DecodeState, draft: Draft, path: list[int]) -> None:
         """Keep the cache entries of the root and the accepted nodes."""
         kv_cache.keep_path(state.cache, state.cached, [0, *path])
-
-    wants_hidden = False  # True when propose() reads state.hidden
 
 
 def forward_nodes(
