@@ -212,7 +212,7 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
     mark = time.perf_counter()
     for i, exit_layer in enumerate(exits):
         elapsed = time.perf_counter() - start
-        left = options.max_minutes * 60 - elapsed - options.calibration_seconds
+        left = options.max_minutes * 60 - elapsed - config.calibration.seconds
         train_config = dataclasses.replace(options.train, lr=config.lr, epochs=config.epochs,
                                            max_seconds=max(10.0, left / (len(exits) - i)))
         progress(Progress("train", 0, 1, f"exit layer {exit_layer}: training the adapter"))

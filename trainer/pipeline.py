@@ -30,7 +30,8 @@ class TrainOptions:
     prompts_file: Path | None = None  # the user's extra seed prompts (JSONL or plain text)
     data_share: float = 0.5  # fraction of the budget spent generating data
     heldout_fraction: float = 0.06  # seed prompts kept out of training for held-out figures
-    calibration_seconds: float = 90.0  # time kept back for calibration after training
+    calibration_seconds: float = 90.0  # time Medusa keeps back for calibration after
+    # training (Kangaroo's is options.kangaroo.calibration.seconds)
     data: DataBudget = field(
         default_factory=DataBudget
     )  # sampling settings (time set by the share)
@@ -52,6 +53,18 @@ class TrainOptions:
             raise QuickdraftError(f"prompts file not found: {self.prompts_file}")
 
 
+def options_for(method: str, max_minutes: float, prompts_file: Path | None = None) -> TrainOptions:
+    """Default options whose calibration reserves fit the budget: short runs keep at most
+    15% of their time for calibration instead of the full reserve."""
+    cap = max_minutes * 60 * 0.15
+    kangaroo = KangarooTrainConfig()
+    kangaroo = dataclasses.replace(kangaroo, calibration=dataclasses.replace(
+        kangaroo.calibration, seconds=min(kangaroo.calibration.seconds, cap)))
+    return TrainOptions(method=method, max_minutes=max_minutes, prompts_file=prompts_file,
+                        calibration_seconds=min(TrainOptions.calibration_seconds, cap),
+                        kangaroo=kangaroo)
+
+
 @dataclass
 class TrainResult:
     """What a finished (or cancelled) run produced."""
@@ -70,7 +83,9 @@ def train_accelerator(
     """Run every stage for `options.method` and save the checkpoint for `lm`."""
     start = time.perf_counter()
     total_s = options.max_minutes * 60
-    report = _with_eta(progress, start, total_s, options.calibration_seconds)
+    reserve = (options.kangaroo.calibration.seconds if options.method == "kangaroo"
+               else options.calibration_seconds)
+    report = _with_eta(progress, start, total_s, reserve)
     budget = dataclasses.replace(options.data, max_seconds=total_s * options.data_share)
     prompt_files = [Path(options.prompts_file)] if options.prompts_file else None
     data = generate_data(lm, data_path(lm), prompt_files, budget, report, cancel)

@@ -34,15 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.pipeline import TrainOptions, train_accelerator
+    from trainer.pipeline import options_for, train_accelerator
 
     # Check the options before the model loads, so a typo fails at once.
-    options = TrainOptions(
-        method=args.method,
-        max_minutes=args.max_minutes,
-        prompts_file=args.prompts,
-        calibration_seconds=min(90.0, args.max_minutes * 60 * 0.1),
-    )
+    options = options_for(args.method, args.max_minutes, args.prompts)
     lm = load(args)
     bar = ProgressBar(sys.stderr)
     try:

@@ -81,11 +81,10 @@ class TrainTab:
         return out
 
     def start(self, method, minutes, prompts):
-        from trainer.pipeline import TrainOptions
+        from trainer.pipeline import options_for
 
         try:
-            options = TrainOptions(method=method, max_minutes=float(minutes),
-                                   prompts_file=Path(prompts) if prompts else None)
+            options = options_for(method, float(minutes), Path(prompts) if prompts else None)
             job = self.service.start_training(options)
         except QuickdraftError as exc:
             return readout.error_html(str(exc)), gr.Timer(active=False)
