@@ -22,11 +22,12 @@ from app.jobs import Job
 from app.replies import CompareResult, ReplyRequest, ReplyUpdate
 from app.store import Conversation, Settings, Store, StoreError, title_from_prompt
 from engine.accelerators import METHODS as TRAINABLE
-from engine.accelerators import describe
+from engine.accelerators import describe, measured_speedup
 from engine.chat import conversation, encode
 from engine.config import ModelSpec
 from engine.drafters.base import Drafter
-from engine.drafters.registry import ACCEL_CHOICES, load_drafter
+from engine.drafters.auto import AutoDrafter
+from engine.drafters.registry import ACCEL_CHOICES, ACCEL_LABELS, base_method, load_drafter
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import generate, run
 from engine.loading import LoadedModel, load_model
@@ -37,12 +38,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACCEL_LABELS = {"off": "Off", "lookup": "Lookup", "medusa": "Medusa", "kangaroo": "Kangaroo"}
 # Compare replays the conversation's last prompt; an empty conversation uses this one.
 COMPARE_PROMPT = "Explain in a few sentences how a rainbow forms."
 
 
 def accel_label(method: str) -> str:
+    """"medusa+lookup" -> "Medusa+lookup"; "auto:lookup" (what Auto used) -> "Auto · Lookup"."""
+    if method.startswith("auto:"):
+        return f"Auto · {accel_label(method.removeprefix('auto:'))}"
     return ACCEL_LABELS.get(method, method.capitalize())
 
 
@@ -135,8 +138,11 @@ class Service:
             return AccelStatus(method, True, False, "Plain decoding: one token per model step.")
         if method not in ACCEL_CHOICES:
             raise QuickdraftError(f"unknown acceleration {method!r}")
+        if method == "auto":
+            return self._auto_status()
         name = model_name(self.lm)
-        info = describe(self.lm, method) if method in TRAINABLE else {}
+        trained = base_method(method)
+        info = describe(self.lm, trained) if trained in TRAINABLE else {}
         if info is None:
             return AccelStatus(method, False, True,
                                f"{label} is not trained for {name} yet: train it once, "
@@ -144,8 +150,18 @@ class Service:
         try:
             self._drafter(method)
         except AcceleratorError as exc:
-            return AccelStatus(method, False, method in TRAINABLE, f"{label} cannot be used: {exc}")
+            return AccelStatus(method, False, trained in TRAINABLE,
+                               f"{label} cannot be used: {exc}")
         return AccelStatus(method, True, False, _ready_line(label, info))
+
+    def _auto_status(self) -> AccelStatus:
+        auto = self._drafter("auto")
+        names = ", ".join(accel_label(m) for m in auto.candidates)
+        untrained = not any(describe(self.lm, m) for m in TRAINABLE)
+        hint = " Train an accelerator to give it more to choose from." if untrained else ""
+        return AccelStatus("auto", True, False,
+                           f"Auto picks the fastest of {names} on this machine; next reply: "
+                           f"{auto.reason()}.{hint}")
 
     def _drafter(self, method: str) -> Drafter:
         if method == "off":
@@ -179,6 +195,9 @@ class Service:
                 conv.system = request.system.strip()
             lm = self.lm
             drafter, used, notices = self._drafter_or_off(request.method)
+            if isinstance(drafter, AutoDrafter):
+                used = f"auto:{drafter.current}"
+                notices.append(drafter.reason())
             turns = conv.turns()
             ids = encode(lm.tokenizer, conversation(turns[-1]["content"], turns[:-1],
                                                     conv.system or None))
@@ -262,9 +281,10 @@ class Service:
 
         def work():
             result = train_accelerator(lm, options, job.report, job.cancel)
-            self._drafters.pop(method, None)  # the next use loads the new checkpoint
+            for stale in [m for m in self._drafters if m == "auto" or base_method(m) == method]:
+                self._drafters.pop(stale)  # the next use loads the new checkpoint
             if not job.cancel.is_set():
-                self.remember(accel=method)  # the new accelerator is the one to use
+                self.remember(accel="auto")  # Auto now has the new accelerator to choose
             return result
 
         return job.start(work)
@@ -361,21 +381,10 @@ def _ready_line(label: str, info: dict) -> str:
     """Status of a trained accelerator from its description (speedup measured here)."""
     metrics = info.get("metrics", {})
     line = f"{label} is ready."
-    speedup = _measured_speedup(metrics)
+    speedup = measured_speedup(metrics)
     if speedup is not None:
         line += f" Measured {speedup:.2f}× over plain decoding when it was trained."
     pays = info.get("settings", {}).get("pays", metrics.get("pays"))
     if pays is False:
         line += " It did not beat plain decoding on this machine: Off may be faster."
     return line
-
-
-def _measured_speedup(metrics: dict) -> float | None:
-    """A top-level "speedup", else the best drafting setting calibration measured."""
-    if isinstance(metrics.get("speedup"), (int, float)):
-        return float(metrics["speedup"])
-    measured = metrics.get("calibration", {}).get("measured", {})
-    found = [m.get("speedup") for name, m in measured.items()
-             if name != "plain" and isinstance(m, dict)]
-    found = [float(x) for x in found if isinstance(x, (int, float))]
-    return max(found) if found else None

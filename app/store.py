@@ -93,7 +93,7 @@ class Settings:
     model: str = "default"  # last model loaded: "default", a folder or a repo id
     quant: str = "auto"  # its quantization choice
     trust_remote_code: bool = False  # only ever saved for the model it was ticked for
-    accel: str = "off"  # last acceleration method chosen
+    accel: str = "auto"  # last acceleration method chosen (Auto until one is picked)
     temperature: float = 0.2  # sampling defaults (SmolLM2's recommended settings)
     top_p: float = 0.9  # nucleus sampling mass
     top_k: int = 0  # 0 = no top-k limit

@@ -124,3 +124,14 @@ def _check_info(info: dict, lm, method: str, folder: Path, fix: str) -> None:
             f"the {method} accelerator in {folder} was built for another model "
             f"({info.get('base_model_id')}); {fix}"
         )
+
+
+def measured_speedup(metrics: dict) -> float | None:
+    """A top-level "speedup", else the best drafting setting calibration measured."""
+    if isinstance(metrics.get("speedup"), (int, float)):
+        return float(metrics["speedup"])
+    measured = metrics.get("calibration", {}).get("measured", {})
+    found = [m.get("speedup") for name, m in measured.items()
+             if name != "plain" and isinstance(m, dict)]
+    found = [float(x) for x in found if isinstance(x, (int, float))]
+    return max(found) if found else None

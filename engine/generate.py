@@ -107,6 +107,7 @@ def generate(
         elapsed = time.perf_counter() - start
         if stats.stop_reason:
             stats.elapsed_s = elapsed
+            drafter.finish(stats)
             text += stream.flush()
             yield StepEvent(text, new, _last(stats), stats.tokens, elapsed, True, stats,
                             stream.emitted, notices)

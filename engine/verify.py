@@ -24,16 +24,25 @@ from engine.sampling import sample_from
 def accept_greedy(
     children: Sequence[Sequence[int]], tokens: Sequence[int], target_argmax: Sequence[int]
 ) -> tuple[list[int], int]:
-    """Follow the child whose token equals the target's argmax; exactly vanilla greedy."""
-    path: list[int] = []
-    node = 0
-    while True:
-        want = target_argmax[node]
-        nxt = next((c for c in children[node] if tokens[c] == want), None)
-        if nxt is None:
-            return path, int(want)
-        path.append(nxt)
-        node = nxt
+    """Follow the children whose token equals the target's argmax; exactly vanilla greedy.
+
+    Where siblings carry the same token (a hybrid tree: the heads' branch and a lookup chain
+    both guessing it), the deepest accepted path wins: both are the target's own choice.
+    """
+    path = _deepest_greedy_path(children, tokens, target_argmax, 0)
+    return path, int(target_argmax[path[-1] if path else 0])
+
+
+def _deepest_greedy_path(
+    children: Sequence[Sequence[int]], tokens: Sequence[int], argmax: Sequence[int], node: int
+) -> list[int]:
+    best: list[int] = []
+    for child in children[node]:
+        if tokens[child] == argmax[node]:
+            below = [child, *_deepest_greedy_path(children, tokens, argmax, child)]
+            if len(below) > len(best):
+                best = below
+    return best
 
 
 def accept_pointmass(

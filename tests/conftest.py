@@ -85,3 +85,13 @@ def tiny_lm(request, bundled_tokenizer):
 def bundled_lm():
     """The bundled SmolLM2-135M-Instruct in fp32 (exactness tests)."""
     return load_model(ModelSpec(quant="fp32"))
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run thousands of small ops: one thread is faster and immune to other
+    processes' threads (use with pytestmark = pytest.mark.usefixtures("one_thread"))."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -216,7 +216,7 @@ def _corrupted(method: Method) -> Method:
 def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, tmp_path):
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
     params = SamplingParams(max_new_tokens=8, seed=0)
-    methods, skipped = build_methods(lm, ["hf", "vanilla", "medusa"], params)
+    methods, skipped = build_methods(lm, ["hf", "vanilla", "medusa", "auto"], params)
     methods["slow"] = engine_method("slow", lm, params, SlowDrafter())
     methods["corrupt"] = _corrupted(methods["vanilla"])
     report = bench_report(lm, TWO_PROMPTS, methods, skipped, params, {"command": "test"})
@@ -224,7 +224,11 @@ def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, 
     assert set(report) >= {"machine", "settings", "methods"}
     assert {"cpu", "threads", "torch", "device"} <= set(report["machine"])
     figures = report["methods"]
-    assert list(figures) == ["hf", "vanilla", "slow", "corrupt"]
+    assert list(figures) == ["hf", "vanilla", "auto", "slow", "corrupt"]
+    assert figures["auto"]["greedy_match_rate"] == 1.0
+    used = {m["used"] for m in report["measurements"] if m["method"] == "auto"}
+    assert used <= {"off", "lookup"}  # nothing trained: Auto picks between these
+    assert "- auto used, per category: " in to_markdown(report)
     for f in figures.values():
         assert REPORT_KEYS <= set(f)
         assert set(f["by_category"]) == {"qa", "translation"}

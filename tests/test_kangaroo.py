@@ -193,41 +193,45 @@ def test_speculative_sampling_is_lossless_and_catches_a_broken_rule(bundled_toke
 # -- cache consistency -------------------------------------------------------------------
 
 
-class _Recorder(KangarooDrafter):
-    """Records, after every commit, the committed tokens and copies of all caches."""
+def recording(cls):
+    """`cls` recording, after every commit, the committed tokens and copies of all caches."""
 
-    snapshots: list
+    class Recorder(cls):
+        snapshots: list
 
-    def commit(self, state, draft, path):
-        super().commit(state, draft, path)
-        committed = state.ids + [draft.tokens[i] for i in path]
-        copy = [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers]
-        ad = self.run.cache.layers[0]
-        adapter = (ad.keys.clone(), ad.values.clone())
-        self.snapshots.append((committed, copy, *adapter, self.run.lag.clone()))
+        def commit(self, state, draft, path):
+            super().commit(state, draft, path)
+            committed = state.ids + [draft.tokens[i] for i in path]
+            copy = [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers]
+            ad = self.run.cache.layers[0]
+            adapter = (ad.keys.clone(), ad.values.clone())
+            self.snapshots.append((committed, copy, *adapter, self.run.lag.clone()))
+
+    return Recorder
 
 
-def test_caches_equal_one_by_one_decoding_after_any_accept_pattern(bundled_tokenizer, monkeypatch):
-    lm = make_tiny_model("qwen2", bundled_tokenizer)
-    lm.eos_ids = ()
+def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> set[int]:
+    """Decode with random acceptance patterns; after every step, each layer's cache and the
+    adapter's (cache + lag) must equal those of the committed tokens run one by one.
+    Returns the lag lengths seen."""
     rng = torch.Generator().manual_seed(0)
+    top = min(500, int(lm.model.config.vocab_size))  # the token the target "adds"
 
     def random_accept(draft, logits, params, generator):
         a = int(torch.randint(0, draft.size, (), generator=rng))  # 0..k drafts kept
-        return list(range(1, a + 1)), int(torch.randint(0, 500, (), generator=rng))
+        return list(range(1, a + 1)), int(torch.randint(0, top, (), generator=rng))
 
     monkeypatch.setattr(generate_mod, "accept", random_accept)
-    torch.manual_seed(0)
-    d = _Recorder(lm, Adapter(lm.model), KangarooSettings(exit_layer=2, eta=0.0, gamma=4))
     d.snapshots = []
-    run(lm, [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=80), d)
+    run(lm, prompt, SamplingParams(max_new_tokens=tokens), d)
     final = d.snapshots[-1][0]
+    exit_layer = d.settings.exit_layer
     ref = DynamicCache(config=lm.model.config)
     with torch.inference_mode():
         for t in final:  # the reference: one token at a time
             lm.model(input_ids=torch.tensor([[t]]), cache=ref, use_cache=True)
         hidden = lm.model(input_ids=torch.tensor([final]), output_hidden_states=True).hidden_states
-        exit_states = layers.exit_states(hidden, 2)
+        exit_states = layers.exit_states(hidden, exit_layer)
         ad_ref = DynamicCache()
         pos = layers.positions(0, len(final), exit_states.device)
         rope = lm.model.model.rotary_emb(exit_states, pos)
@@ -245,6 +249,16 @@ def test_caches_equal_one_by_one_decoding_after_any_accept_pattern(bundled_token
         torch.testing.assert_close(ad_v, ad_ref.layers[0].values[..., :m, :], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lag[0], exit_states[0, m:n], atol=1e-4, rtol=1e-4)
         kept.add(lag.shape[1])
+    return kept
+
+
+def test_caches_equal_one_by_one_decoding_after_any_accept_pattern(bundled_tokenizer, monkeypatch):
+    lm = make_tiny_model("qwen2", bundled_tokenizer)
+    lm.eos_ids = ()
+    torch.manual_seed(0)
+    d = recording(KangarooDrafter)(lm, Adapter(lm.model),
+                                   KangarooSettings(exit_layer=2, eta=0.0, gamma=4))
+    kept = check_caches_after_random_accepts(lm, d, [5, 6, 7, 8, 9], monkeypatch)
     assert kept == {0, 1}  # both partial and full acceptance happened
 
 

@@ -24,13 +24,7 @@ from trainer.kangaroo_calibrate import KangarooCalibration, simulate
 from trainer.train import TrainConfig
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """Tiny models: one thread is faster and immune to other processes' threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_simulate_follows_the_drafting_rule():

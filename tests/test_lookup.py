@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
-from engine.drafters.lookup import LookupDrafter, LookupParams, NgramIndex
+from engine.drafters.lookup import (
+    LookupDrafter,
+    LookupParams,
+    LookupSource,
+    NgramIndex,
+    next_length,
+)
 from engine.generate import run
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.stats_util import chi_square_pvalue
@@ -26,6 +32,28 @@ def test_index_never_matches_the_suffix_itself():
     index = NgramIndex(1, 2)
     index.extend([1, 2, 3])
     assert index.continuation(4) == []
+
+
+def test_draft_length_grows_while_drafts_are_kept_and_shrinks_on_rejection():
+    p = LookupParams(draft_len=10, start_len=4)
+    assert next_length(4, 4, 4, p) == 6  # all kept: +2
+    assert next_length(10, 10, 10, p) == 10  # capped at draft_len
+    assert next_length(6, 6, 2, p) == 5  # a rejection: -1
+    assert next_length(1, 1, 0, p) == 1  # never below one token
+    assert next_length(5, 0, 0, p) == 5  # nothing drafted: nothing learned
+    assert next_length(3, 3, 0, LookupParams(adaptive=False)) == 10
+
+
+def test_source_drafts_as_long_as_its_schedule_allows():
+    source = LookupSource(LookupParams(draft_len=10, start_len=2))
+    ids = list(range(20)) + [3]  # 3 occurred before, followed by 4, 5, 6, ...
+    assert source.match(ids) == ([4, 5], 1)
+    source.update(2, 2)
+    assert source.match(ids)[0] == [4, 5, 6, 7]
+    source.update(4, 1)
+    assert source.match(ids)[0] == [4, 5, 6]
+    source.reset()
+    assert source.match(ids)[0] == [4, 5]
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))

@@ -16,6 +16,7 @@ from engine.accelerators import checkpoint_dir
 from engine.chat import conversation, encode
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
+from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
 
@@ -153,6 +154,21 @@ def test_switching_acceleration_untrained_offers_training(service):
     assert service.store.get(conv.id).messages[-1]["accel"] == "off"
     with pytest.raises(QuickdraftError, match="unknown acceleration"):
         service.accel_status("warp")
+
+
+def test_auto_is_the_default_and_the_reply_names_the_method_it_used(service, tiny):
+    assert service.settings().accel == "auto"
+    status = service.accel_status("auto")
+    assert status.ready and "Off, Lookup" in status.message and "Train an accelerator" in status.message
+    hybrid = service.accel_status("medusa+lookup")  # needs trained Medusa heads
+    assert not hybrid.ready and hybrid.train_needed
+    conv = service.store.new()
+    last = _reply(service, conv.id, "Tell me about rain", method="auto")
+    assert last.method in ("auto:off", "auto:lookup")
+    label = "Off" if last.method == "auto:off" else "Lookup"
+    assert any(n.startswith(f"{label}: ") for n in last.notices)  # the readout says why
+    assert last.conversation.messages[-1]["content"] == _reference(tiny, "Tell me about rain")
+    assert service.store.get(conv.id).messages[-1]["accel"] == last.method
 
 
 def test_accelerator_for_another_model_is_refused_cleanly(service, tiny):
@@ -298,7 +314,9 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     assert second.result.data["conversations"] == 24
     assert second.history and "loss" in str(second.history[-1])  # live figures for the plots
     assert service.accel_status("medusa").ready  # usable from the selector right away
-    assert service.settings().accel == "medusa"
+    assert service.settings().accel == "auto"  # which now has Medusa to choose from
+    pays = load_drafter(lm, "medusa").pays  # Auto leaves out heads that do not pay here
+    assert ("Medusa+lookup" in service.accel_status("auto").message) == pays
     conv = service.store.new()
     assert _reply(service, conv.id, "hi", method="medusa").method == "medusa"
 

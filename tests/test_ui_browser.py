@@ -179,6 +179,8 @@ def test_chat_streams_stops_and_is_restored(page):
     page.wait_for_function(STREAMING % 0, timeout=REPLY_TIMEOUT_MS)  # text while it streams
     page.wait_for_selector("#qd-readout .qd-done", timeout=REPLY_TIMEOUT_MS)
     tps = page.inner_text("#qd-readout .qd-tps")
+    assert page.locator("#qd-accel input[value=auto]").is_checked()  # the default
+    assert page.inner_text("#qd-readout .qd-method").startswith("Auto · ")  # what it used
     assert float(re.match(r"([\d.]+) tok/s", tps).group(1)) > 0
     first = _bot_texts(page)[-1]
     assert first
@@ -207,17 +209,17 @@ def test_chat_streams_stops_and_is_restored(page):
 @pytest.mark.browser
 def test_acceleration_switch_and_compare(page):
     page.click("#qd-new")
-    page.click("#qd-accel label:has-text('Kangaroo')")  # not trained for this model
+    page.click("#qd-accel label:has(input[value=kangaroo])")  # not trained for this model
     page.wait_for_selector("#qd-accel-status:has-text('not trained')")
     assert page.locator("#qd-train-open").is_visible()
-    assert page.locator("#qd-accel input[value=off]").is_checked()  # replies stay unaccelerated
+    assert page.locator("#qd-accel input[value=auto]").is_checked()  # the choice stays Auto
     page.click("#qd-train-open")
     page.wait_for_selector("#qd-train-start", state="visible")
     assert page.locator("#qd-train-method input[value=kangaroo]").is_checked()
     page.click("button[role=tab]:has-text('Chat')")
 
     # Lookup drafts from text already in the conversation: nothing to train.
-    page.click("#qd-accel label:has-text('Lookup')")
+    page.click("#qd-accel label:has(input[value=lookup])")
     page.wait_for_selector("#qd-accel-status:has-text('ready')")
     assert not page.locator("#qd-train-open").is_visible()
     _set(page, "qd-temperature", 0)

@@ -42,10 +42,11 @@ def run(args: argparse.Namespace) -> int:
     drafter = _drafter(lm, args.accel)
     if args.prompt is None:
         return _interactive(lm, drafter, params, args.system)
+    used = _used(drafter, args.accel)  # before the reply: Auto may choose anew after it
     reply = _reply(lm, drafter, params, args.prompt, [], args.system, echo=not args.json)
     if args.json:
         text, ids, stats = reply
-        print(json.dumps({"text": text, "token_ids": ids, "accel": args.accel,
+        print(json.dumps({"text": text, "token_ids": ids, "accel": used,
                           "stats": stats.to_json()}))
     return 0
 
@@ -56,12 +57,21 @@ def _drafter(lm, method: str):
     return load_drafter(lm, method)
 
 
+def _used(drafter, method: str) -> str:
+    """The method a reply uses: Auto's current choice as "auto:<method>"."""
+    from engine.drafters.auto import AutoDrafter
+
+    return f"auto:{drafter.current}" if isinstance(drafter, AutoDrafter) else method
+
+
 def _reply(lm, drafter, params, prompt, history, system, echo: bool):
     """Generate one reply; when `echo`, stream it to stdout and a summary to stderr."""
     from engine.chat import conversation, encode
     from engine.generate import generate
 
     ids = encode(lm.tokenizer, conversation(prompt, history, system))
+    if _used(drafter, "").startswith("auto:"):  # Auto says what it uses and why
+        print(f"note: {drafter.reason()}", file=sys.stderr)
     tokens: list[int] = []
     for event in generate(lm, ids, params, drafter):
         for notice in event.notices:

@@ -35,7 +35,7 @@ class ChatTab:
             with gr.Column(scale=4, min_width=420):
                 self._chat_column()
             with gr.Column(scale=2, min_width=250):
-                self.accel = gr.Radio([(accel_label(m), m) for m in ACCEL_CHOICES], value="off",
+                self.accel = gr.Radio([(accel_label(m), m) for m in ACCEL_CHOICES], value="auto",
                                       label="Acceleration", elem_id="qd-accel")
                 self.accel_status = gr.Markdown(elem_id="qd-accel-status")
                 self.train_btn = gr.Button("Train accelerator", visible=False, size="sm",

@@ -48,7 +48,7 @@ def live_readout(update: ReplyUpdate) -> str:
         _chip(f"<b>{update.tokens_per_s:.1f}</b> tok/s", "qd-tps"),
         _chip(f"TTFT <b>{update.ttft_s:.2f}</b> s"),
         _chip(f"<b>{per_step:.2f}</b> tokens/step"),
-        mini_histogram(update.accepted) if update.method != "off" else "",
+        mini_histogram(update.accepted) if not update.method.endswith("off") else "",
     ]
     if update.done and update.stats is not None:
         reason = STOP_REASONS.get(update.stats.stop_reason, update.stats.stop_reason)

@@ -35,6 +35,7 @@ class Outcome:
     ids: list[int]  # generated token ids, EOS included when reached
     ttft_s: float  # time to the first generated token
     accepted: list[int] | None  # per full-model step after prefill: drafts accepted; None = unknown
+    used: str = ""  # the method that really ran, where it differs from the name (Auto's pick)
 
 
 @dataclass
@@ -91,7 +92,7 @@ def build_methods(lm, names: list[str], params: SamplingParams,
 
 def _accelerator(lm, name: str) -> tuple[Drafter | None, str]:
     try:
-        return load_drafter(lm, name), ""
+        return load_drafter(lm, name, remember=False), ""  # bench figures start from calibration
     except AcceleratorError as exc:
         return None, f"not trained: {exc}"
     except ModuleNotFoundError as exc:
@@ -114,8 +115,9 @@ def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Me
     """The engine's decode loop with `drafter` (plain decoding for the base Drafter)."""
 
     def generate(prompt_ids: list[int]) -> Outcome:
+        used = getattr(drafter, "current", "")  # Auto chooses before the reply
         _text, ids, stats = run(lm, prompt_ids, params, drafter)
-        return Outcome(ids, stats.ttft_s, list(stats.accepted))
+        return Outcome(ids, stats.ttft_s, list(stats.accepted), used)
 
     return Method(name, generate)
 

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -231,7 +232,21 @@ def notes(report: dict) -> list[str]:
     elif not lines:
         lines.append(f"- Every method matched {BASELINE} token for token on every prompt.")
     lines += [f"- {name} did not run: {why}" for name, why in report["skipped"].items()]
+    lines += _picks(report["measurements"])
     return lines
+
+
+def _picks(measurements: list[dict]) -> list[str]:
+    """What Auto used, per category (it picks per reply)."""
+    picks: dict[str, Counter] = {}
+    for m in measurements:
+        if m.get("used"):
+            picks.setdefault(m["category"], Counter())[m["used"]] += 1
+    if not picks:
+        return []
+    cells = "; ".join(f"{cat}: " + ", ".join(f"{name} {n}" for name, n in c.most_common())
+                      for cat, c in picks.items())
+    return [f"- auto used, per category: {cells}"]
 
 
 def _fmt(x: float | None, suffix: str = "") -> str:

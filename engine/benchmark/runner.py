@@ -30,6 +30,7 @@ class Measurement:
     accepted: list[int] | None  # per step after prefill: drafts accepted; None = unknown
     peak_mem_mb: float  # peak memory during the call (see MemoryProbe.describe)
     peak_mem_delta_mb: float  # that peak minus the memory in use when the call began
+    used: str = ""  # the method Auto picked for this prompt ("" for the others)
 
     @property
     def tokens_per_s(self) -> float:
@@ -43,6 +44,7 @@ class Measurement:
             "tokens_per_s": round(self.tokens_per_s, 4),
             "steps": None if self.accepted is None else len(self.accepted),
             "peak_mem_mb": round(self.peak_mem_mb, 2), "token_ids": self.ids,
+            **({"used": self.used} if self.used else {}),
         }
 
 
@@ -78,7 +80,7 @@ def run_bench(
         for name in names[shift:] + names[:shift]:
             outcome, wall, peak, delta = measure(methods[name], ids, probe)
             m = Measurement(name, p, prompt.category, len(ids), outcome.ids, wall,
-                            outcome.ttft_s, outcome.accepted, peak, delta)
+                            outcome.ttft_s, outcome.accepted, peak, delta, outcome.used)
             results.append(m)
             progress(Progress(
                 "bench", len(results), total,

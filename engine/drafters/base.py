@@ -16,6 +16,7 @@ from engine import kv_cache
 
 if TYPE_CHECKING:
     from engine.generate import DecodeState
+    from engine.stats import GenerationStats
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Drafter:
     def commit(self, state: DecodeState, draft: Draft, path: list[int]) -> None:
         """Keep the cache entries of the root and the accepted nodes."""
         kv_cache.keep_path(state.cache, state.cached, [0, *path])
+
+    def finish(self, stats: GenerationStats) -> None:
+        """Called once when a generation ends (finished, stopped or cancelled)."""
 
 
 def forward_nodes(

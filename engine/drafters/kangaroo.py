@@ -147,6 +147,7 @@ class _Run:
     lag: torch.Tensor  # (1, m, H) layer-l states of committed tokens the adapter has not read
     drafted: torch.Tensor | None = None  # (1, k, H) layer-l states of the root and d1..d(k-1)
     scored: torch.Tensor | None = None  # (1, k + 1, H) layer-l states of all verified nodes
+    external: bool = False  # this round's draft came from elsewhere (lookup), not the adapter
 
 
 class KangarooDrafter(Drafter):
@@ -262,17 +263,34 @@ class KangarooDrafter(Drafter):
             states.append(x)
         run.lag = run.lag[:, :0]
         run.drafted = torch.cat(states, dim=1)
+        run.external = False
         q_rows = torch.stack(qs) if qs[0] is not None else None
         return Draft.chain(state.ids[-1], tokens, q_rows)
 
+    def propose_chain(self, state, tokens: list[int]) -> Draft:
+        """A round whose draft comes from elsewhere (a lookup continuation): the pending
+        token and `tokens` go through the shallow layers in one pass, and the adapter reads
+        the accepted ones at its next round (they join the lag)."""
+        if self.off:
+            return Draft.chain(state.ids[-1], tokens)
+        model, run = self.lm.model, self.run
+        h = layers.embed(model, [state.ids[-1], *tokens])
+        run.drafted = layers.run_layers(model, h, range(self.settings.exit_layer), state.cache,
+                                        state.cached)
+        run.external = True
+        return Draft.chain(state.ids[-1], tokens)
+
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, None]:
-        """Layers l..L over the saved layer-l states (+ the last draft token's, computed now)."""
+        """Layers l..L over the saved layer-l states (+ the last draft token's, computed now
+        unless the round already ran it)."""
         if self.off:
             return super().score(state, draft)
         run, model = self.run, self.lm.model
         start, k = state.cached, draft.size - 1
-        last = self._shallow(state, draft.tokens[-1], start + k)
-        run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
+        run.scored = run.drafted
+        if run.drafted.shape[1] == k:
+            last = self._shallow(state, draft.tokens[-1], start + k)
+            run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
         deep = range(self.settings.exit_layer, layers.num_layers(model))
         h = layers.run_layers(model, run.scored, deep, state.cache, start)
         # float32: argmax and softmax over a bf16 vocabulary row are several times slower.
@@ -285,7 +303,9 @@ class KangarooDrafter(Drafter):
         run = self.run
         k, a = draft.size - 1, len(path)
         kv_cache.rollback(state.cache, k - a)  # every layer held start + k + 1 positions
-        if a < k:
+        if run.external:  # the adapter has read none of this round's states
+            run.lag = torch.cat([run.lag, run.scored[:, :a + 1]], dim=1)
+        elif a < k:
             # The adapter read the root and d1..d(k-1): keep the root and d1..da.
             kv_cache.drop_last(run.cache, k - a - 1)
         else:

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 from engine.drafters.base import Drafter
-from engine.errors import QuickdraftError
+from engine.errors import AcceleratorError, QuickdraftError
+from engine.paths import data_dir
 
-ACCEL_CHOICES = ("off", "lookup", "medusa", "kangaroo")
+log = logging.getLogger(__name__)
+
+ACCEL_CHOICES = ("auto", "off", "lookup", "medusa", "medusa+lookup", "kangaroo",
+                 "kangaroo+lookup")
+ACCEL_LABELS = {"auto": "Auto", "off": "Off", "lookup": "Lookup", "medusa": "Medusa",
+                "medusa+lookup": "Medusa+lookup", "kangaroo": "Kangaroo",
+                "kangaroo+lookup": "Kangaroo+lookup"}
+TRAINED = ("medusa", "kangaroo")  # the methods that need a trained checkpoint
 
 
-def load_drafter(lm, method: str) -> Drafter:
+def base_method(method: str) -> str:
+    """The trained accelerator a method needs ("medusa+lookup" -> "medusa")."""
+    return method.split("+", 1)[0]
+
+
+def load_drafter(lm, method: str, remember: bool = True) -> Drafter:
     """The drafter for `method`; trained methods load their checkpoint for `lm`.
 
-    Raises AcceleratorError (with the command that fixes it) when none is trained.
+    Raises AcceleratorError (with the command that fixes it) when none is trained. `remember`:
+    Auto keeps its speed figures for this model in the data folder (False: this run only).
     """
     if method == "off":
         return Drafter()
@@ -19,14 +36,52 @@ def load_drafter(lm, method: str) -> Drafter:
         from engine.drafters.lookup import LookupDrafter
 
         return LookupDrafter()
-    if method == "medusa":
-        from engine.accelerators import load_checkpoint
-        from engine.drafters.medusa import MedusaDrafter
+    if method == "auto":
+        return load_auto(lm, remember)
+    if method not in ACCEL_CHOICES:
+        raise QuickdraftError(
+            f"unknown acceleration {method!r}: choose one of {', '.join(ACCEL_CHOICES)}")
+    from engine.accelerators import load_checkpoint
 
-        return MedusaDrafter.from_checkpoint(lm, load_checkpoint(lm, "medusa"))
-    if method == "kangaroo":
-        from engine.accelerators import load_checkpoint
-        from engine.drafters.kangaroo import KangarooDrafter
+    return _trained_class(method).from_checkpoint(lm, load_checkpoint(lm, base_method(method)))
 
-        return KangarooDrafter.from_checkpoint(lm, load_checkpoint(lm, "kangaroo"))
-    raise QuickdraftError(f"unknown acceleration {method!r}: choose one of {', '.join(ACCEL_CHOICES)}")
+
+def _trained_class(method: str):
+    from engine.drafters import hybrid
+    from engine.drafters.kangaroo import KangarooDrafter
+    from engine.drafters.medusa import MedusaDrafter
+
+    return {"medusa": MedusaDrafter, "kangaroo": KangarooDrafter,
+            "medusa+lookup": hybrid.MedusaLookupDrafter,
+            "kangaroo+lookup": hybrid.KangarooLookupDrafter}[method]
+
+
+def auto_figures_path(lm) -> Path:
+    """Where Auto keeps the speeds it measured for this model, device and dtype."""
+    return data_dir() / "auto" / lm.fingerprint / f"{lm.device.type}-{lm.quant}.json"
+
+
+def load_auto(lm, remember: bool = True):
+    """Auto over Off, Lookup and each trained accelerator mixed with lookup (a trained one
+    that is unusable or measured no faster than plain decoding is left out)."""
+    from engine.accelerators import load_checkpoint, measured_speedup
+    from engine.drafters.auto import AutoDrafter, load_figures, plain_step_seconds
+
+    candidates = {"off": Drafter(), "lookup": load_drafter(lm, "lookup")}
+    # Lookup has no calibration: a modest gain is assumed until replies measure it.
+    speedups = {"off": 1.0, "lookup": 1.1}
+    for base in TRAINED:
+        method = f"{base}+lookup"
+        try:
+            ckpt = load_checkpoint(lm, base)
+            drafter = _trained_class(method).from_checkpoint(lm, ckpt)
+        except AcceleratorError as exc:
+            log.info("Auto leaves %s out: %s", base, exc)
+            continue
+        if drafter.pays:
+            candidates[method] = drafter
+            speedups[method] = measured_speedup(ckpt.metrics) or 1.0
+    plain_tok_s = 1.0 / plain_step_seconds(lm)
+    path = auto_figures_path(lm) if remember else None
+    priors = {m: s * plain_tok_s for m, s in speedups.items()}
+    return AutoDrafter(candidates, load_figures(path, priors), path)

@@ -1,0 +1,115 @@
+"""Every drafter on the bundled SmolLM2-135M in fp32: greedy replies to five bench prompts,
+128 tokens each, equal plain greedy decoding token for token.
+
+Kangaroo runs at exits l = 1, 2, 3 with a random adapter and with one trained on the model's
+own replies (briefly: enough to draft what the model says, which exercises long accepted
+runs); the hybrids and Auto run with random heads / adapters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.chat import conversation, encode
+from engine.config import SamplingParams
+from engine.drafters.auto import AutoDrafter, AutoPolicy, Figure
+from engine.drafters.base import Drafter
+from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
+from engine.drafters.lookup import LookupDrafter
+from engine.generate import run
+from engine.tree import build_tree
+from tests.test_medusa_bundled import TREE, _random_heads
+from trainer.features import encode_conversations, hidden_states
+from trainer.kangaroo import KangarooTrainConfig, draft_vocabulary, fit_adapter
+from trainer.train import TrainConfig
+
+pytestmark = pytest.mark.slow
+BENCH = Path(__file__).resolve().parent.parent / "assets" / "bench_prompts.jsonl"
+PARAMS = SamplingParams(max_new_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_lm):
+    records = [json.loads(line) for line in BENCH.read_text().splitlines()]
+    picked = records[::len(records) // 5][:5]  # one per category for the first five
+    return [encode(bundled_lm.tokenizer, conversation(r["prompt"], r.get("history")))
+            for r in picked]
+
+
+@pytest.fixture(scope="module")
+def plain(bundled_lm, prompts):
+    return [run(bundled_lm, ids, PARAMS)[1] for ids in prompts]
+
+
+def assert_exact(lm, prompts, plain, drafter) -> int:
+    """Every reply equals plain greedy; returns the draft tokens accepted overall."""
+    accepted = 0
+    for ids, want in zip(prompts, plain, strict=True):
+        _t, got, stats = run(lm, ids, PARAMS, drafter)
+        assert got == want
+        accepted += sum(stats.accepted)
+    return accepted
+
+
+@pytest.fixture(scope="module")
+def trained_adapters(bundled_lm, prompts, plain):
+    """Adapters for l = 1, 2, 3 fitted to the model's own greedy replies (a few epochs)."""
+    lm = bundled_lm
+    convs = [[{"role": "user", "content": f"Tell me about {topic}."},
+              {"role": "assistant", "content": run(lm, encode(lm.tokenizer, conversation(
+                  f"Tell me about {topic}.")), SamplingParams(max_new_tokens=96))[0]}]
+             for topic in ("rivers", "bread", "volcanoes", "chess")]
+    ids, masks = encode_conversations(lm, convs)
+    feats = hidden_states(lm, ids, [1, 2, 3, lm.model.config.num_hidden_layers], masks).load()
+    vocab = draft_vocabulary(feats, 2048, lm.eos_ids, lm.model.config.vocab_size)
+    head = draft_head(lm.model, vocab).float()
+    out = {}
+    for exit_layer in (1, 2, 3):
+        torch.manual_seed(exit_layer)
+        adapter = Adapter.from_model(lm.model)
+        fit_adapter(lm, adapter, head, vocab, (feats, feats), exit_layer,
+                    KangarooTrainConfig(batch_tokens=2048, eval_positions=512),
+                    TrainConfig(lr=2e-3, epochs=4, report_every=100))
+        out[exit_layer] = (adapter, vocab)
+    return out
+
+
+@pytest.mark.parametrize("exit_layer", [1, 2, 3])
+def test_kangaroo_random_adapter(bundled_lm, prompts, plain, exit_layer):
+    torch.manual_seed(0)
+    d = KangarooDrafter(bundled_lm, Adapter(bundled_lm.model),
+                        KangarooSettings(exit_layer, 0.0, 2))
+    assert_exact(bundled_lm, prompts, plain, d)
+
+
+@pytest.mark.parametrize("exit_layer", [1, 2, 3])
+def test_kangaroo_trained_adapter(bundled_lm, prompts, plain, trained_adapters, exit_layer):
+    adapter, vocab = trained_adapters[exit_layer]
+    d = KangarooDrafter(bundled_lm, adapter, KangarooSettings(exit_layer, 0.0, 4), vocab)
+    assert assert_exact(bundled_lm, prompts, plain, d) > 0  # drafts were accepted
+
+
+def test_kangaroo_lookup(bundled_lm, prompts, plain, trained_adapters):
+    adapter, vocab = trained_adapters[2]
+    d = KangarooLookupDrafter(bundled_lm, adapter, KangarooSettings(2, 0.2, 4), vocab)
+    assert assert_exact(bundled_lm, prompts, plain, d) > 0
+
+
+def test_medusa_lookup(bundled_lm, prompts, plain):
+    heads = _random_heads(int(bundled_lm.model.config.hidden_size))
+    d = MedusaLookupDrafter(bundled_lm, heads, build_tree(TREE, 4))
+    assert assert_exact(bundled_lm, prompts, plain, d) > 0
+
+
+def test_auto(bundled_lm, prompts, plain):
+    candidates = {"off": Drafter(), "lookup": LookupDrafter()}
+    # Estimates far above real speeds: each measured reply lowers one, so both get used.
+    d = AutoDrafter(candidates, {"off": Figure(1e4), "lookup": Figure(1e4)},
+                    policy=AutoPolicy(min_replies=2))
+    assert_exact(bundled_lm, prompts, plain, d)
+    replies = {m: f.replies for m, f in d.figures.items()}
+    assert min(replies.values()) >= 1  # both ran (replies under 16 tokens are not counted)
