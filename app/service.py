@@ -27,7 +27,13 @@ from engine.chat import conversation, encode
 from engine.config import ModelSpec
 from engine.drafters.base import Drafter
 from engine.drafters.auto import AutoDrafter
-from engine.drafters.registry import ACCEL_CHOICES, ACCEL_LABELS, base_method, load_drafter
+from engine.drafters.registry import (
+    ACCEL_CHOICES,
+    ACCEL_LABELS,
+    base_method,
+    load_auto,
+    load_drafter,
+)
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import generate, run
 from engine.loading import LoadedModel, load_model
@@ -167,7 +173,9 @@ class Service:
         if method == "off":
             return Drafter()
         if method not in self._drafters:
-            self._drafters[method] = load_drafter(self.lm, method)
+            # Auto shares the hybrids this service holds (one copy of heads or adapter).
+            self._drafters[method] = (load_auto(self.lm, True, lambda _lm, m: self._drafter(m))
+                                      if method == "auto" else load_drafter(self.lm, method))
         return self._drafters[method]
 
     # -- chat ---------------------------------------------------------------------

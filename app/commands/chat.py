@@ -67,10 +67,11 @@ def _used(drafter, method: str) -> str:
 def _reply(lm, drafter, params, prompt, history, system, echo: bool):
     """Generate one reply; when `echo`, stream it to stdout and a summary to stderr."""
     from engine.chat import conversation, encode
+    from engine.drafters.auto import AutoDrafter
     from engine.generate import generate
 
     ids = encode(lm.tokenizer, conversation(prompt, history, system))
-    if _used(drafter, "").startswith("auto:"):  # Auto says what it uses and why
+    if isinstance(drafter, AutoDrafter):  # Auto says what it uses and why
         print(f"note: {drafter.reason()}", file=sys.stderr)
     tokens: list[int] = []
     for event in generate(lm, ids, params, drafter):

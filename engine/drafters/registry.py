@@ -61,26 +61,28 @@ def auto_figures_path(lm) -> Path:
     return data_dir() / "auto" / lm.fingerprint / f"{lm.device.type}-{lm.quant}.json"
 
 
-def load_auto(lm, remember: bool = True):
+def load_auto(lm, remember: bool = True, load=None):
     """Auto over Off, Lookup and each trained accelerator mixed with lookup (a trained one
-    that is unusable or measured no faster than plain decoding is left out)."""
-    from engine.accelerators import load_checkpoint, measured_speedup
+    that is unusable or measured no faster than plain decoding is left out). `load`
+    (lm, method) -> drafter lets a caller share the drafters it already holds."""
+    from engine.accelerators import describe, measured_speedup
     from engine.drafters.auto import AutoDrafter, load_figures, plain_step_seconds
 
-    candidates = {"off": Drafter(), "lookup": load_drafter(lm, "lookup")}
+    load = load or load_drafter
+    candidates = {"off": Drafter(), "lookup": load(lm, "lookup")}
     # Lookup has no calibration: a modest gain is assumed until replies measure it.
     speedups = {"off": 1.0, "lookup": 1.1}
     for base in TRAINED:
         method = f"{base}+lookup"
         try:
-            ckpt = load_checkpoint(lm, base)
-            drafter = _trained_class(method).from_checkpoint(lm, ckpt)
+            drafter = load(lm, method)
         except AcceleratorError as exc:
             log.info("Auto leaves %s out: %s", base, exc)
             continue
         if drafter.pays:
             candidates[method] = drafter
-            speedups[method] = measured_speedup(ckpt.metrics) or 1.0
+            metrics = (describe(lm, base) or {}).get("metrics", {})
+            speedups[method] = measured_speedup(metrics) or 1.0
     plain_tok_s = 1.0 / plain_step_seconds(lm)
     path = auto_figures_path(lm) if remember else None
     priors = {m: s * plain_tok_s for m, s in speedups.items()}
