@@ -162,12 +162,12 @@ class Service:
 
     def _auto_status(self) -> AccelStatus:
         auto = self._drafter("auto")
-        names = ", ".join(accel_label(m) for m in auto.candidates)
+        names = ", ".join(accel_label(m) for m in auto.methods)
         untrained = not any(describe(self.lm, m) for m in TRAINABLE)
         hint = " Train an accelerator to give it more to choose from." if untrained else ""
         return AccelStatus("auto", True, False,
-                           f"Auto picks the fastest of {names} on this machine; next reply: "
-                           f"{auto.reason()}.{hint}")
+                           f"Auto drafts each step with the fastest of {names} on this "
+                           f"machine; {auto.reason()}.{hint}")
 
     def _drafter(self, method: str) -> Drafter:
         if method == "off":
@@ -203,9 +203,6 @@ class Service:
                 conv.system = request.system.strip()
             lm = self.lm
             drafter, used, notices = self._drafter_or_off(request.method)
-            if isinstance(drafter, AutoDrafter):
-                used = f"auto:{drafter.current}"
-                notices.append(drafter.reason())
             turns = conv.turns()
             ids = encode(lm.tokenizer, conversation(turns[-1]["content"], turns[:-1],
                                                     conv.system or None))
@@ -222,6 +219,9 @@ class Service:
                         ttft = event.elapsed_s  # prefill and the first token
                     else:
                         accepted.append(event.accepted)  # one event per model step
+                    if event.done and isinstance(drafter, AutoDrafter):
+                        used = reply["accel"] = f"auto:{drafter.current}"  # its main arm
+                        notices.append(drafter.reason())
                     if event.done:  # saved before the last update goes out
                         reply["stats"] = event.stats.to_json()
                         _save_reply(self.store, conv, reply)

@@ -8,6 +8,7 @@ runs); the hybrids and Auto run with random heads / adapters."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,10 @@ import torch
 
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.auto import AutoDrafter, AutoPolicy, Figure
-from engine.drafters.base import Drafter
+from engine.drafters.auto import AutoDrafter, AutoPolicy, priors
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
-from engine.drafters.lookup import LookupDrafter
+from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
 from engine.tree import build_tree
 from tests.test_medusa_bundled import TREE, _random_heads
@@ -105,11 +105,17 @@ def test_medusa_lookup(bundled_lm, prompts, plain):
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 
-def test_auto(bundled_lm, prompts, plain):
-    candidates = {"off": Drafter(), "lookup": LookupDrafter()}
-    # Estimates far above real speeds: each measured reply lowers one, so both get used.
-    d = AutoDrafter(candidates, {"off": Figure(1e4), "lookup": Figure(1e4)},
-                    policy=AutoPolicy(min_replies=2))
-    assert_exact(bundled_lm, prompts, plain, d)
-    replies = {m: f.replies for m, f in d.figures.items()}
-    assert min(replies.values()) >= 1  # both ran (replies under 16 tokens are not counted)
+def test_auto(bundled_lm, prompts, plain, trained_adapters):
+    adapter, vocab = trained_adapters[2]
+    kangaroo = KangarooDrafter(bundled_lm, adapter, KangarooSettings(2, 0.2, 4), vocab)
+    medusa = MedusaDrafter(bundled_lm, _random_heads(int(bundled_lm.model.config.hidden_size)),
+                           build_tree(TREE, 4))
+    figures = priors(0.03, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2,
+                            "kangaroo+lookup": 1.3})
+    # Arms are re-measured every few steps of a kind: every switch between them occurs.
+    d = AutoDrafter(figures, medusa, kangaroo, policy=AutoPolicy(explore_every=3))
+    steps = Counter()
+    for ids, want in zip(prompts, plain, strict=True):
+        assert run(bundled_lm, ids, PARAMS, d)[1] == want
+        steps.update(d.last_reply)
+    assert set(steps) == {"copy", "off", "lookup", "medusa+lookup", "kangaroo+lookup"}

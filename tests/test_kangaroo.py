@@ -218,8 +218,13 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
     top = min(500, int(lm.model.config.vocab_size))  # the token the target "adds"
 
     def random_accept(draft, logits, params, generator):
-        a = int(torch.randint(0, draft.size, (), generator=rng))  # 0..k drafts kept
-        return list(range(1, a + 1)), int(torch.randint(0, top, (), generator=rng))
+        node = int(torch.randint(0, draft.size, (), generator=rng))  # the last node kept
+        parent = {c: p for p, kids in enumerate(draft.children) for c in kids}
+        path = []
+        while node:  # a chain keeps nodes 1..node; a tree the branch down to it
+            path.insert(0, node)
+            node = parent[node]
+        return path, int(torch.randint(0, top, (), generator=rng))
 
     monkeypatch.setattr(generate_mod, "accept", random_accept)
     d.snapshots = []

@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     drafter = _drafter(lm, args.accel)
     if args.prompt is None:
         return _interactive(lm, drafter, params, args.system)
-    used = _used(drafter, args.accel)  # before the reply: Auto may choose anew after it
     reply = _reply(lm, drafter, params, args.prompt, [], args.system, echo=not args.json)
+    used = _used(drafter, args.accel)
     if args.json:
         text, ids, stats = reply
         print(json.dumps({"text": text, "token_ids": ids, "accel": used,
@@ -58,7 +58,7 @@ def _drafter(lm, method: str):
 
 
 def _used(drafter, method: str) -> str:
-    """The method a reply uses: Auto's current choice as "auto:<method>"."""
+    """The method a reply used: for Auto, the arm of most of its steps, "auto:<method>"."""
     from engine.drafters.auto import AutoDrafter
 
     return f"auto:{drafter.current}" if isinstance(drafter, AutoDrafter) else method
@@ -71,8 +71,6 @@ def _reply(lm, drafter, params, prompt, history, system, echo: bool):
     from engine.generate import generate
 
     ids = encode(lm.tokenizer, conversation(prompt, history, system))
-    if isinstance(drafter, AutoDrafter):  # Auto says what it uses and why
-        print(f"note: {drafter.reason()}", file=sys.stderr)
     tokens: list[int] = []
     for event in generate(lm, ids, params, drafter):
         for notice in event.notices:
@@ -82,6 +80,8 @@ def _reply(lm, drafter, params, prompt, history, system, echo: bool):
             print(event.text, end="", flush=True)
         if event.done:
             stats = event.stats
+            if isinstance(drafter, AutoDrafter):  # Auto says how it drafted
+                print(f"note: Auto {drafter.reason()}", file=sys.stderr)
             if echo:
                 print()
                 print(f"[{stats.tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "

@@ -35,7 +35,7 @@ class Outcome:
     ids: list[int]  # generated token ids, EOS included when reached
     ttft_s: float  # time to the first generated token
     accepted: list[int] | None  # per full-model step after prefill: drafts accepted; None = unknown
-    used: str = ""  # the method that really ran, where it differs from the name (Auto's pick)
+    used: dict[str, int] | None = None  # Auto: steps drafted by each of its arms
 
 
 @dataclass
@@ -115,9 +115,10 @@ def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Me
     """The engine's decode loop with `drafter` (plain decoding for the base Drafter)."""
 
     def generate(prompt_ids: list[int]) -> Outcome:
-        used = getattr(drafter, "current", "")  # Auto chooses before the reply
         _text, ids, stats = run(lm, prompt_ids, params, drafter)
-        return Outcome(ids, stats.ttft_s, list(stats.accepted), used)
+        used = getattr(drafter, "last_reply", None)  # Auto's mix of arms for this reply
+        return Outcome(ids, stats.ttft_s, list(stats.accepted),
+                       dict(used) if used is not None else None)
 
     return Method(name, generate)
 

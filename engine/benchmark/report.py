@@ -237,16 +237,18 @@ def notes(report: dict) -> list[str]:
 
 
 def _picks(measurements: list[dict]) -> list[str]:
-    """What Auto used, per category (it picks per reply)."""
+    """How Auto drafted, per category: the share of its steps each arm took."""
     picks: dict[str, Counter] = {}
     for m in measurements:
         if m.get("used"):
-            picks.setdefault(m["category"], Counter())[m["used"]] += 1
+            picks.setdefault(m["category"], Counter()).update(m["used"])
     if not picks:
         return []
-    cells = "; ".join(f"{cat}: " + ", ".join(f"{name} {n}" for name, n in c.most_common())
-                      for cat, c in picks.items())
-    return [f"- auto used, per category: {cells}"]
+    cells = "; ".join(
+        f"{cat}: " + ", ".join(f"{name} {100 * n / sum(c.values()):.0f}%"
+                               for name, n in c.most_common())
+        for cat, c in picks.items())
+    return [f"- auto's steps by arm, per category: {cells}"]
 
 
 def _fmt(x: float | None, suffix: str = "") -> str:

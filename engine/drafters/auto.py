@@ -1,12 +1,32 @@
-"""Auto: each reply uses the acceleration that decodes fastest for this model here.
+"""Auto: every decode step drafts the way that pays most at that point of the reply.
 
-Estimates (tokens per second of decoding, the prompt's prefill excluded) start from
-calibration: a plain step timed when Auto is built, times the speedup each accelerator
-measured when it was trained. Real replies then replace them with a running mean per
-method, kept per model, device and dtype in the data folder. A method whose first estimate
-comes close to the best is measured before the estimates are trusted, and the runner-up is
-measured again now and then, so Auto switches when the live figures say another method
-pays more. Off is always a candidate: Auto never settles on a method slower than it.
+Which drafter is fastest depends on the prompt as much as on the machine: a summary copies
+its source (lookup wins), an answer in fresh words does not (Medusa's tree or Kangaroo's
+adapter wins, or plain decoding where neither pays). Auto therefore chooses per step, among
+the ways of drafting that share one KV cache:
+
+- copy: the latest tokens match an earlier 3-gram, so a copy is in progress: the lookup
+  continuation alone (every method drafts the same here).
+- otherwise an *arm*: plain decoding ("off"), the short lookup continuation ("lookup", only
+  when the latest tokens match an earlier 1- or 2-gram), Medusa's tree with that
+  continuation beside it ("medusa+lookup"), or a Kangaroo adapter round ("kangaroo+lookup").
+
+A step takes the arm with the best tokens per second on this kind of step (with or without a
+short lookup match): running means of the tokens a round of that arm would yield and of the
+seconds it takes. Seconds vary little and come from the rounds each arm runs (an arm unused
+for `explore_every` steps of a kind runs once more). Tokens vary from step to step, so they
+are also counted for arms that did not run, from what the reply went on to say: the lookup
+continuation every step, Medusa's tree every `shadow_every`-th step, and Kangaroo's adapter
+at its next round for every step since (its outputs over those tokens come with the round).
+Estimates start from calibration (the speedup stored with each trained accelerator x a plain
+step timed when Auto is built) and persist per model, device and dtype. Off is an arm, so
+Auto never settles on a method slower than plain decoding.
+
+Rounds that do not use the adapter run the whole model once with every layer's states kept:
+Medusa's heads read the final state, and the Kangaroo adapter reads the layer-l states of
+the kept tokens at its next round, so no layer runs twice for a token. Verification is the
+shared loop's, so greedy replies stay exactly plain greedy decoding and sampling stays
+lossless (the arm a step takes depends only on the past).
 """
 
 from __future__ import annotations
@@ -16,119 +36,327 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine import kv_cache
-from engine.drafters.base import Drafter
+from engine.drafters.base import Draft, Drafter, forward_layers
+from engine.drafters.hybrid import TreeWithChain, chain_accepted
+from engine.drafters.kangaroo import KangarooDrafter
+from engine.drafters.lookup import LookupParams, LookupSource
+from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.registry import ACCEL_LABELS
 
 log = logging.getLogger(__name__)
 
+MATCH, NO_MATCH = "match", "no match"  # whether the latest tokens match a short n-gram
+COPY = "copy"  # rounds that draft a 3-gram match's continuation alone
+MEDUSA, KANGAROO = "medusa+lookup", "kangaroo+lookup"
 
 
 @dataclass(frozen=True)
 class AutoPolicy:
-    """How estimates are updated and when a method other than the best is tried."""
+    """How fast the figures follow new rounds and how often arms are re-measured."""
 
-    smoothing: float = 0.3  # weight of the newest reply in a method's running mean
-    explore_within: float = 0.85  # unmeasured methods estimated at >= this share of the best
-    # are measured before the estimates are trusted
-    min_replies: int = 2  # replies that replace a method's calibration estimate
-    revisit_every: int = 25  # every n-th reply measures the runner-up again
-    min_tokens: int = 16  # shorter replies say too little about speed to be recorded
+    smoothing: float = 0.1  # weight of the newest sample in a running mean
+    explore_every: int = 64  # an arm unused for this many steps (of its kind) runs once
+    first_rounds: int = 3  # ... or for 8 steps, until it was timed this often
+    shadow_every: int = 4  # Medusa's tree is proposed for counting on every n-th other step
+    shadow_span: int = 64  # Kangaroo counts at most this many past steps per round
 
 
 @dataclass
 class Figure:
-    """What Auto believes about one method."""
+    """What Auto believes about one arm on one kind of step."""
 
-    tok_s: float  # decoding tokens per second
-    replies: int = 0  # real replies measured; 0 = the calibration estimate
+    tokens: float  # running mean of the tokens a round yields (or would have)
+    seconds: float  # running mean of a round's seconds
+    rounds: int = 0  # rounds timed; 0 = the calibration estimate
+    samples: int = 0  # rounds whose tokens were counted
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    # A plain mean of the first 1 / smoothing samples (one odd early round must not linger
+    # while an arm is rarely run), a running mean that follows the reply after that.
+    def add_tokens(self, tokens: int, smoothing: float) -> None:
+        self.samples += 1
+        self.tokens += max(1 / self.samples, smoothing) * (tokens - self.tokens)
+
+    def add_seconds(self, seconds: float, smoothing: float) -> None:
+        self.rounds += 1
+        self.seconds += max(1 / self.rounds, smoothing) * (seconds - self.seconds)
+
+
+Figures = dict[str, dict[str, Figure]]  # step kind -> arm -> figure
+
+
+def arms_for(medusa: bool, kangaroo: bool) -> dict[str, tuple[str, ...]]:
+    """The arms of each kind of step, given which trained drafters are available."""
+    trained = ((MEDUSA,) if medusa else ()) + ((KANGAROO,) if kangaroo else ())
+    return {MATCH: ("lookup", "off", *trained), NO_MATCH: ("off", *trained)}
+
+
+def accepted_length(draft: Draft, ids: list[int], root: int) -> int | None:
+    """Draft tokens greedy verification keeps when `ids[root]` is the draft's root and the
+    reply went on as `ids` says (the deepest agreeing branch); None while too little of the
+    reply is known to tell."""
+
+    def walk(node: int, pos: int) -> int | None:
+        best = 0
+        for child in draft.children[node]:
+            if pos + 1 >= len(ids):
+                return None
+            if draft.tokens[child] == ids[pos + 1]:
+                deeper = walk(child, pos + 1)
+                if deeper is None:
+                    return None
+                best = max(best, 1 + deeper)
+        return best
+
+    return walk(0, root)
+
+
+@dataclass
+class _Round:
+    kind: str  # MATCH, NO_MATCH or COPY
+    arm: str
+    began: float  # perf_counter() at propose
+    chain: int  # lookup tokens in the draft (its last nodes)
+    exits: torch.Tensor | None = None  # (1, n, H) layer-l states of a whole-model round
+    aside: float = 0.0  # seconds spent counting for other arms (not the round's cost)
+
+
+@dataclass
+class _Reply:
+    """Counting in progress for one reply."""
+
+    pending: list[tuple[str, str, int, Draft]] = field(default_factory=list)  # kind, arm,
+    # root position, proposal: counted once the reply shows how far it would have held
+    roots: dict[int, str] = field(default_factory=dict)  # step roots since the adapter's
+    # last round -> their kind (its next round counts them)
+    shadows: int = 0  # steps since Medusa's tree was last proposed for counting
 
 
 class AutoDrafter(Drafter):
-    """Delegates each reply to the candidate with the best estimate."""
+    """Chooses how each step drafts: copy, off, lookup, Medusa+lookup or Kangaroo."""
 
     name = "auto"
 
-    def __init__(self, candidates: dict[str, Drafter], figures: dict[str, Figure],
-                 path: Path | None = None, policy: AutoPolicy | None = None):
-        if "off" not in candidates or set(figures) != set(candidates):
-            raise ValueError("Auto needs Off among its candidates and a figure for each")
-        self.candidates = candidates
+    def __init__(self, figures: Figures, medusa: MedusaDrafter | None = None,
+                 kangaroo: KangarooDrafter | None = None, path: Path | None = None,
+                 policy: AutoPolicy | None = None, lookup: LookupParams | None = None):
+        self.arms = arms_for(medusa is not None, kangaroo is not None)
+        if any(set(figures.get(k, {})) != set(a) for k, a in self.arms.items()):
+            raise ValueError("Auto needs a figure for every arm of every kind of step")
         self.figures = figures
+        self.medusa, self.kangaroo = medusa, kangaroo
+        self.merge = TreeWithChain(medusa.tree) if medusa is not None else None
         self.path = path  # where measured figures persist; None = this process only
         self.policy = policy or AutoPolicy()
-        self.replies = 0
-        self.current = self._choose()
+        self.source = LookupSource(lookup or LookupParams())
+        self.wants_hidden = medusa is not None or kangaroo is not None
+        self.steps = Counter()  # steps of each kind so far
+        self.last_used: dict[tuple[str, str], int] = {}  # (kind, arm) -> step it last ran
+        self.used: Counter = Counter()  # steps per arm in the current reply (copy included)
+        self.last_reply: Counter = Counter()  # the same for the last finished reply
+        self.last_speedup: float | None = None  # last reply's decoding speed / Off's
+        self._round: _Round | None = None
+        self._reply = _Reply()
 
     @property
-    def wants_hidden(self) -> bool:  # read by prefill, before start()
-        return self.candidates[self.current].wants_hidden
+    def methods(self) -> list[str]:
+        """Every arm Auto can choose, plain decoding first."""
+        return list(dict.fromkeys(["off", *self.arms[MATCH]]))
 
     @property
-    def drafter(self) -> Drafter:
-        return self.candidates[self.current]
+    def current(self) -> str:
+        """The arm that ran most steps of the last reply (before any: the best estimate)."""
+        arms = Counter({a: n for a, n in self.last_reply.items() if a != COPY})
+        if arms:
+            return arms.most_common(1)[0][0]
+        return self._best(NO_MATCH, self.arms[NO_MATCH])
+
+    # -- the decode loop's hooks ---------------------------------------------------------
 
     def start(self, state) -> None:
-        self.drafter.start(state)
+        self._round = None  # the last reply's last round is not timed: nothing followed it
+        self.source.reset()
+        self.used = Counter()
+        self._reply = _Reply()
+        if self.kangaroo is not None:
+            KangarooDrafter.start(self.kangaroo, state)
 
-    def propose(self, state):
-        return self.drafter.propose(state)
+    def propose(self, state) -> Draft:
+        self._time_last_round()
+        self._count_pending(state.ids)
+        began = time.perf_counter()
+        chain, n = self.source.match(state.ids)
+        root = state.ids[-1]
+        if chain and n == self.source.params.max_ngram:
+            kind, arm = COPY, COPY
+        else:
+            kind = MATCH if chain else NO_MATCH
+            arm = self._choose(kind)
+        r = self._round = _Round(kind, arm, began, 0 if arm in ("off", KANGAROO) else len(chain))
+        if kind == MATCH:  # the continuation is counted whichever arm runs
+            self._reply.pending.append((kind, "lookup", state.cached, Draft.chain(root, chain)))
+        if arm == KANGAROO:
+            self._count_adapter(state)
+            # Called on the class: a hybrid subclass from the service's cache would mix in
+            # its own lookup, which Auto does here.
+            return KangarooDrafter.propose(self.kangaroo, state)
+        if kind == COPY:
+            return Draft.chain(root, chain)
+        self._reply.roots[state.cached] = kind
+        merged = self._tree(state, kind, chain, arm == MEDUSA)
+        return merged if arm == MEDUSA else Draft.chain(root, chain if r.chain else [])
 
-    def score(self, state, draft):
-        return self.drafter.score(state, draft)
+    def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._round.arm == KANGAROO:
+            return KangarooDrafter.score(self.kangaroo, state, draft)
+        logits, hidden = forward_layers(state, draft, self.wants_hidden)
+        if hidden is None:
+            return logits, None
+        if self.kangaroo is not None:
+            self._round.exits = hidden[self.kangaroo.settings.exit_layer]
+        # float32: the acceptance rules reduce over the vocabulary, slow in bf16 on CPUs.
+        return logits.float(), hidden[-1][0]
 
-    def commit(self, state, draft, path) -> None:
-        self.drafter.commit(state, draft, path)
+    def commit(self, state, draft: Draft, path: list[int]) -> None:
+        r = self._round
+        if r.arm == KANGAROO:
+            KangarooDrafter.commit(self.kangaroo, state, draft, path)
+        else:
+            kv_cache.keep_path(state.cache, state.cached, [0, *path])
+            if r.exits is not None:  # the adapter reads the kept tokens at its next round
+                run = self.kangaroo.run
+                run.lag = torch.cat([run.lag, r.exits[:, [0, *path]]], dim=1)
+                r.exits = None
+                kv_cache.rollback(state.cache, 0)  # trims sliding-window layers
+        self.source.update(r.chain, chain_accepted(draft, r.chain, path))
+        self.used[r.arm] += 1
+        if r.kind != COPY and r.arm in ("off", KANGAROO):  # the others: counted from the reply
+            self.figures[r.kind][r.arm].add_tokens(1 + len(path), self.policy.smoothing)
+
+    def _time_last_round(self) -> None:
+        """A round's seconds run from its propose to the next one: the decode loop's own
+        work per step (acceptance, detokenizing, streaming) is part of what a step costs."""
+        r, self._round = self._round, None
+        if r is not None and r.kind != COPY:
+            seconds = time.perf_counter() - r.began - r.aside
+            self.figures[r.kind][r.arm].add_seconds(seconds, self.policy.smoothing)
 
     def finish(self, stats) -> None:
-        """Record the reply's decoding speed for the method it used; choose the next one."""
-        self.drafter.finish(stats)
+        """Keep the reply's mix and speed for the readout; save the figures."""
+        self.last_reply = self.used
         decode_s = stats.elapsed_s - stats.ttft_s
-        if stats.tokens > self.policy.min_tokens and decode_s > 0:
-            self.record(self.current, (stats.tokens - 1) / decode_s)
-        self.replies += 1
-        self.current = self._choose()
-
-    def record(self, method: str, tok_s: float) -> None:
-        fig = self.figures[method]
-        fig.tok_s = tok_s if fig.replies == 0 else (
-            (1 - self.policy.smoothing) * fig.tok_s + self.policy.smoothing * tok_s)
-        fig.replies += 1
+        off = self.figures[NO_MATCH]["off"].tok_s
+        self.last_speedup = ((stats.tokens - 1) / decode_s / off
+                             if stats.tokens > 1 and decode_s > 0 else None)
         self._save()
 
-    def reason(self) -> str:
-        """One line for the readout: the method in use and why."""
-        fig, off = self.figures[self.current], self.figures["off"].tok_s
-        label = ACCEL_LABELS.get(self.current, self.current)
-        if self.current == "off":
-            tried = any(f.replies for m, f in self.figures.items() if m != "off")
-            return ("Off: no accelerator was measured faster than plain decoding here" if tried
-                    else "Off: measuring plain decoding first")
-        how = (f"measured on this machine over {fig.replies} replies" if fig.replies
-               else "estimated from calibration")
-        return f"{label}: {fig.tok_s / off:.2f}x Off, {how}"
+    # -- counting tokens for arms that did not run ---------------------------------------
 
-    def _choose(self) -> str:
-        ranked = sorted(self.figures, key=lambda m: self.figures[m].tok_s, reverse=True)
-        best = self.figures[ranked[0]].tok_s
-        p = self.policy
-        for method in ranked:  # measure close contenders before trusting their estimates
-            fig = self.figures[method]
-            if fig.replies < p.min_replies and fig.tok_s >= p.explore_within * best:
-                return method
-        if len(ranked) > 1 and self.replies % p.revisit_every == p.revisit_every - 1:
-            return ranked[1]
-        return ranked[0]
+    def _tree(self, state, kind: str, chain: list[int], needed: bool) -> Draft | None:
+        """Medusa's tree with the lookup chain beside it: when the round uses it, and every
+        shadow_every-th other step to count what it would have kept."""
+        if self.medusa is None:
+            return None
+        reply = self._reply
+        reply.shadows += 1
+        if not needed and reply.shadows < self.policy.shadow_every:
+            return None
+        began = time.perf_counter()
+        reply.shadows = 0
+        merged = self.merge(MedusaDrafter.propose(self.medusa, state), chain)
+        reply.pending.append((kind, MEDUSA, state.cached, merged))
+        if not needed:
+            self._round.aside += time.perf_counter() - began
+        return merged
+
+    def _count_pending(self, ids: list[int]) -> None:
+        """Count the proposals whose outcome the reply now shows."""
+        waiting = []
+        for kind, arm, root, draft in self._reply.pending:
+            kept = accepted_length(draft, ids, root)
+            if kept is None:
+                waiting.append((kind, arm, root, draft))
+            else:
+                self.figures[kind][arm].add_tokens(1 + kept, self.policy.smoothing)
+        self._reply.pending = waiting
+
+    def _count_adapter(self, state) -> None:
+        """Count, for each step since the adapter's previous round, the tokens a round of
+        it would have kept there: its outputs over those tokens came with this round."""
+        began = time.perf_counter()
+        k, ids = self.kangaroo, state.ids
+        caught = k.catch_up(state)  # the adapter's states over the tokens since its last round
+        roots, self._reply.roots = self._reply.roots, {}
+        if caught is not None:
+            first, read = caught  # read[i] predicts the token after position first + i
+            roots = sorted((p, kind) for p, kind in roots.items() if p >= first)
+            roots = roots[-self.policy.shadow_span:]
+        if caught is not None and roots:
+            rows = read[roots[0][0] - first:]  # the last one predicts the pending token
+            logits = nn.functional.linear(rows, k.head).float()
+            top, idx = torch.softmax(logits, -1).max(-1)
+            guess = (idx if k.vocab is None else k.vocab[idx]).tolist()
+            sure = (top > k.settings.eta).tolist()
+            base = roots[0][0]
+            for p, kind in roots:
+                kept = _adapter_kept(guess, sure, ids, p - base, base, k.settings.gamma)
+                if kept is not None:
+                    self.figures[kind][KANGAROO].add_tokens(1 + kept, self.policy.smoothing)
+        self._round.aside += time.perf_counter() - began
+
+    # -- choosing -------------------------------------------------------------------------
+
+    def _choose(self, kind: str) -> str:
+        """The best arm for this kind of step, unless one is due to be timed again."""
+        step = self.steps[kind]
+        self.steps[kind] += 1
+        arms = self.arms[kind]
+        last = {a: self.last_used.get((kind, a), -10**9) for a in arms}
+        p, figs = self.policy, self.figures[kind]
+        due = [a for a in arms if step - last[a] >= (
+            p.explore_every if figs[a].rounds >= p.first_rounds else 8)]
+        if due:  # the longest untimed first (ties: the best estimate)
+            oldest = min(last[a] for a in due)
+            arm = self._best(kind, [a for a in due if last[a] == oldest])
+        else:
+            arm = self._best(kind, arms)
+        self.last_used[(kind, arm)] = step
+        return arm
+
+    def _best(self, kind: str, arms) -> str:
+        return max(arms, key=lambda a: self.figures[kind][a].tok_s)
+
+    def reason(self) -> str:
+        """One line for the readout: which arms the last reply used and what it gained."""
+        total = sum(self.last_reply.values())
+        if not total:
+            arm = self.current
+            off = self.figures[NO_MATCH]["off"].tok_s
+            gain = self.figures[NO_MATCH][arm].tok_s / off
+            return (f"{_label(arm)} first: {gain:.2f}x Off estimated from calibration; "
+                    "each step then takes what measures fastest here")
+        mix = ", ".join(f"{_label(a)} {100 * n / total:.0f}%"
+                        for a, n in self.last_reply.most_common())
+        speed = (f"; {self.last_speedup:.2f}x Off in the last reply"
+                 if self.last_speedup is not None else "")
+        return f"steps: {mix}{speed}"
 
     def _save(self) -> None:
         if self.path is None:
             return
-        measured = {m: asdict(f) for m, f in self.figures.items() if f.replies}
+        measured = {k: {a: asdict(f) for a, f in arms.items() if f.rounds or f.samples}
+                    for k, arms in self.figures.items()}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
@@ -138,20 +366,57 @@ class AutoDrafter(Drafter):
             log.warning("could not save Auto's speed figures to %s: %s", self.path, exc)
 
 
-def load_figures(path: Path | None, priors: dict[str, float]) -> dict[str, Figure]:
-    """Calibration estimates (tok/s per method), replaced by measured figures saved at
-    `path` for the same methods; an unreadable file is ignored with a warning."""
-    figures = {m: Figure(tok_s) for m, tok_s in priors.items()}
+def _adapter_kept(guess: list[int], sure: list[bool], ids: list[int], i: int, base: int,
+                  gamma: int) -> int | None:
+    """Tokens an adapter round rooted at position base + i would have kept: its drafts
+    follow the reply while they are right (each then being the adapter's teacher-forced
+    guess), stopping after gamma or after an unsure one. None when the reply is too short
+    to tell. guess[j] / sure[j]: the adapter's top token after position base + j and
+    whether its probability beat eta."""
+    kept = 0
+    while kept < gamma:
+        j = i + kept
+        if j >= len(guess):
+            return None
+        if guess[j] != ids[base + j + 1]:
+            return kept
+        kept += 1
+        if not sure[j]:
+            return kept
+    return kept
+
+
+def _label(arm: str) -> str:
+    return "copying" if arm == COPY else ACCEL_LABELS.get(arm, arm)
+
+
+def priors(step_s: float, speedups: dict[str, float]) -> Figures:
+    """Calibration estimates: an arm with speedup s yields s tokens per plain step time."""
+    arms = arms_for(MEDUSA in speedups, KANGAROO in speedups)
+    return {k: {a: Figure(speedups.get(a, 1.0), step_s) for a in names}
+            for k, names in arms.items()}
+
+
+def load_figures(path: Path | None, prior: Figures) -> Figures:
+    """`prior`, with the figures measured earlier and saved at `path` for the same arms; an
+    unreadable file is ignored with a warning."""
+    figures = {k: {a: Figure(f.tokens, f.seconds) for a, f in arms.items()}
+               for k, arms in prior.items()}
     if path is None or not path.exists():
         return figures
     try:
         saved = json.loads(path.read_text())
-        for method, fig in saved.items():
-            if method in figures:
-                figures[method] = Figure(float(fig["tok_s"]), int(fig["replies"]))
+        for kind, arms in saved.items():
+            for arm, fig in arms.items():
+                if arm in figures.get(kind, {}):
+                    new = Figure(float(fig["tokens"]), float(fig["seconds"]),
+                                 int(fig["rounds"]), int(fig["samples"]))
+                    if new.tokens <= 0 or new.seconds <= 0:
+                        raise ValueError(f"non-positive figure for {arm}")
+                    figures[kind][arm] = new
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("ignoring Auto's unreadable speed figures in %s: %s", path, exc)
-        return {m: Figure(tok_s) for m, tok_s in priors.items()}
+        return load_figures(None, prior)
     return figures
 
 

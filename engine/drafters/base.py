@@ -68,7 +68,17 @@ class Drafter:
 def forward_nodes(
     state: DecodeState, draft: Draft, want_hidden: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One target-model forward over all draft nodes, appended to the cache.
+    """One target-model forward over all draft nodes, appended to the cache: (n, V) logits
+    and, if wanted, the (n, H) final hidden states."""
+    logits, hidden = forward_layers(state, draft, want_hidden)
+    return logits, hidden[-1][0] if want_hidden else None
+
+
+def forward_layers(
+    state: DecodeState, draft: Draft, want_hidden: bool
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """One target-model forward over all draft nodes, appended to the cache: (n, V) logits
+    and, if wanted, every layer's (1, n, H) states (embeddings first, final normed last).
 
     Trees use a 4-D additive mask (each node sees the cache and its ancestors) and explicit
     position ids (cache length + depth); chains need neither.
@@ -94,5 +104,4 @@ def forward_nodes(
         output_hidden_states=want_hidden,
         **kwargs,
     )
-    hidden = out.hidden_states[-1][0] if want_hidden else None
-    return out.logits[0], hidden
+    return out.logits[0], out.hidden_states if want_hidden else None

@@ -23,6 +23,30 @@ from engine.drafters.medusa import MedusaDrafter
 from engine.tree import TreeShape, with_chain
 
 
+class TreeWithChain:
+    """A tree draft with a lookup chain hung under its root (after the tree's nodes)."""
+
+    def __init__(self, tree) -> None:
+        self.tree = tree
+        self._shapes: dict[int, TreeShape] = {}  # chain length -> merged structure
+
+    def __call__(self, draft: Draft, chain: list[int]) -> Draft:
+        if not chain:
+            return draft
+        if draft.size == 1:  # no tree pays on this machine: lookup alone
+            return Draft.chain(draft.tokens[0], chain)
+        shape = self._shapes.get(len(chain))
+        if shape is None:
+            shape = self._shapes[len(chain)] = with_chain(self.tree, len(chain))
+        return Draft([*draft.tokens, *chain], shape.children, shape.depths, shape.mask)
+
+
+def chain_accepted(draft: Draft, chain: int, path: list[int]) -> int:
+    """How many of the draft's last `chain` nodes (a lookup chain) verification kept."""
+    first = draft.size - chain
+    return sum(1 for node in path if node >= first)
+
+
 class MedusaLookupDrafter(MedusaDrafter):
     """Medusa's tree with the lookup continuation beside it."""
 
@@ -32,7 +56,7 @@ class MedusaLookupDrafter(MedusaDrafter):
                  lookup: LookupParams | None = None):
         super().__init__(lm, heads, tree, retimed)
         self.lookup = LookupSource(lookup or LookupParams())
-        self._shapes: dict[int, TreeShape] = {}  # chain length -> merged structure
+        self.merge = TreeWithChain(tree)
         self._chain = 0  # lookup tokens in this step's draft (after the tree's nodes)
 
     def start(self, state) -> None:
@@ -44,20 +68,11 @@ class MedusaLookupDrafter(MedusaDrafter):
         if chain and n == self.lookup.params.max_ngram:
             # A copy in progress: the heads' guesses would only add verification cost.
             return Draft.chain(state.ids[-1], chain)
-        draft = super().propose(state)
-        if not chain:
-            return draft
-        if draft.size == 1:  # no tree pays on this machine: lookup alone
-            return Draft.chain(draft.tokens[0], chain)
-        shape = self._shapes.get(len(chain))
-        if shape is None:
-            shape = self._shapes[len(chain)] = with_chain(self.tree, len(chain))
-        return Draft([*draft.tokens, *chain], shape.children, shape.depths, shape.mask)
+        return self.merge(super().propose(state), chain)
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         super().commit(state, draft, path)
-        first = draft.size - self._chain  # the chain's first node
-        self.lookup.update(self._chain, sum(1 for node in path if node >= first))
+        self.lookup.update(self._chain, chain_accepted(draft, self._chain, path))
 
 
 class KangarooLookupDrafter(KangarooDrafter):

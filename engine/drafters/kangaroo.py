@@ -252,7 +252,7 @@ class KangarooDrafter(Drafter):
         x, x_start = torch.cat([run.lag, h], dim=1), start - run.lag.shape[1]
         states, tokens, qs = [h], [], []
         while True:
-            out = self._adapt(x, x_start)  # (H,) adapter state of the last position
+            out = self._adapt(x, x_start)[-1]  # (H,) adapter state of the last position
             token, q, confident = self._choose(out, state)
             tokens.append(token)
             qs.append(q)
@@ -267,6 +267,20 @@ class KangarooDrafter(Drafter):
         q_rows = torch.stack(qs) if qs[0] is not None else None
         return Draft.chain(state.ids[-1], tokens, q_rows)
 
+    def catch_up(self, state) -> tuple[int, torch.Tensor] | None:
+        """Let the adapter read the states it lags behind by now, not at the next round
+        (Auto does, to keep that work apart from a round's cost). Returns the first lagging
+        position and the adapter's (m, H) states there, each predicting the token after
+        its position; None when nothing lagged."""
+        run = self.run
+        m = run.lag.shape[1]
+        if self.off or m == 0:
+            return None
+        first = state.cached - m
+        read = self._adapt(run.lag, first)
+        run.lag = run.lag[:, :0]
+        return first, read
+
     def propose_chain(self, state, tokens: list[int]) -> Draft:
         """A round whose draft comes from elsewhere (a lookup continuation): the pending
         token and `tokens` go through the shallow layers in one pass, and the adapter reads
@@ -280,9 +294,10 @@ class KangarooDrafter(Drafter):
         run.external = True
         return Draft.chain(state.ids[-1], tokens)
 
-    def score(self, state, draft: Draft) -> tuple[torch.Tensor, None]:
+    def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers l..L over the saved layer-l states (+ the last draft token's, computed now
-        unless the round already ran it)."""
+        unless the round already ran it): float32 logits and the final (normed) hidden states,
+        which Medusa's heads read when Auto mixes the two."""
         if self.off:
             return super().score(state, draft)
         run, model = self.run, self.lm.model
@@ -292,9 +307,9 @@ class KangarooDrafter(Drafter):
             last = self._shallow(state, draft.tokens[-1], start + k)
             run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
         deep = range(self.settings.exit_layer, layers.num_layers(model))
-        h = layers.run_layers(model, run.scored, deep, state.cache, start)
+        h = model.model.norm(layers.run_layers(model, run.scored, deep, state.cache, start))
         # float32: argmax and softmax over a bf16 vocabulary row are several times slower.
-        return layers.logits(model, h)[0].float(), None
+        return model.lm_head(h)[0].float(), h[0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
@@ -321,7 +336,7 @@ class KangarooDrafter(Drafter):
         return layers.run_layers(model, h, range(self.settings.exit_layer), state.cache, position)
 
     def _adapt(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Adapter over x (1, n, H) at positions start..; returns the last position's (H,)."""
+        """Adapter over x (1, n, H) at positions start..; returns its (n, H) states."""
         model, cache = self.lm.model, self.run.cache
         pos = layers.positions(start, x.shape[1], x.device)
         rope = model.model.rotary_emb(x, pos)
@@ -329,7 +344,7 @@ class KangarooDrafter(Drafter):
         if x.shape[1] > 1:
             mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None,
                                       cache=cache, position_ids=pos, layer_idx=0)
-        return self.adapter(x, rope, mask, cache)[0, -1]
+        return self.adapter(x, rope, mask, cache)[0]
 
     def _choose(self, out: torch.Tensor, state) -> tuple[int, torch.Tensor | None, bool]:
         """Draft token, its q row (V,) for speculative sampling (else None), and whether

@@ -97,11 +97,6 @@ def run_layers(model, h: torch.Tensor, layers: range, cache, start: int) -> torc
     return h
 
 
-def logits(model, h: torch.Tensor) -> torch.Tensor:
-    """Target logits (..., V) from the last layer's output h (..., H)."""
-    return model.lm_head(model.model.norm(h))
-
-
 def exit_states(hidden_states: tuple[torch.Tensor, ...], exit_layer: int) -> torch.Tensor:
     """The layer-`exit_layer` output from a forward's output_hidden_states tuple.
 

@@ -62,16 +62,15 @@ def auto_figures_path(lm) -> Path:
 
 
 def load_auto(lm, remember: bool = True, load=None):
-    """Auto over Off, Lookup and each trained accelerator mixed with lookup (a trained one
-    that is unusable or measured no faster than plain decoding is left out). `load`
-    (lm, method) -> drafter lets a caller share the drafters it already holds."""
+    """Auto over plain decoding, lookup and each trained accelerator (one that is unusable or
+    measured no faster than plain decoding is left out). `load` (lm, method) -> drafter lets
+    a caller share the drafters it already holds."""
     from engine.accelerators import describe, measured_speedup
-    from engine.drafters.auto import AutoDrafter, load_figures, plain_step_seconds
+    from engine.drafters.auto import AutoDrafter, load_figures, plain_step_seconds, priors
 
     load = load or load_drafter
-    candidates = {"off": Drafter(), "lookup": load(lm, "lookup")}
-    # Lookup has no calibration: a modest gain is assumed until replies measure it.
-    speedups = {"off": 1.0, "lookup": 1.1}
+    # Lookup has no calibration: a modest gain is assumed until steps measure it.
+    speedups, trained = {"off": 1.0, "lookup": 1.1}, {}
     for base in TRAINED:
         method = f"{base}+lookup"
         try:
@@ -80,10 +79,9 @@ def load_auto(lm, remember: bool = True, load=None):
             log.info("Auto leaves %s out: %s", base, exc)
             continue
         if drafter.pays:
-            candidates[method] = drafter
+            trained[base] = drafter
             metrics = (describe(lm, base) or {}).get("metrics", {})
             speedups[method] = measured_speedup(metrics) or 1.0
-    plain_tok_s = 1.0 / plain_step_seconds(lm)
     path = auto_figures_path(lm) if remember else None
-    priors = {m: s * plain_tok_s for m, s in speedups.items()}
-    return AutoDrafter(candidates, load_figures(path, priors), path)
+    figures = load_figures(path, priors(plain_step_seconds(lm), speedups))
+    return AutoDrafter(figures, trained.get("medusa"), trained.get("kangaroo"), path)
