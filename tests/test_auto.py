@@ -80,9 +80,9 @@ def simulate(a: AutoDrafter, kind: str, truth: dict[str, tuple[float, float]],
     taken = []
     for _ in range(steps):
         arm = a._choose(kind)
-        a.figures[kind][arm].add_seconds(truth[arm][1], a.policy.smoothing)
+        a.figures[kind][arm].add_seconds(truth[arm][1], a.policy)
         for name, (tokens, _s) in truth.items():
-            a.figures[kind][name].add_tokens(tokens, a.policy.smoothing)
+            a.figures[kind][name].add_tokens(tokens, a.policy)
         taken.append(arm)
     return taken
 
@@ -116,6 +116,18 @@ def test_live_figures_switch_arms_and_fall_back_to_off(tiny):
     truth["kangaroo+lookup"] = (1.0, 0.013)
     later = simulate(a, MATCH, truth, 40)
     assert "kangaroo+lookup" in later[:3] and Counter(later[-30:])["off"] >= 29  # 1 re-timing
+
+
+def test_each_reply_starts_from_the_figures_over_all_replies(tiny):
+    a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.5})
+    fig = a.figures[NO_MATCH]["medusa+lookup"]
+    for _ in range(60):
+        fig.add_tokens(3, a.policy)
+    for _ in range(12):  # a reply whose text the heads do not guess
+        fig.add_tokens(1, a.policy)
+    assert fig.recent < 1.4 and fig.tokens > 2.5  # the reply's mean follows, the long one holds
+    a.start(None)  # the next reply (no Kangaroo state to set up)
+    assert fig.recent == fig.tokens
 
 
 def test_counting_reproduces_what_rounds_kept(bundled_tokenizer):
@@ -179,12 +191,12 @@ def test_measured_figures_persist_and_a_corrupt_file_is_ignored(tiny, tmp_path, 
     path = tmp_path / "auto" / "cpu-bf16.json"
     speedups = {"off": 1.0, "lookup": 1.1}
     a = make_auto(tiny, speedups, path)
-    a.figures[MATCH]["lookup"].add_tokens(3, 0.2)
-    a.figures[MATCH]["lookup"].add_seconds(0.02, 0.2)
+    a.figures[MATCH]["lookup"].add_tokens(3, a.policy)
+    a.figures[MATCH]["lookup"].add_seconds(0.02, a.policy)
     a.finish(GenerationStats(tokens=1))
     again = load_figures(path, priors(0.01, speedups))
     assert again[MATCH]["lookup"] == Figure(3, 0.02, 1, 1)
-    assert again[NO_MATCH]["off"] == Figure(1.0, 0.01)
+    assert again[NO_MATCH]["off"] == Figure(1.0, 0.01)  # never measured: not saved
     path.write_text("{not json")
     assert load_figures(path, priors(0.01, speedups)) == priors(0.01, speedups)
     assert "unreadable" in caplog.text

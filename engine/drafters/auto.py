@@ -11,16 +11,16 @@ the ways of drafting that share one KV cache:
   when the latest tokens match an earlier 1- or 2-gram), Medusa's tree with that
   continuation beside it ("medusa+lookup"), or a Kangaroo adapter round ("kangaroo+lookup").
 
-A step takes the arm with the best tokens per second on this kind of step (with or without a
-short lookup match): running means of the tokens a round of that arm would yield and of the
-seconds it takes. Seconds vary little and come from the rounds each arm runs (an arm unused
-for `explore_every` steps of a kind runs once more). Tokens vary from step to step, so they
-are also counted for arms that did not run, from what the reply went on to say: the lookup
-continuation every step, Medusa's tree every `shadow_every`-th step, and Kangaroo's adapter
-at its next round for every step since (its outputs over those tokens come with the round).
-Estimates start from calibration (the speedup stored with each trained accelerator x a plain
-step timed when Auto is built) and persist per model, device and dtype. Off is an arm, so
-Auto never settles on a method slower than plain decoding.
+A step takes the arm with the best tokens per second on its kind of step (no lookup match,
+or a match of 1 or 2 tokens): running means of the tokens a round of that arm yields and of
+the seconds it takes. Seconds vary little and come from the rounds each arm runs (an arm
+unused for `explore_every` steps of a kind runs once more). Tokens vary with the text, so
+they are also counted for arms that did not run, from what the reply went on to say: the
+lookup continuation every step, Medusa's tree every `shadow_every`-th step, and Kangaroo's
+adapter at its next round for every step since. Each reply starts from the means over all
+replies and follows its own text from there. Estimates start from calibration (the speedup
+stored with each trained accelerator x a plain step timed when Auto is built) and persist
+per model, device and dtype. Off is an arm, so Auto never settles on slower decoding.
 
 Rounds that do not use the adapter run the whole model once with every layer's states kept:
 Medusa's heads read the final state, and the Kangaroo adapter reads the layer-l states of
@@ -37,7 +37,7 @@ import os
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,8 +53,16 @@ from engine.drafters.registry import ACCEL_LABELS
 
 log = logging.getLogger(__name__)
 
-MATCH, NO_MATCH = "match", "no match"  # whether the latest tokens match a short n-gram
+NO_MATCH = "no match"  # the latest token occurred nowhere before
 COPY = "copy"  # rounds that draft a 3-gram match's continuation alone
+
+
+def match_kind(n: int) -> str:
+    """The kind of step whose latest n tokens (and no more) match earlier ones."""
+    return f"{n}-token match"
+
+
+MATCH = match_kind(1)
 MEDUSA, KANGAROO = "medusa+lookup", "kangaroo+lookup"
 
 
@@ -62,10 +70,11 @@ MEDUSA, KANGAROO = "medusa+lookup", "kangaroo+lookup"
 class AutoPolicy:
     """How fast the figures follow new rounds and how often arms are re-measured."""
 
-    smoothing: float = 0.1  # weight of the newest sample in a running mean
+    smoothing: float = 0.15  # weight of the newest sample in a reply's running means
+    long_smoothing: float = 0.02  # ... in the means over all replies
     explore_every: int = 64  # an arm unused for this many steps (of its kind) runs once
     first_rounds: int = 3  # ... or for 8 steps, until it was timed this often
-    shadow_every: int = 4  # Medusa's tree is proposed for counting on every n-th other step
+    shadow_every: int = 3  # Medusa's tree is proposed for counting on every n-th other step
     shadow_span: int = 64  # Kangaroo counts at most this many past steps per round
 
 
@@ -73,33 +82,49 @@ class AutoPolicy:
 class Figure:
     """What Auto believes about one arm on one kind of step."""
 
-    tokens: float  # running mean of the tokens a round yields (or would have)
-    seconds: float  # running mean of a round's seconds
+    tokens: float  # tokens a round yields (or would have): over all replies so far
+    seconds: float  # a round's seconds
     rounds: int = 0  # rounds timed; 0 = the calibration estimate
     samples: int = 0  # rounds whose tokens were counted
+    # The same in the current reply (starts from `tokens`): how well a drafter guesses
+    # depends on the text at hand, which changes more between replies than within one.
+    recent: float | None = None
 
     @property
     def tok_s(self) -> float:
-        return self.tokens / self.seconds
+        return (self.tokens if self.recent is None else self.recent) / self.seconds
 
-    # A plain mean of the first 1 / smoothing samples (one odd early round must not linger
-    # while an arm is rarely run), a running mean that follows the reply after that.
-    def add_tokens(self, tokens: int, smoothing: float) -> None:
+    def new_reply(self) -> None:
+        self.recent = self.tokens
+
+    # Running means: plain means of the first samples (one odd early round must not linger
+    # while an arm is rarely run), then weighting the newest sample by `weight`.
+    def add_tokens(self, tokens: int, policy: AutoPolicy) -> None:
         self.samples += 1
-        self.tokens += max(1 / self.samples, smoothing) * (tokens - self.tokens)
+        self.tokens += max(1 / self.samples, policy.long_smoothing) * (tokens - self.tokens)
+        self.recent = self.tokens if self.recent is None else (
+            self.recent + policy.smoothing * (tokens - self.recent))
 
-    def add_seconds(self, seconds: float, smoothing: float) -> None:
+    def add_seconds(self, seconds: float, policy: AutoPolicy) -> None:
         self.rounds += 1
-        self.seconds += max(1 / self.rounds, smoothing) * (seconds - self.seconds)
+        self.seconds += max(1 / self.rounds, policy.smoothing) * (seconds - self.seconds)
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "seconds": self.seconds, "rounds": self.rounds,
+                "samples": self.samples}
 
 
 Figures = dict[str, dict[str, Figure]]  # step kind -> arm -> figure
 
 
-def arms_for(medusa: bool, kangaroo: bool) -> dict[str, tuple[str, ...]]:
-    """The arms of each kind of step, given which trained drafters are available."""
+def arms_for(medusa: bool, kangaroo: bool, lookup: LookupParams) -> dict[str, tuple[str, ...]]:
+    """The arms of each kind of step, given which trained drafters are available. Steps
+    are told apart by the length of their lookup match (a 2-token match predicts better
+    than a 1-token one), up to the length that counts as a copy."""
     trained = ((MEDUSA,) if medusa else ()) + ((KANGAROO,) if kangaroo else ())
-    return {MATCH: ("lookup", "off", *trained), NO_MATCH: ("off", *trained)}
+    matched = {match_kind(n): ("lookup", "off", *trained)
+               for n in range(lookup.min_ngram, lookup.max_ngram)}
+    return {NO_MATCH: ("off", *trained), **matched}
 
 
 def accepted_length(draft: Draft, ids: list[int], root: int) -> int | None:
@@ -151,7 +176,8 @@ class AutoDrafter(Drafter):
     def __init__(self, figures: Figures, medusa: MedusaDrafter | None = None,
                  kangaroo: KangarooDrafter | None = None, path: Path | None = None,
                  policy: AutoPolicy | None = None, lookup: LookupParams | None = None):
-        self.arms = arms_for(medusa is not None, kangaroo is not None)
+        self.source = LookupSource(lookup or LookupParams())
+        self.arms = arms_for(medusa is not None, kangaroo is not None, self.source.params)
         if any(set(figures.get(k, {})) != set(a) for k, a in self.arms.items()):
             raise ValueError("Auto needs a figure for every arm of every kind of step")
         self.figures = figures
@@ -159,7 +185,6 @@ class AutoDrafter(Drafter):
         self.merge = TreeWithChain(medusa.tree) if medusa is not None else None
         self.path = path  # where measured figures persist; None = this process only
         self.policy = policy or AutoPolicy()
-        self.source = LookupSource(lookup or LookupParams())
         self.wants_hidden = medusa is not None or kangaroo is not None
         self.steps = Counter()  # steps of each kind so far
         self.last_used: dict[tuple[str, str], int] = {}  # (kind, arm) -> step it last ran
@@ -172,7 +197,7 @@ class AutoDrafter(Drafter):
     @property
     def methods(self) -> list[str]:
         """Every arm Auto can choose, plain decoding first."""
-        return list(dict.fromkeys(["off", *self.arms[MATCH]]))
+        return list(dict.fromkeys(["off", "lookup", *self.arms[NO_MATCH]]))
 
     @property
     def current(self) -> str:
@@ -189,6 +214,9 @@ class AutoDrafter(Drafter):
         self.source.reset()
         self.used = Counter()
         self._reply = _Reply()
+        for arms in self.figures.values():
+            for fig in arms.values():
+                fig.new_reply()
         if self.kangaroo is not None:
             KangarooDrafter.start(self.kangaroo, state)
 
@@ -201,10 +229,10 @@ class AutoDrafter(Drafter):
         if chain and n == self.source.params.max_ngram:
             kind, arm = COPY, COPY
         else:
-            kind = MATCH if chain else NO_MATCH
+            kind = match_kind(n) if chain else NO_MATCH
             arm = self._choose(kind)
         r = self._round = _Round(kind, arm, began, 0 if arm in ("off", KANGAROO) else len(chain))
-        if kind == MATCH:  # the continuation is counted whichever arm runs
+        if chain and kind != COPY:  # the continuation is counted whichever arm runs
             self._reply.pending.append((kind, "lookup", state.cached, Draft.chain(root, chain)))
         if arm == KANGAROO:
             self._count_adapter(state)
@@ -242,7 +270,7 @@ class AutoDrafter(Drafter):
         self.source.update(r.chain, chain_accepted(draft, r.chain, path))
         self.used[r.arm] += 1
         if r.kind != COPY and r.arm in ("off", KANGAROO):  # the others: counted from the reply
-            self.figures[r.kind][r.arm].add_tokens(1 + len(path), self.policy.smoothing)
+            self.figures[r.kind][r.arm].add_tokens(1 + len(path), self.policy)
 
     def _time_last_round(self) -> None:
         """A round's seconds run from its propose to the next one: the decode loop's own
@@ -250,7 +278,7 @@ class AutoDrafter(Drafter):
         r, self._round = self._round, None
         if r is not None and r.kind != COPY:
             seconds = time.perf_counter() - r.began - r.aside
-            self.figures[r.kind][r.arm].add_seconds(seconds, self.policy.smoothing)
+            self.figures[r.kind][r.arm].add_seconds(seconds, self.policy)
 
     def finish(self, stats) -> None:
         """Keep the reply's mix and speed for the readout; save the figures."""
@@ -288,7 +316,7 @@ class AutoDrafter(Drafter):
             if kept is None:
                 waiting.append((kind, arm, root, draft))
             else:
-                self.figures[kind][arm].add_tokens(1 + kept, self.policy.smoothing)
+                self.figures[kind][arm].add_tokens(1 + kept, self.policy)
         self._reply.pending = waiting
 
     def _count_adapter(self, state) -> None:
@@ -312,7 +340,7 @@ class AutoDrafter(Drafter):
             for p, kind in roots:
                 kept = _adapter_kept(guess, sure, ids, p - base, base, k.settings.gamma)
                 if kept is not None:
-                    self.figures[kind][KANGAROO].add_tokens(1 + kept, self.policy.smoothing)
+                    self.figures[kind][KANGAROO].add_tokens(1 + kept, self.policy)
         self._round.aside += time.perf_counter() - began
 
     # -- choosing -------------------------------------------------------------------------
@@ -355,7 +383,7 @@ class AutoDrafter(Drafter):
     def _save(self) -> None:
         if self.path is None:
             return
-        measured = {k: {a: asdict(f) for a, f in arms.items() if f.rounds or f.samples}
+        measured = {k: {a: f.to_json() for a, f in arms.items() if f.rounds or f.samples}
                     for k, arms in self.figures.items()}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -390,9 +418,10 @@ def _label(arm: str) -> str:
     return "copying" if arm == COPY else ACCEL_LABELS.get(arm, arm)
 
 
-def priors(step_s: float, speedups: dict[str, float]) -> Figures:
+def priors(step_s: float, speedups: dict[str, float],
+           lookup: LookupParams | None = None) -> Figures:
     """Calibration estimates: an arm with speedup s yields s tokens per plain step time."""
-    arms = arms_for(MEDUSA in speedups, KANGAROO in speedups)
+    arms = arms_for(MEDUSA in speedups, KANGAROO in speedups, lookup or LookupParams())
     return {k: {a: Figure(speedups.get(a, 1.0), step_s) for a in names}
             for k, names in arms.items()}
 
