@@ -167,7 +167,7 @@ class Service:
         hint = " Train an accelerator to give it more to choose from." if untrained else ""
         return AccelStatus("auto", True, False,
                            f"Auto drafts each step with the fastest of {names} on this "
-                           f"machine; {auto.reason()}.{hint}")
+                           f"machine. {auto.reason()}.{hint}")
 
     def _drafter(self, method: str) -> Drafter:
         if method == "off":

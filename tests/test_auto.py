@@ -145,10 +145,11 @@ def test_counting_reproduces_what_rounds_kept(bundled_tokenizer):
         read = sequence_states(lm.model, a.kangaroo.adapter, hidden.hidden_states[2])[0]
         probs = torch.softmax(nn.functional.linear(read, a.kangaroo.head).float(), -1)
     top, guess = probs.max(-1)
+    guesses = dict(enumerate(zip(guess.tolist(), (top > 0.3).tolist(), strict=True)))
     checked = Counter()
     for arm, root, draft, kept in a.rounds:
         if arm == "kangaroo+lookup":
-            got = _adapter_kept(guess.tolist(), (top > 0.3).tolist(), full, root, 0, 4)
+            got = _adapter_kept(guesses, full, root, 4)
         else:
             got = accepted_length(draft, full, root)
         assert got == kept, (arm, root)
@@ -179,11 +180,12 @@ def test_copy_rounds_leave_the_arms_figures_alone(tiny):
 def test_the_reason_names_the_arms_and_the_gain(tiny):
     a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.6})
     assert a.current == "medusa+lookup"
-    assert a.reason().startswith("Medusa+lookup first: 1.60x Off estimated from calibration")
+    assert a.reason().startswith("Auto starts with Medusa+lookup: 1.60x Off estimated from "
+                                 "calibration")
     a.used = Counter({"medusa+lookup": 6, "lookup": 3, COPY: 1})  # as a reply leaves it
     a.finish(GenerationStats(tokens=21, ttft_s=0.1, elapsed_s=0.2))  # 200 tok/s vs Off's 100
-    assert a.reason() == "steps: Medusa+lookup 60%, Lookup 30%, copying 10%; 2.00x Off in the " \
-                         "last reply"
+    assert a.reason() == "Auto drafted Medusa+lookup 60%, Lookup 30%, copying 10% of the " \
+                         "steps; 2.00x Off"
     assert a.current == "medusa+lookup"
 
 

@@ -167,7 +167,7 @@ def test_auto_is_the_default_and_the_reply_names_the_method_it_used(service, tin
     last = _reply(service, conv.id, "Tell me about rain", method="auto")
     assert last.method in ("auto:off", "auto:lookup")  # the arm of most of its steps
     label = "Off" if last.method == "auto:off" else "Lookup"
-    assert any(n.startswith("steps: ") and label in n for n in last.notices)  # the mix
+    assert any(n.startswith("Auto drafted ") and label in n for n in last.notices)  # the mix
     assert last.conversation.messages[-1]["content"] == _reference(tiny, "Tell me about rain")
     assert service.store.get(conv.id).messages[-1]["accel"] == last.method
 

@@ -81,7 +81,7 @@ def _reply(lm, drafter, params, prompt, history, system, echo: bool):
         if event.done:
             stats = event.stats
             if isinstance(drafter, AutoDrafter):  # Auto says how it drafted
-                print(f"note: Auto {drafter.reason()}", file=sys.stderr)
+                print(f"note: {drafter.reason()}", file=sys.stderr)
             if echo:
                 print()
                 print(f"[{stats.tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "

@@ -16,8 +16,9 @@ or a match of 1 or 2 tokens): running means of the tokens a round of that arm yi
 the seconds it takes. Seconds vary little and come from the rounds each arm runs (an arm
 unused for `explore_every` steps of a kind runs once more). Tokens vary with the text, so
 they are also counted for arms that did not run, from what the reply went on to say: the
-lookup continuation every step, Medusa's tree every `shadow_every`-th step, and Kangaroo's
-adapter at its next round for every step since. Each reply starts from the means over all
+lookup continuation every step, Medusa's tree every `shadow_every`-th step and Kangaroo's
+adapter every `adapter_every`-th (it reads the tokens it lags behind then, as its next round
+would, and its guesses over them are walked along the reply). Each reply starts from the means over all
 replies and follows its own text from there. Estimates start from calibration (the speedup
 stored with each trained accelerator x a plain step timed when Auto is built) and persist
 per model, device and dtype. Off is an arm, so Auto never settles on slower decoding.
@@ -75,7 +76,7 @@ class AutoPolicy:
     explore_every: int = 64  # an arm unused for this many steps (of its kind) runs once
     first_rounds: int = 3  # ... or for 8 steps, until it was timed this often
     shadow_every: int = 3  # Medusa's tree is proposed for counting on every n-th other step
-    shadow_span: int = 64  # Kangaroo counts at most this many past steps per round
+    adapter_every: int = 12  # ... and the adapter's guesses every n-th step
 
 
 @dataclass
@@ -163,8 +164,10 @@ class _Reply:
 
     pending: list[tuple[str, str, int, Draft]] = field(default_factory=list)  # kind, arm,
     # root position, proposal: counted once the reply shows how far it would have held
-    roots: dict[int, str] = field(default_factory=dict)  # step roots since the adapter's
-    # last round -> their kind (its next round counts them)
+    roots: dict[int, str] = field(default_factory=dict)  # step roots the adapter has not
+    # been counted at -> their kind
+    guesses: dict[int, tuple[int, bool]] = field(default_factory=dict)  # position -> the
+    # adapter's guess after it and whether it was sure, while a root still needs it
     shadows: int = 0  # steps since Medusa's tree was last proposed for counting
 
 
@@ -235,12 +238,14 @@ class AutoDrafter(Drafter):
         if chain and kind != COPY:  # the continuation is counted whichever arm runs
             self._reply.pending.append((kind, "lookup", state.cached, Draft.chain(root, chain)))
         if arm == KANGAROO:
-            self._count_adapter(state)
+            self._count_adapter(state, round_follows=True)
             # Called on the class: a hybrid subclass from the service's cache would mix in
             # its own lookup, which Auto does here.
             return KangarooDrafter.propose(self.kangaroo, state)
         if kind == COPY:
             return Draft.chain(root, chain)
+        if self.kangaroo is not None and len(self._reply.roots) >= self.policy.adapter_every:
+            self._count_adapter(state, round_follows=False)
         self._reply.roots[state.cached] = kind
         merged = self._tree(state, kind, chain, arm == MEDUSA)
         return merged if arm == MEDUSA else Draft.chain(root, chain if r.chain else [])
@@ -319,28 +324,32 @@ class AutoDrafter(Drafter):
                 self.figures[kind][arm].add_tokens(1 + kept, self.policy)
         self._reply.pending = waiting
 
-    def _count_adapter(self, state) -> None:
-        """Count, for each step since the adapter's previous round, the tokens a round of
-        it would have kept there: its outputs over those tokens came with this round."""
+    def _count_adapter(self, state, round_follows: bool) -> None:
+        """Count, for the steps since it last did, the tokens an adapter round would have
+        kept there: the adapter reads the tokens it lags behind by now (as its next round
+        would) and its guesses over them are walked along the reply. `round_follows`: an
+        adapter round runs next, reading states this count cannot see, so steps still
+        unresolved are dropped."""
         began = time.perf_counter()
-        k, ids = self.kangaroo, state.ids
-        caught = k.catch_up(state)  # the adapter's states over the tokens since its last round
-        roots, self._reply.roots = self._reply.roots, {}
-        if caught is not None:
+        k, reply = self.kangaroo, self._reply
+        caught = k.catch_up(state)
+        if caught is not None and reply.roots:
             first, read = caught  # read[i] predicts the token after position first + i
-            roots = sorted((p, kind) for p, kind in roots.items() if p >= first)
-            roots = roots[-self.policy.shadow_span:]
-        if caught is not None and roots:
-            rows = read[roots[0][0] - first:]  # the last one predicts the pending token
-            logits = nn.functional.linear(rows, k.head).float()
+            lo = max(first, min(reply.roots))
+            logits = nn.functional.linear(read[lo - first:], k.head).float()
             top, idx = torch.softmax(logits, -1).max(-1)
             guess = (idx if k.vocab is None else k.vocab[idx]).tolist()
             sure = (top > k.settings.eta).tolist()
-            base = roots[0][0]
-            for p, kind in roots:
-                kept = _adapter_kept(guess, sure, ids, p - base, base, k.settings.gamma)
-                if kept is not None:
-                    self.figures[kind][KANGAROO].add_tokens(1 + kept, self.policy)
+            reply.guesses.update({lo + j: (g, u) for j, (g, u) in enumerate(zip(guess, sure))})
+        waiting = {}
+        for root, kind in reply.roots.items():
+            kept = _adapter_kept(reply.guesses, state.ids, root, k.settings.gamma)
+            if kept is not None:
+                self.figures[kind][KANGAROO].add_tokens(1 + kept, self.policy)
+            elif not round_follows:
+                waiting[root] = kind
+        reply.roots = waiting
+        reply.guesses = {p: g for p, g in reply.guesses.items() if waiting and p >= min(waiting)}
         self._round.aside += time.perf_counter() - began
 
     # -- choosing -------------------------------------------------------------------------
@@ -366,19 +375,18 @@ class AutoDrafter(Drafter):
         return max(arms, key=lambda a: self.figures[kind][a].tok_s)
 
     def reason(self) -> str:
-        """One line for the readout: which arms the last reply used and what it gained."""
+        """One line for the readout: how the last reply drafted and what it gained."""
         total = sum(self.last_reply.values())
         if not total:
             arm = self.current
             off = self.figures[NO_MATCH]["off"].tok_s
             gain = self.figures[NO_MATCH][arm].tok_s / off
-            return (f"{_label(arm)} first: {gain:.2f}x Off estimated from calibration; "
-                    "each step then takes what measures fastest here")
+            return (f"Auto starts with {_label(arm)}: {gain:.2f}x Off estimated from "
+                    "calibration; each step then takes what measures fastest here")
         mix = ", ".join(f"{_label(a)} {100 * n / total:.0f}%"
                         for a, n in self.last_reply.most_common())
-        speed = (f"; {self.last_speedup:.2f}x Off in the last reply"
-                 if self.last_speedup is not None else "")
-        return f"steps: {mix}{speed}"
+        speed = (f"; {self.last_speedup:.2f}x Off" if self.last_speedup is not None else "")
+        return f"Auto drafted {mix} of the steps{speed}"
 
     def _save(self) -> None:
         if self.path is None:
@@ -394,22 +402,22 @@ class AutoDrafter(Drafter):
             log.warning("could not save Auto's speed figures to %s: %s", self.path, exc)
 
 
-def _adapter_kept(guess: list[int], sure: list[bool], ids: list[int], i: int, base: int,
+def _adapter_kept(guesses: dict[int, tuple[int, bool]], ids: list[int], root: int,
                   gamma: int) -> int | None:
-    """Tokens an adapter round rooted at position base + i would have kept: its drafts
-    follow the reply while they are right (each then being the adapter's teacher-forced
-    guess), stopping after gamma or after an unsure one. None when the reply is too short
-    to tell. guess[j] / sure[j]: the adapter's top token after position base + j and
-    whether its probability beat eta."""
+    """Tokens an adapter round rooted at position `root` would have kept: its drafts follow
+    the reply while they are right (each then being the adapter's teacher-forced guess),
+    stopping after gamma or after an unsure one. guesses: position -> (the adapter's top
+    token after it, whether its probability beat eta). None while some guess is missing."""
     kept = 0
     while kept < gamma:
-        j = i + kept
-        if j >= len(guess):
+        pos = root + kept
+        if pos not in guesses:
             return None
-        if guess[j] != ids[base + j + 1]:
+        token, sure = guesses[pos]
+        if token != ids[pos + 1]:
             return kept
         kept += 1
-        if not sure[j]:
+        if not sure:
             return kept
     return kept
 
