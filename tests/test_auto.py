@@ -11,17 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine import verify
 from engine.config import SamplingParams
-from engine.drafters.auto import (
+from engine.drafters.auto import AutoDrafter, accepted_length, adapter_kept
+from engine.drafters.auto_figures import (
     COPY,
     MATCH,
     NO_MATCH,
-    AutoDrafter,
     AutoPolicy,
     Figure,
-    _adapter_kept,
-    accepted_length,
     load_figures,
     priors,
 )
@@ -43,8 +40,7 @@ from tests import test_kangaroo as kg
 from tests import test_medusa as md
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.stats_util import chi_square_pvalue
-from tests.test_hybrid import repetitive_prompt
-
+from tests.test_hybrid import break_pointmass, repetitive_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -149,7 +145,7 @@ def test_counting_reproduces_what_rounds_kept(bundled_tokenizer):
     checked = Counter()
     for arm, root, draft, kept in a.rounds:
         if arm == "kangaroo+lookup":
-            got = _adapter_kept(guesses, full, root, 4)
+            got = adapter_kept(guesses, full, root, 4)
         else:
             got = accepted_length(draft, full, root)
         assert got == kept, (arm, root)
@@ -285,14 +281,7 @@ def test_sampling_is_lossless_and_the_test_catches_a_broken_rule(bundled_tokeniz
     exact = kg._exact_joint(lm, prompt)
     assert chi_square_pvalue(kg._sampled_joint(lm, prompt, a, 800), exact) > 1e-3
     assert len(a.all_steps) >= 4  # the arms took turns
-    fair = verify.accept_pointmass
-
-    def eager(children, tokens, target_probs, generator):
-        # Broken on purpose: accepts point-mass drafts with probability ~sqrt(p), not p.
-        flat = target_probs.sqrt()
-        return fair(children, tokens, flat / flat.sum(-1, keepdim=True), generator)
-
-    monkeypatch.setattr(verify, "accept_pointmass", eager)
+    break_pointmass(monkeypatch)
     assert chi_square_pvalue(kg._sampled_joint(lm, prompt, a, 800), exact) < 1e-3
 
 

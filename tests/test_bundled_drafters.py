@@ -16,7 +16,8 @@ import torch
 
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.auto import AutoDrafter, AutoPolicy, priors
+from engine.drafters.auto import AutoDrafter
+from engine.drafters.auto_figures import AutoPolicy, priors
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
 from engine.drafters.medusa import MedusaDrafter

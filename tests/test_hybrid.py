@@ -103,6 +103,18 @@ def test_medusa_lookup_sampling_test_catches_a_broken_rule(medusa_sampling_case,
 # -- Kangaroo + lookup -------------------------------------------------------------------
 
 
+def break_pointmass(monkeypatch) -> None:
+    """Replace point-mass acceptance with a broken rule: it accepts a draft token with
+    probability ~sqrt(p) instead of p (a sampling test must reject it)."""
+    fair = verify.accept_pointmass
+
+    def eager(children, tokens, target_probs, generator):
+        flat = target_probs.sqrt()
+        return fair(children, tokens, flat / flat.sum(-1, keepdim=True), generator)
+
+    monkeypatch.setattr(verify, "accept_pointmass", eager)
+
+
 class Counting(KangarooLookupDrafter):
     """Counts the rounds drafted by lookup."""
 
@@ -160,12 +172,5 @@ def test_kangaroo_lookup_sampling_is_lossless_and_catches_a_broken_rule(
     exact = kg._exact_joint(lm, prompt)
     assert chi_square_pvalue(kg._sampled_joint(lm, prompt, d, 800), exact) > 1e-3
     assert d.lookups > 0
-    fair = verify.accept_pointmass
-
-    def eager(children, tokens, target_probs, generator):
-        # Broken on purpose: accepts lookup tokens with probability ~sqrt(p) instead of p.
-        flat = target_probs.sqrt()
-        return fair(children, tokens, flat / flat.sum(-1, keepdim=True), generator)
-
-    monkeypatch.setattr(verify, "accept_pointmass", eager)
+    break_pointmass(monkeypatch)
     assert chi_square_pvalue(kg._sampled_joint(lm, prompt, d, 800), exact) < 1e-3

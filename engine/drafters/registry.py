@@ -66,7 +66,8 @@ def load_auto(lm, remember: bool = True, load=None):
     measured no faster than plain decoding is left out). `load` (lm, method) -> drafter lets
     a caller share the drafters it already holds."""
     from engine.accelerators import describe, measured_speedup
-    from engine.drafters.auto import AutoDrafter, load_figures, plain_step_seconds, priors
+    from engine.drafters.auto import AutoDrafter
+    from engine.drafters.auto_figures import load_figures, plain_step_seconds, priors
 
     load = load or load_drafter
     # Lookup has no calibration: a modest gain is assumed until steps measure it.

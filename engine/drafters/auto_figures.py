@@ -1,0 +1,156 @@
+"""Auto's figures: the kinds of step and their arms, what Auto believes about each arm
+(tokens a round yields, seconds it takes), the estimates calibration gives to start from,
+and the file that keeps measured figures per model, device and dtype."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import kv_cache
+from engine.drafters.lookup import LookupParams
+
+log = logging.getLogger(__name__)
+
+NO_MATCH = "no match"  # the latest token occurred nowhere before
+COPY = "copy"  # rounds that draft a 3-gram match's continuation alone
+
+
+def match_kind(n: int) -> str:
+    """The kind of step whose latest n tokens (and no more) match earlier ones."""
+    return f"{n}-token match"
+
+
+MATCH = match_kind(1)
+MEDUSA, KANGAROO = "medusa+lookup", "kangaroo+lookup"
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    """How fast the figures follow new rounds and how often arms are re-measured."""
+
+    smoothing: float = 0.15  # weight of the newest sample in a reply's running means
+    long_smoothing: float = 0.02  # ... in the means over all replies
+    explore_every: int = 64  # an arm unused for this many steps (of its kind) runs once
+    first_rounds: int = 3  # ... or for 8 steps, until it was timed this often
+    shadow_every: int = 3  # Medusa's tree is proposed for counting on every n-th other step
+    adapter_every: int = 12  # ... and the adapter's guesses every n-th step
+
+
+@dataclass
+class Figure:
+    """What Auto believes about one arm on one kind of step."""
+
+    tokens: float  # tokens a round yields (or would have): over all replies so far
+    seconds: float  # a round's seconds
+    rounds: int = 0  # rounds timed; 0 = the calibration estimate
+    samples: int = 0  # rounds whose tokens were counted
+    # The same in the current reply (starts from `tokens`): how well a drafter guesses
+    # depends on the text at hand, which changes more between replies than within one.
+    recent: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return (self.tokens if self.recent is None else self.recent) / self.seconds
+
+    def new_reply(self) -> None:
+        self.recent = self.tokens
+
+    # Running means: plain means of the first samples (one odd early round must not linger
+    # while an arm is rarely run), then weighting the newest sample by `weight`.
+    def add_tokens(self, tokens: int, policy: AutoPolicy) -> None:
+        self.samples += 1
+        self.tokens += max(1 / self.samples, policy.long_smoothing) * (tokens - self.tokens)
+        self.recent = self.tokens if self.recent is None else (
+            self.recent + policy.smoothing * (tokens - self.recent))
+
+    def add_seconds(self, seconds: float, policy: AutoPolicy) -> None:
+        self.rounds += 1
+        self.seconds += max(1 / self.rounds, policy.smoothing) * (seconds - self.seconds)
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "seconds": self.seconds, "rounds": self.rounds,
+                "samples": self.samples}
+
+
+Figures = dict[str, dict[str, Figure]]  # step kind -> arm -> figure
+
+
+def arms_for(medusa: bool, kangaroo: bool, lookup: LookupParams) -> dict[str, tuple[str, ...]]:
+    """The arms of each kind of step, given which trained drafters are available. Steps
+    are told apart by the length of their lookup match (a 2-token match predicts better
+    than a 1-token one), up to the length that counts as a copy."""
+    trained = ((MEDUSA,) if medusa else ()) + ((KANGAROO,) if kangaroo else ())
+    matched = {match_kind(n): ("lookup", "off", *trained)
+               for n in range(lookup.min_ngram, lookup.max_ngram)}
+    return {NO_MATCH: ("off", *trained), **matched}
+
+
+def priors(step_s: float, speedups: dict[str, float],
+           lookup: LookupParams | None = None) -> Figures:
+    """Calibration estimates: an arm with speedup s yields s tokens per plain step time."""
+    arms = arms_for(MEDUSA in speedups, KANGAROO in speedups, lookup or LookupParams())
+    return {k: {a: Figure(speedups.get(a, 1.0), step_s) for a in names}
+            for k, names in arms.items()}
+
+
+def load_figures(path: Path | None, prior: Figures) -> Figures:
+    """`prior`, with the figures measured earlier and saved at `path` for the same arms; an
+    unreadable file is ignored with a warning."""
+    figures = {k: {a: Figure(f.tokens, f.seconds) for a, f in arms.items()}
+               for k, arms in prior.items()}
+    if path is None or not path.exists():
+        return figures
+    try:
+        saved = json.loads(path.read_text())
+        for kind, arms in saved.items():
+            for arm, fig in arms.items():
+                if arm in figures.get(kind, {}):
+                    new = Figure(float(fig["tokens"]), float(fig["seconds"]),
+                                 int(fig["rounds"]), int(fig["samples"]))
+                    if new.tokens <= 0 or new.seconds <= 0:
+                        raise ValueError(f"non-positive figure for {arm}")
+                    figures[kind][arm] = new
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("ignoring Auto's unreadable speed figures in %s: %s", path, exc)
+        return load_figures(None, prior)
+    return figures
+
+
+def save_figures(path: Path, figures: Figures) -> None:
+    """Write the measured figures (calibration estimates are not saved); a failure, e.g. a
+    full disk, costs the memory of past speeds, never the reply."""
+    measured = {k: {a: f.to_json() for a, f in arms.items() if f.rounds or f.samples}
+                for k, arms in figures.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(measured, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not save Auto's speed figures to %s: %s", path, exc)
+
+
+def plain_step_seconds(lm, context: int = 128, repeats: int = 5) -> float:
+    """Median time of one plain decode step after a `context`-token prompt."""
+    vocab = int(lm.model.config.vocab_size)
+    ids = [(7 * i) % vocab for i in range(1, context + 2)]
+    cache = kv_cache.new_cache(lm.model)
+    times = []
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([ids[:-1]], device=lm.device), cache=cache,
+                 use_cache=True, logits_to_keep=1)
+        step = torch.tensor([ids[-1:]], device=lm.device)
+        for _ in range(repeats + 1):  # the first one warms up
+            begin = time.perf_counter()
+            lm.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - begin)
+            kv_cache.drop_last(cache, 1)
+    return statistics.median(times[1:])
