@@ -70,13 +70,14 @@ def tiny(bundled_tokenizer):
 
 
 def simulate(a: AutoDrafter, kind: str, truth: dict[str, tuple[float, float]],
-             steps: int) -> list[str]:
+             steps: int, pace: float = 1.0) -> list[str]:
     """`steps` steps of one kind: the arm taken is timed, every arm's tokens are counted
-    (as the reply shows them); truth: arm -> (tokens per round, seconds). Arms taken."""
+    (as the reply shows them); truth: arm -> (tokens per round, seconds), every arm's
+    seconds times `pace` (the machine's speed just now). Arms taken."""
     taken = []
     for _ in range(steps):
         arm = a._choose(kind)
-        a.figures[kind][arm].add_seconds(truth[arm][1], a.policy)
+        a.pace.time(a.figures[kind][arm], truth[arm][1] * pace, a.policy)
         for name, (tokens, _s) in truth.items():
             a.figures[kind][name].add_tokens(tokens, a.policy)
         taken.append(arm)
@@ -97,7 +98,7 @@ def test_each_step_takes_the_fastest_arm_and_times_the_others_now_and_then(tiny)
     # arm timed again 8 steps later until it has 3 rounds, then once per 20 steps.
     assert taken[:3] == ["medusa+lookup", "kangaroo+lookup", "off"]
     off = [i for i, arm in enumerate(taken) if arm == "off"]
-    assert [b - a for a, b in zip(off, off[1:])] == [8, 8, 20, 20, 20, 20]
+    assert [b - a for a, b in zip(off, off[1:], strict=False)] == [8, 8, 20, 20, 20, 20]
     assert Counter(taken)["medusa+lookup"] >= 85
     assert a.figures[NO_MATCH]["medusa+lookup"].tok_s == pytest.approx(130.0, rel=1e-3)
     assert a.figures[MATCH]["lookup"].rounds == 0  # the kinds keep their own figures
@@ -112,6 +113,23 @@ def test_live_figures_switch_arms_and_fall_back_to_off(tiny):
     truth["kangaroo+lookup"] = (1.0, 0.013)
     later = simulate(a, MATCH, truth, 40)
     assert "kangaroo+lookup" in later[:3] and Counter(later[-30:])["off"] >= 29  # 1 re-timing
+
+
+def test_arms_timed_at_another_pace_are_compared_at_todays(tiny):
+    """The machine (or a shorter context) runs every arm 40% faster while Off runs: Off's
+    fresh timings must not beat the adapter's older ones once the adapter guesses well."""
+    a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "kangaroo+lookup": 1.4})
+    truth = {"lookup": (1.1, 0.012), "off": (1.0, 0.010), "kangaroo+lookup": (1.5, 0.0136)}
+    assert Counter(simulate(a, MATCH, truth, 30)[5:])["kangaroo+lookup"] >= 20
+    truth["kangaroo+lookup"] = (1.0, 0.0136)  # text the adapter does not guess, faster pace
+    assert Counter(simulate(a, MATCH, truth, 30, pace=0.6)[-20:])["off"] == 20
+    assert a.pace.factor == pytest.approx(0.6, rel=0.05)
+    # It guesses again: taken as soon as its running tokens recover (8 steps at weight
+    # 0.15), though its last timing is 30 steps old and at the slower pace; compared by raw
+    # seconds, Off (at the faster pace) would win until the adapter is timed again.
+    truth["kangaroo+lookup"] = (1.5, 0.0136)
+    taken = simulate(a, MATCH, truth, 20, pace=0.6)
+    assert taken[8:] == ["kangaroo+lookup"] * 12
 
 
 def test_each_reply_starts_from_the_figures_over_all_replies(tiny):

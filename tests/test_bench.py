@@ -260,6 +260,32 @@ def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, 
     assert md == to_markdown(report, [p.name for p in written[2:]])
 
 
+def test_passes_take_the_median_speed_with_fresh_methods(bundled_tokenizer):
+    """Each pass after the first runs a freshly built table; a prompt's speed is the median
+    over the passes (a method slow in one pass of three is not reported slow)."""
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
+    params = SamplingParams(max_new_tokens=6, seed=0)
+    built = []
+
+    def table():
+        methods, _ = build_methods(lm, ["hf", "vanilla"], params)
+        if len(built) == 1:  # the second pass: vanilla is slowed down
+            methods["vanilla"] = engine_method("vanilla", lm, params, SlowDrafter())
+        built.append(methods)
+        return methods
+
+    report = bench_report(lm, TWO_PROMPTS, table(), {}, params, {"command": "test"},
+                          passes=3, fresh=table)
+    assert len(built) == 3 and report["settings"]["passes"] == 3
+    rows = [m for m in report["measurements"] if m["method"] == "vanilla"]
+    assert len(rows) == 2  # one per prompt, merged over the passes
+    for m in rows:
+        speeds = m["passes_tokens_per_s"]
+        assert len(speeds) == 3 and min(speeds) == speeds[1]  # the slowed pass
+        assert m["tokens_per_s"] == pytest.approx(statistics.median(speeds), rel=1e-3)
+        assert m["tokens_per_s"] > speeds[1]
+
+
 # ---- the command ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -304,6 +330,7 @@ def test_bench_command_end_to_end(tiny_folder, two_prompt_file, tmp_path, capsys
     (["--methods", "hf-assisted"], "--assistant"),
     (["--max-new-tokens", "0"], "max new tokens"),
     (["--limit", "0"], "--limit"),
+    (["--passes", "0"], "--passes"),
 ])
 def test_bench_command_bad_input_is_one_line(extra, message, capsys):
     code = cli.main(["bench", "--model", "/nonexistent/model", *extra])

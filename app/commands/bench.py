@@ -11,6 +11,7 @@ from pathlib import Path
 from app.commands.common import add_model_args, load
 from engine.benchmark.methods import METHOD_CHOICES
 from engine.config import ModelSpec, SamplingParams
+from engine.errors import QuickdraftError
 from trainer.progress import Progress
 
 HELP = "speed report: tokens/s, speedup over generate(), acceptance, memory, greedy match"
@@ -33,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for report.json, report.md and the PNG plots")
     parser.add_argument("--limit", type=int, default=None,
                         help="use N prompts, taken evenly across categories")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="run the prompts N times, each pass with freshly built methods; "
+                             "a prompt's speed is the median over the passes (default 1)")
 
 
 def command_line(args: argparse.Namespace, prog: str = "python launcher.py bench") -> str:
@@ -43,6 +47,7 @@ def command_line(args: argparse.Namespace, prog: str = "python launcher.py bench
     for flag, value in (("--device", None if args.device == "auto" else args.device),
                         ("--prompts", args.prompts), ("--methods", args.methods),
                         ("--assistant", args.assistant), ("--limit", args.limit),
+                        ("--passes", args.passes if args.passes != 1 else None),
                         ("--out", args.out)):
         if value is not None:
             parts += [flag, str(value)]
@@ -66,6 +71,8 @@ def execute(args: argparse.Namespace, command: str) -> int:
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             seed=args.seed)
     names = method_names(args.methods, args.assistant is not None)
+    if args.passes < 1:
+        raise QuickdraftError("--passes must be at least 1")
     prompt_file = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
     prompts = interleave(load_prompts(prompt_file), args.limit)
     lm = load(args)
@@ -75,7 +82,8 @@ def execute(args: argparse.Namespace, command: str) -> int:
         print(f"{name}: {why}", file=sys.stderr)
     context = {"command": command, "model": args.model, "prompt_file": str(prompt_file),
                "assistant": assistant.model_id if assistant else None}
-    report = bench_report(lm, prompts, methods, skipped, params, context, ProgressBar())
+    report = bench_report(lm, prompts, methods, skipped, params, context, ProgressBar(),
+                          args.passes, lambda: build_methods(lm, names, params, assistant)[0])
     print("\n".join([*overall_table(report), "", *notes(report)]))
     if args.out:
         written = write_report(report, Path(args.out))

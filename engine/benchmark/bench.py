@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import LOOKUP_TOKENS, Method
@@ -21,16 +22,19 @@ def bench_report(
     params: SamplingParams,
     context: dict,
     progress: ProgressFn = ignore,
+    passes: int = 1,
+    fresh: Callable[[], dict[str, Method]] | None = None,
 ) -> dict:
     """Run `methods` (the first is the baseline, `hf`) over `prompts` on `lm` and return the
     report.json object. `context` adds settings the caller knows: the command line, the
-    prompt file, the assistant model."""
+    prompt file, the assistant model. `passes` > 1 runs the prompts that many times, each
+    pass after the first with `fresh()`'s method table, and keeps the median speeds."""
     if not prompts:
         raise ValueError("no prompts to run")
     machine = machine_info(lm.device)
     prompt_ids = [encode_prompt(lm, p, params.max_new_tokens) for p in prompts]
     probe = MemoryProbe.for_device(lm.device)
-    results = run_bench(methods, prompts, prompt_ids, probe, progress)
+    results = run_bench(methods, prompts, prompt_ids, probe, progress, passes, fresh)
     settings = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         **context,
@@ -48,6 +52,7 @@ def bench_report(
         "lookup_tokens": LOOKUP_TOKENS,
         "warmup": "each method once on the first prompt, not counted",
         "order": "methods interleaved prompt by prompt, order rotated per prompt",
+        "passes": passes,
         "memory": probe.describe(),
     }
     return build_report(machine, settings, results, skipped)

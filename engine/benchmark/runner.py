@@ -2,13 +2,17 @@
 
 Machines drift (other jobs, clocks, thermals); running every method on a prompt before
 moving to the next, in an order that rotates from prompt to prompt, spreads that drift over
-all methods alike, so per-prompt ratios stay fair.
+all methods alike, so per-prompt ratios stay fair. With several passes, a prompt's speed is
+the median over the passes, and each pass starts with a fresh method table (Auto learns as
+it goes and must not meet a prompt it has already decoded).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import Method, Outcome
@@ -31,6 +35,7 @@ class Measurement:
     peak_mem_mb: float  # peak memory during the call (see MemoryProbe.describe)
     peak_mem_delta_mb: float  # that peak minus the memory in use when the call began
     used: dict[str, int] | None = None  # Auto: steps drafted by each arm (None for the others)
+    passes: list[float] | None = None  # tokens/s of each pass when there were several
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,6 +50,8 @@ class Measurement:
             "steps": None if self.accepted is None else len(self.accepted),
             "peak_mem_mb": round(self.peak_mem_mb, 2), "token_ids": self.ids,
             **({"used": self.used} if self.used else {}),
+            **({"passes_tokens_per_s": [round(t, 4) for t in self.passes]}
+               if self.passes else {}),
         }
 
 
@@ -65,15 +72,29 @@ def run_bench(
     prompt_ids: list[list[int]],
     probe: MemoryProbe,
     progress: ProgressFn = ignore,
+    passes: int = 1,
+    fresh: Callable[[], dict[str, Method]] | None = None,
 ) -> list[Measurement]:
     """Warm every method up on the first prompt, then run all of them on each prompt in
-    turn, rotating their order. Returns one Measurement per (prompt, method)."""
+    turn, rotating their order; `passes` times over, each pass after the first with
+    `fresh()`'s method table. Returns one Measurement per (prompt, method)."""
+    per_pass = len(prompts) * len(methods)
+    eta = Eta(passes * per_pass)
+    runs = []
+    for n in range(passes):
+        table = methods if n == 0 or fresh is None else fresh()
+        runs.append(_one_pass(table, prompts, prompt_ids, probe, progress, eta, n * per_pass))
+    progress(Progress("done", eta.total, eta.total, "done"))
+    return runs[0] if passes == 1 else [_merge(ms) for ms in zip(*runs, strict=True)]
+
+
+def _one_pass(methods: dict[str, Method], prompts: list[BenchPrompt],
+              prompt_ids: list[list[int]], probe: MemoryProbe, progress: ProgressFn,
+              eta: Eta, done: int) -> list[Measurement]:
     names = list(methods)
     for i, name in enumerate(names):
         progress(Progress("warmup", i, len(names), f"warm-up: {name}"))
         methods[name].generate(prompt_ids[0])
-    total = len(prompts) * len(names)
-    eta = Eta(total)
     results: list[Measurement] = []
     for p, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
         shift = p % len(names)
@@ -83,10 +104,22 @@ def run_bench(
                             outcome.ttft_s, outcome.accepted, peak, delta, outcome.used)
             results.append(m)
             progress(Progress(
-                "bench", len(results), total,
+                "bench", done + len(results), eta.total,
                 f"prompt {p + 1}/{len(prompts)} ({prompt.category}) {name} "
                 f"{m.tokens_per_s:.1f} tok/s",
-                eta.left(len(results)),
+                eta.left(done + len(results)),
             ))
-    progress(Progress("done", total, total, "done"))
     return results
+
+
+def _merge(passes: tuple[Measurement, ...]) -> Measurement:
+    """One prompt and method over several passes: tokens/s and time to first token are the
+    medians over the passes, peak memory the highest; the tokens, acceptance and Auto's mix
+    are the first pass's (greedy decoding repeats them, except where Auto's mix changed)."""
+    first = passes[0]
+    speeds = [m.tokens_per_s for m in passes]
+    speed = statistics.median(speeds)
+    return replace(first, wall_s=len(first.ids) / speed if speed > 0 else first.wall_s,
+                   ttft_s=statistics.median(m.ttft_s for m in passes),
+                   peak_mem_mb=max(m.peak_mem_mb for m in passes),
+                   peak_mem_delta_mb=max(m.peak_mem_delta_mb for m in passes), passes=speeds)

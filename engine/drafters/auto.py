@@ -13,15 +13,17 @@ the ways of drafting that share one KV cache:
 
 A step takes the arm with the best tokens per second on its kind of step (no lookup match,
 or a match of 1 or 2 tokens): running means of the tokens a round of that arm yields and of
-the seconds it takes. Seconds vary little and come from the rounds each arm runs (an arm
-unused for `explore_every` steps of a kind runs once more). Tokens vary with the text, so
+the seconds it takes. Seconds come from the rounds each arm runs (an arm unused for
+`explore_every` steps of a kind runs once more), split into the arm's cost and the pace the
+machine runs at just now, which every arm shares (see Pace). Tokens vary with the text, so
 they are also counted for arms that did not run, from what the reply went on to say: the
 lookup continuation every step, Medusa's tree every `shadow_every`-th step and Kangaroo's
 adapter every `adapter_every`-th (it reads the tokens it lags behind then, as its next round
-would, and its guesses over them are walked along the reply). Each reply starts from the means over all
-replies and follows its own text from there. Estimates start from calibration (the speedup
-stored with each trained accelerator x a plain step timed when Auto is built) and persist
-per model, device and dtype. Off is an arm, so Auto never settles on slower decoding.
+would, and its guesses over them are walked along the reply). Each reply starts from the
+means over all replies and follows its own text from there. Estimates start from
+calibration (the speedup stored with each trained accelerator x a plain step timed when
+Auto is built) and persist per model, device and dtype. Off is an arm, so Auto never
+settles on slower decoding.
 
 Rounds that do not use the adapter run the whole model once with every layer's states kept:
 Medusa's heads read the final state, and the Kangaroo adapter reads the layer-l states of
@@ -48,6 +50,7 @@ from engine.drafters.auto_figures import (
     NO_MATCH,
     AutoPolicy,
     Figures,
+    Pace,
     arms_for,
     match_kind,
     save_figures,
@@ -120,6 +123,7 @@ class AutoDrafter(Drafter):
         self.merge = TreeWithChain(medusa.tree) if medusa is not None else None
         self.path = path  # where measured figures persist; None = this process only
         self.policy = policy or AutoPolicy()
+        self.pace = Pace()
         self.wants_hidden = medusa is not None or kangaroo is not None
         self.steps = Counter()  # steps of each kind so far
         self.last_used: dict[tuple[str, str], int] = {}  # (kind, arm) -> step it last ran
@@ -215,13 +219,13 @@ class AutoDrafter(Drafter):
         r, self._round = self._round, None
         if r is not None and r.kind != COPY:
             seconds = time.perf_counter() - r.began - r.aside
-            self.figures[r.kind][r.arm].add_seconds(seconds, self.policy)
+            self.pace.time(self.figures[r.kind][r.arm], seconds, self.policy)
 
     def finish(self, stats) -> None:
         """Keep the reply's mix and speed for the readout; save the figures."""
         self.last_reply = self.used
         decode_s = stats.elapsed_s - stats.ttft_s
-        off = self.figures[NO_MATCH]["off"].tok_s
+        off = self.figures[NO_MATCH]["off"].tok_s / self.pace.factor  # at today's pace
         self.last_speedup = ((stats.tokens - 1) / decode_s / off
                              if stats.tokens > 1 and decode_s > 0 else None)
         self._save()
@@ -272,7 +276,8 @@ class AutoDrafter(Drafter):
             top, idx = torch.softmax(logits, -1).max(-1)
             guess = (idx if k.vocab is None else k.vocab[idx]).tolist()
             sure = (top > k.settings.eta).tolist()
-            reply.guesses.update({lo + j: (g, u) for j, (g, u) in enumerate(zip(guess, sure))})
+            pairs = enumerate(zip(guess, sure, strict=True))
+            reply.guesses.update({lo + j: (g, u) for j, (g, u) in pairs})
         waiting = {}
         for root, kind in reply.roots.items():
             kept = adapter_kept(reply.guesses, state.ids, root, k.settings.gamma)

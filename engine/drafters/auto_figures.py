@@ -38,6 +38,8 @@ class AutoPolicy:
 
     smoothing: float = 0.15  # weight of the newest sample in a reply's running means
     long_smoothing: float = 0.02  # ... in the means over all replies
+    cost_smoothing: float = 0.02  # ... in an arm's seconds (at pace 1), once it has 3 timings
+    pace_smoothing: float = 0.3  # how fast the pace follows the latest round
     explore_every: int = 64  # an arm unused for this many steps (of its kind) runs once
     first_rounds: int = 3  # ... or for 8 steps, until it was timed this often
     shadow_every: int = 3  # Medusa's tree is proposed for counting on every n-th other step
@@ -49,7 +51,7 @@ class Figure:
     """What Auto believes about one arm on one kind of step."""
 
     tokens: float  # tokens a round yields (or would have): over all replies so far
-    seconds: float  # a round's seconds
+    seconds: float  # a round's seconds at pace 1 (see Pace)
     rounds: int = 0  # rounds timed; 0 = the calibration estimate
     samples: int = 0  # rounds whose tokens were counted
     # The same in the current reply (starts from `tokens`): how well a drafter guesses
@@ -73,7 +75,8 @@ class Figure:
 
     def add_seconds(self, seconds: float, policy: AutoPolicy) -> None:
         self.rounds += 1
-        self.seconds += max(1 / self.rounds, policy.smoothing) * (seconds - self.seconds)
+        weight = 1 / self.rounds if self.rounds <= policy.first_rounds else policy.cost_smoothing
+        self.seconds += weight * (seconds - self.seconds)
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "seconds": self.seconds, "rounds": self.rounds,
@@ -81,6 +84,26 @@ class Figure:
 
 
 Figures = dict[str, dict[str, Figure]]  # step kind -> arm -> figure
+
+
+@dataclass
+class Pace:
+    """How fast the machine runs just now, as one factor on every arm's seconds.
+
+    Other programs' load, clocks and the length of the context slow every arm alike and
+    change within a reply, while each arm is timed only when it runs: an arm timed just now
+    must not be compared with another timed minutes ago at another pace. So a round's time
+    is split into the arm's cost (slow to change) and the pace (fast), and arms are compared
+    on their costs alone."""
+
+    factor: float = 1.0  # seconds now / seconds at pace 1
+
+    def time(self, fig: Figure, seconds: float, policy: AutoPolicy) -> None:
+        """Record one timed round of the arm `fig` describes."""
+        if fig.rounds >= policy.first_rounds:  # its cost is known: the gap is the pace's
+            gap = seconds / (fig.seconds * self.factor)
+            self.factor *= gap ** policy.pace_smoothing
+        fig.add_seconds(seconds / self.factor, policy)
 
 
 def arms_for(medusa: bool, kangaroo: bool, lookup: LookupParams) -> dict[str, tuple[str, ...]]:
