@@ -277,6 +277,7 @@ def test_passes_take_the_median_speed_with_fresh_methods(bundled_tokenizer):
     report = bench_report(lm, TWO_PROMPTS, table(), {}, params, {"command": "test"},
                           passes=3, fresh=table)
     assert len(built) == 3 and report["settings"]["passes"] == 3
+    assert "3 passes, each with freshly built methods" in to_markdown(report)
     rows = [m for m in report["measurements"] if m["method"] == "vanilla"]
     assert len(rows) == 2  # one per prompt, merged over the passes
     for m in rows:

@@ -169,7 +169,7 @@ def to_markdown(report: dict, images: list[str] = ()) -> str:
         f"(loaded in {s['load_s']:.2f} s)",
         f"- Settings: {s['prompts']} prompts ({', '.join(s['categories'])}), "
         f"{s['max_new_tokens']} max new tokens, {mode}, seed {s['seed']}; warm-up, then "
-        "methods interleaved prompt by prompt",
+        "methods interleaved prompt by prompt" + _passes(s.get("passes", 1)),
         f"- Peak memory: {s['memory']}",
         f"- Command: `{s['command']}`", "",
         "## Overall", "", *overall_table(report), "",
@@ -182,6 +182,11 @@ def to_markdown(report: dict, images: list[str] = ()) -> str:
     lines += ["## Notes", "", *notes(report), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _passes(n: int) -> str:
+    return (f"; {n} passes, each with freshly built methods, a prompt's tokens/s the median "
+            "over them" if n > 1 else "")
 
 
 def overall_table(report: dict) -> list[str]:
