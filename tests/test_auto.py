@@ -115,6 +115,21 @@ def test_live_figures_switch_arms_and_fall_back_to_off(tiny):
     assert "kangaroo+lookup" in later[:3] and Counter(later[-30:])["off"] >= 29  # 1 re-timing
 
 
+def test_a_reply_takes_another_arm_only_when_it_is_clearly_ahead(tiny):
+    """A reply's running means are noisy: an arm a few percent ahead of the long-run best in
+    this reply does not take over; one ahead by more than the switch margin does."""
+    a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.5,
+                         "kangaroo+lookup": 1.2})
+    truth = {"off": (1.0, 0.010), "medusa+lookup": (1.6, 0.0123),
+             "kangaroo+lookup": (1.5, 0.0136)}  # 100, 130, 110 tokens/s
+    simulate(a, NO_MATCH, truth, 100)
+    truth["kangaroo+lookup"] = (1.85, 0.0136)  # 136 tokens/s: 5% ahead
+    assert Counter(simulate(a, NO_MATCH, truth, 40))["medusa+lookup"] >= 38  # 1 re-timing
+    truth["kangaroo+lookup"] = (2.3, 0.0136)  # 169 tokens/s: 30% ahead
+    taken = simulate(a, NO_MATCH, truth, 20)
+    assert Counter(taken[3:])["kangaroo+lookup"] >= 16  # 1 re-timing
+
+
 def test_arms_timed_at_another_pace_are_compared_at_todays(tiny):
     """The machine (or a shorter context) runs every arm 40% faster while Off runs: Off's
     fresh timings must not beat the adapter's older ones once the adapter guesses well."""
@@ -124,12 +139,13 @@ def test_arms_timed_at_another_pace_are_compared_at_todays(tiny):
     truth["kangaroo+lookup"] = (1.0, 0.0136)  # text the adapter does not guess, faster pace
     assert Counter(simulate(a, MATCH, truth, 30, pace=0.6)[-20:])["off"] == 20
     assert a.pace.factor == pytest.approx(0.6, rel=0.05)
-    # It guesses again: taken as soon as its running tokens recover (8 steps at weight
-    # 0.15), though its last timing is 30 steps old and at the slower pace; compared by raw
-    # seconds, Off (at the faster pace) would win until the adapter is timed again.
-    truth["kangaroo+lookup"] = (1.5, 0.0136)
+    # It guesses better than ever: taken as soon as its running tokens put it the switch
+    # margin ahead of Off (the long-run best now; 6 steps at weight 0.15), though its last
+    # timing is 30 steps old and at the slower pace; compared by raw seconds, Off (at the
+    # faster pace) would win until the adapter is timed again.
+    truth["kangaroo+lookup"] = (1.8, 0.0136)
     taken = simulate(a, MATCH, truth, 20, pace=0.6)
-    assert taken[8:] == ["kangaroo+lookup"] * 12
+    assert taken == ["off"] * 6 + ["kangaroo+lookup"] * 14
 
 
 def test_each_reply_starts_from_the_figures_over_all_replies(tiny):

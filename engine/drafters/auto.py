@@ -12,7 +12,8 @@ the ways of drafting that share one KV cache:
   continuation beside it ("medusa+lookup"), or a Kangaroo adapter round ("kangaroo+lookup").
 
 A step takes the arm with the best tokens per second on its kind of step (no lookup match,
-or a match of 1 or 2 tokens): running means of the tokens a round of that arm yields and of
+or a match of 1 or 2 tokens) over all replies, unless the current reply's figures put
+another arm ahead by a margin: running means of the tokens a round of that arm yields and of
 the seconds it takes. Seconds come from the rounds each arm runs (an arm unused for
 `explore_every` steps of a kind runs once more), split into the arm's cost and the pace the
 machine runs at just now, which every arm shares (see Pace). Tokens vary with the text, so
@@ -309,7 +310,14 @@ class AutoDrafter(Drafter):
         return arm
 
     def _best(self, kind: str, arms) -> str:
-        return max(arms, key=lambda a: self.figures[kind][a].tok_s)
+        """The arm that pays most over all replies, unless this reply's figures put another
+        ahead by more than the switch margin: a reply's running means are noisy, and always
+        taking the best noisy estimate favours the arm that is over-estimated just now."""
+        figs = self.figures[kind]
+        home = max(arms, key=lambda a: figs[a].long_tok_s)
+        best = max(arms, key=lambda a: figs[a].tok_s)
+        return best if figs[best].tok_s > (1 + self.policy.switch_margin) * figs[home].tok_s \
+            else home
 
     def reason(self) -> str:
         """One line for the readout: how the last reply drafted and what it gained."""

@@ -44,6 +44,8 @@ class AutoPolicy:
     first_rounds: int = 3  # ... or for 8 steps, until it was timed this often
     shadow_every: int = 3  # Medusa's tree is proposed for counting on every n-th other step
     adapter_every: int = 12  # ... and the adapter's guesses every n-th step
+    switch_margin: float = 0.10  # a reply's best arm replaces the long-run best only when
+    # its estimate is ahead by more than this share
 
 
 @dataclass
@@ -61,6 +63,11 @@ class Figure:
     @property
     def tok_s(self) -> float:
         return (self.tokens if self.recent is None else self.recent) / self.seconds
+
+    @property
+    def long_tok_s(self) -> float:
+        """Tokens per second over all replies."""
+        return self.tokens / self.seconds
 
     def new_reply(self) -> None:
         self.recent = self.tokens
