@@ -124,7 +124,8 @@ def test_a_reply_takes_another_arm_only_when_it_is_clearly_ahead(tiny):
              "kangaroo+lookup": (1.5, 0.0136)}  # 100, 130, 110 tokens/s
     simulate(a, NO_MATCH, truth, 100)
     truth["kangaroo+lookup"] = (1.85, 0.0136)  # 136 tokens/s: 5% ahead
-    assert Counter(simulate(a, NO_MATCH, truth, 40))["medusa+lookup"] >= 38  # 1 re-timing
+    # Medusa keeps the steps (room left for re-timing Off and the adapter).
+    assert Counter(simulate(a, NO_MATCH, truth, 40))["medusa+lookup"] >= 38
     truth["kangaroo+lookup"] = (2.3, 0.0136)  # 169 tokens/s: 30% ahead
     taken = simulate(a, NO_MATCH, truth, 20)
     assert Counter(taken[3:])["kangaroo+lookup"] >= 16  # 1 re-timing

@@ -11,10 +11,10 @@ the ways of drafting that share one KV cache:
   when the latest tokens match an earlier 1- or 2-gram), Medusa's tree with that
   continuation beside it ("medusa+lookup"), or a Kangaroo adapter round ("kangaroo+lookup").
 
-A step takes the arm with the best tokens per second on its kind of step (no lookup match,
-or a match of 1 or 2 tokens) over all replies, unless the current reply's figures put
-another arm ahead by a margin: running means of the tokens a round of that arm yields and of
-the seconds it takes. Seconds come from the rounds each arm runs (an arm unused for
+A step takes the arm with the best tokens per second over all replies on its kind of step
+(no lookup match, or a match of 1 or 2 tokens), unless the current reply's figures put
+another arm ahead by a margin. An arm's figures are running means of the tokens a round of
+it yields and of the seconds it takes. Seconds come from the rounds each arm runs (an arm unused for
 `explore_every` steps of a kind runs once more), split into the arm's cost and the pace the
 machine runs at just now, which every arm shares (see Pace). Tokens vary with the text, so
 they are also counted for arms that did not run, from what the reply went on to say: the
