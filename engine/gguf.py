@@ -1,0 +1,210 @@
+"""GGUF files (LM Studio, Ollama, llama.cpp downloads): check them, and convert them once into
+a safetensors folder in the user cache, which then loads like any other model folder.
+
+transformers dequantizes GGUF for the architectures it knows; the converted folder reloads in
+well under a second, where reading the GGUF again would take seconds to minutes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+from engine.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"GGUF"
+# Bytes hashed from the start, middle and end of a file to name its converted folder: cheap
+# on multi-GB files, and a re-downloaded or edited file (other header, other weights) misses.
+SAMPLE_BYTES = 1 << 20
+# What a GGUF repo id looks like: "owner/name:file.gguf" (the file may sit in a sub-folder).
+HUB_GGUF = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<file>[^:]+)$")
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What a GGUF file holds, read from its header (no weights are read)."""
+
+    path: Path
+    architecture: str  # general.architecture, e.g. "llama", "qwen2"
+    name: str  # general.name when set, else the file name
+    parameters: int  # elements in all tensors
+    file_bytes: int
+    tensor_types: tuple[str, ...]  # GGML types used, e.g. ("F32", "Q4_K", "Q6_K")
+
+
+def supported_architectures() -> list[str]:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    # "general" and "tokenizer" are metadata sections of the mapping, not architectures.
+    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+
+
+def supported_types() -> list[str]:
+    from gguf.quants import _type_traits  # the types gguf's numpy dequantizer implements
+
+    return ["F32", "F16", *sorted(t.name for t in _type_traits)]
+
+
+def is_gguf(path: Path) -> bool:
+    """True when the file starts with the GGUF magic (Ollama blobs have no extension)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def inspect(path: Path) -> GGUFInfo:
+    """Read and check a GGUF header; ModelLoadError names the file and what is supported."""
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    if not is_gguf(path):
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header); give a .gguf file, "
+                             "a model folder or a repo id")
+    reader = _reader(path)
+    size = path.stat().st_size
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if not reader.tensors or end > size:
+        raise ModelLoadError(f"{path} is truncated ({size:,} of {end:,} bytes): download it again")
+    arch = _field(reader, "general.architecture") or "?"
+    if arch not in supported_architectures():
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(supported_architectures())}")
+    types = tuple(sorted({t.tensor_type.name for t in reader.tensors}))
+    unknown = [t for t in types if t not in supported_types()]
+    if unknown:
+        raise ModelLoadError(f"{path}: GGUF tensor type {', '.join(unknown)} is not supported; "
+                             f"supported: {', '.join(supported_types())}")
+    if _field(reader, "tokenizer.ggml.model") is None:
+        raise ModelLoadError(f"{path} has no tokenizer in its GGUF metadata")
+    return GGUFInfo(path, arch, _field(reader, "general.name") or path.name,
+                    sum(int(t.n_elements) for t in reader.tensors), size, types)
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, OverflowError, TypeError) as exc:
+        # gguf reads the header through a memory map: a cut file fails wherever it ends
+        raise ModelLoadError(f"{path} is truncated or corrupt ({type(exc).__name__}): "
+                             "download it again") from exc
+
+
+def _field(reader, key: str):
+    """A string or number field of the header, or None."""
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
+def parse_hub(source: str) -> tuple[str, str] | None:
+    """"owner/name:file.gguf" -> (repo id, file name); None for anything else."""
+    match = HUB_GGUF.match(source)
+    if match is None or source.startswith((".", "/", "~", "\\")):
+        return None
+    return match["repo"], match["file"]
+
+
+def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
+    """The GGUF file from the Hugging Face cache, downloaded there first if needed."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    kwargs = dict(repo_id=repo_id, filename=filename, revision=revision)
+    try:
+        return Path(hf_hub_download(local_files_only=True, **kwargs))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        pass
+    try:
+        return Path(hf_hub_download(**kwargs))  # tqdm progress on stderr
+    except GatedRepoError as exc:
+        raise ModelLoadError(f"{repo_id} is gated: accept its licence and log in") from exc
+    except LocalEntryNotFoundError as exc:  # a subclass of EntryNotFoundError: first
+        raise ModelLoadError(f"{repo_id}:{filename} is not in the Hugging Face cache and the "
+                             "hub cannot be reached (offline?)") from exc
+    except EntryNotFoundError as exc:
+        raise ModelLoadError(f"{repo_id} has no file {filename!r}") from exc
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise ModelLoadError(f"no model {repo_id!r} on the Hugging Face hub") from exc
+    except Exception as exc:  # network stacks raise many types; all mean the same here
+        raise ModelLoadError(f"could not download {repo_id}:{filename}: "
+                             f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
+
+
+def file_key(path: Path) -> str:
+    """Short hash of a file's size and three samples of its bytes (see SAMPLE_BYTES)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for offset in (0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)):
+            f.seek(offset)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:12]
+
+
+def converted_folder(path: Path, report=None) -> Path:
+    """The safetensors folder for a GGUF file: converted on first use, reused after."""
+    report = report or (lambda _message: None)
+    stem = re.sub(r"[^\w.-]+", "-", path.name.removesuffix(".gguf"))[:60] or "model"
+    target = cache_dir() / "models" / "gguf" / f"{stem}-{file_key(path)}"
+    if (target / "config.json").is_file():  # the folder appears whole or not at all
+        return target
+    info = inspect(path)
+    report(f"converting {path.name} ({info.file_bytes / 1e6:,.0f} MB, {info.architecture}, "
+           f"{'/'.join(info.tensor_types)}) to safetensors: first time only")
+    start = time.perf_counter()
+    convert(path, target)
+    report(f"converted {path.name} in {time.perf_counter() - start:.0f} s")
+    return target
+
+
+def convert(path: Path, target: Path) -> None:
+    """Dequantize the GGUF once and save a safetensors folder, atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors (first use only)", path.name)
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, NotImplementedError, OSError) as exc:
+        raise ModelLoadError(f"{path}: transformers cannot convert this GGUF: "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                             ) from exc
+    # The weights are plain fp32 now; without this the saved config would claim GGUF.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(target)  # atomic: a concurrent or interrupted conversion leaves no half folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+        if not (target / "config.json").is_file():
+            raise
