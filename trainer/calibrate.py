@@ -20,6 +20,7 @@ from engine.drafters.base import Drafter
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, step_seconds
 from engine.generate import generate
 from engine.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
+from trainer.context import answer_room
 from trainer.progress import Progress, ProgressFn, ignore
 
 
@@ -125,7 +126,7 @@ def measure_decoding(
         drafters[f"tree-{i}"] = MedusaDrafter(
             lm, heads, build_tree(choices, heads.settings.num_heads)
         )
-    params = SamplingParams(max_new_tokens=config.max_new_tokens)
+    params = SamplingParams(max_new_tokens=answer_room(lm, config.max_new_tokens))
     rates: dict[str, list[float]] = {name: [] for name in drafters}
     accepted: dict[str, list[float]] = {name: [] for name in drafters}
     for n, ids in enumerate(prompts):

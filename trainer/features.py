@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import QuickdraftError
 from engine.paths import cache_dir
+from trainer.context import fit_sequence
 from trainer.progress import Eta, Progress, ProgressFn, ignore
 
 SHARD_TOKENS = 65536  # tokens per cache shard: the unit of resuming
@@ -75,11 +76,12 @@ def encode_conversations(
     that is True on the tokens of the model's answers (including their end-of-turn token).
 
     The mask comes from encoding each prefix up to an answer's start and end: chat templates
-    render a prefix of a conversation as a prefix of its tokens.
+    render a prefix of a conversation as a prefix of its tokens. A conversation longer than
+    the model's context keeps its first context_len tokens (one forward pass reads it).
     """
     all_ids, all_masks = [], []
     for messages in conversations:
-        ids = _template(lm.tokenizer, messages, generation_prompt=False)
+        ids = fit_sequence(lm, _template(lm.tokenizer, messages, generation_prompt=False))
         mask = [False] * len(ids)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":

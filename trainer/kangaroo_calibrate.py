@@ -29,6 +29,7 @@ from engine.drafters.base import Drafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, sequence_states
 from engine.generate import run
 from engine.stats import GenerationStats
+from trainer.context import answer_room, fit_prompt
 from trainer.progress import Progress, ProgressFn, ignore
 
 
@@ -106,8 +107,9 @@ def calibrate(lm, adapters: dict[int, Adapter], ffn: bool, vocab: torch.Tensor |
               prompts: list[list[int]], config: KangarooCalibration, progress: ProgressFn = ignore,
               cancel: threading.Event | None = None) -> CalibrationResult:
     """Choose the fastest (exit layer, eta, gamma) measured here, or none when none pays."""
-    prompts = prompts[: config.prompts]
-    params = SamplingParams(max_new_tokens=config.max_new_tokens)
+    # Prompt + reply fit the context, so the teacher-forced pass over them does too.
+    params = SamplingParams(max_new_tokens=answer_room(lm, config.max_new_tokens))
+    prompts = [fit_prompt(lm, p, params.max_new_tokens) for p in prompts[: config.prompts]]
     refs = [run(lm, p, params)[1] for p in prompts]  # also warms the model up
     makers = {e: _maker(lm, adapter, ffn, vocab, e) for e, adapter in sorted(adapters.items())}
     costs = fit_costs(lm, prompts[: config.fit_prompts], params, makers, config.fit_gammas)

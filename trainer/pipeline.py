@@ -81,6 +81,10 @@ def train_accelerator(
     lm, options: TrainOptions, progress: ProgressFn = ignore, cancel: threading.Event | None = None
 ) -> TrainResult:
     """Run every stage for `options.method` and save the checkpoint for `lm`."""
+    if options.method == "kangaroo":  # refuse before spending the data budget
+        from engine.drafters.kangaroo_layers import check_supported
+
+        check_supported(lm.model)
     start = time.perf_counter()
     total_s = options.max_minutes * 60
     reserve = (options.kangaroo.calibration.seconds if options.method == "kangaroo"

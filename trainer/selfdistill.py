@@ -23,6 +23,7 @@ from engine.chat import encode
 from engine.config import ChatMessage, Conversation
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
+from trainer.context import answer_room, fit_prompt
 from trainer.progress import Eta, Progress, ProgressFn
 
 SEED_FILE = Path(__file__).resolve().parent.parent / "assets" / "seed_prompts.jsonl"
@@ -268,7 +269,11 @@ def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed,
 
 
 def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:
-    """Batched sampling with left padding: one answer (token ids, EOS cut) per prompt."""
+    """Batched sampling with left padding: one answer (token ids, EOS cut) per prompt.
+    Prompt + answer fit the model's context (later turns of long conversations lose their
+    oldest tokens)."""
+    answer_tokens = answer_room(lm, budget.max_new_tokens)
+    prompts = [fit_prompt(lm, p, answer_tokens) for p in prompts]
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_ids[0]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -291,7 +296,7 @@ def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget)
                     "top_k": 0,
                 }
             ),
-            max_new_tokens=budget.max_new_tokens,
+            max_new_tokens=answer_tokens,
             pad_token_id=pad,
             eos_token_id=list(lm.eos_ids),
         )

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from app.commands.common import add_model_args, load
 from engine.accelerators import METHODS
+from engine.errors import QuickdraftError
+from engine.paths import data_dir
 
 HELP = "build an accelerator (self-distilled data, training, calibration) for a model"
 BAR = 28  # progress bar width in characters
@@ -43,15 +46,34 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train_accelerator(lm, options, bar.update)
     except KeyboardInterrupt:
+        result = None
+    except QuickdraftError:
+        raise
+    except Exception as exc:  # a model outside the tested envelope: one line, details logged
+        raise QuickdraftError(f"training failed: {_one_line(exc)} (details in {_log(exc)})") from exc
+    finally:
         bar.close()
+    if result is None:
         print(
             "interrupted: run the same command again to resume (the data and features are kept)",
             file=sys.stderr,
         )
         return 130
-    bar.close()
     print(summary(result), flush=True)
     return 0
+
+
+def _one_line(exc: Exception) -> str:
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _log(exc: Exception) -> Path:
+    """Write the traceback where a bug report can quote it; returns the file."""
+    path = data_dir() / "logs" / "train-error.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+    return path
 
 
 class ProgressBar:

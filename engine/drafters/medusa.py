@@ -211,7 +211,9 @@ class MedusaDrafter(Drafter):
 
 def step_seconds(lm, heads: MedusaHeads, choices, context: list[int], repeats: int) -> float:
     """Median wall time of one decode step's propose + verification forward with this tree
-    (choices [] = a plain one-token step) after a prefilled `context`."""
+    (choices [] = a plain one-token step) after a prefilled `context` (its latest tokens:
+    the deepest node, num_heads past the context, must stay inside the model's window)."""
+    context = context[-max(1, lm.context_len - heads.settings.num_heads) :]
     drafter = MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
     cache = kv_cache.new_cache(lm.model)
     with torch.inference_mode():
@@ -244,6 +246,7 @@ def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]], repeats: i
     reaches RETIME_MARGIN, so a re-timed drafter is never expected to be slower."""
     marginal = marginal_accuracies(topk_acc)
     context = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, 193)]  # 192 tokens
+    # (step_seconds keeps as many as fit a shorter context window)
     plain = step_seconds(lm, heads, [], context, repeats)
     best, best_speedup = [], RETIME_MARGIN
     for budget in RETIME_BUDGETS:

@@ -1,0 +1,145 @@
+"""`train` on models outside the bundled model's envelope: a sliding window shorter than the
+trainer's contexts, learned absolute positions with a short context, an architecture
+Kangaroo cannot split, and a failure nobody foresaw (one line, never a traceback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from app.cli import main
+from engine.config import ModelSpec, SamplingParams
+from engine.drafters.medusa import MedusaHeads, MedusaSettings, retimed_tree
+from engine.drafters.registry import load_drafter
+from engine.errors import AcceleratorError
+from engine.generate import run
+from engine.loading import wrap_model
+from trainer.calibrate import CalibrationConfig
+from trainer.kangaroo import KangarooTrainConfig
+from trainer.kangaroo_calibrate import KangarooCalibration
+from trainer.medusa import MedusaTrainConfig
+from trainer.pipeline import TrainOptions, train_accelerator
+from trainer.selfdistill import DataBudget, data_path
+from trainer.train import TrainConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Answers may take up to 128 tokens: more than a 128-position model has room for after its
+# prompt, and far past a 16-token sliding window.
+DATA = DataBudget(max_conversations=12, batch_size=6, max_new_tokens=128, temperature=0.5)
+
+
+def tiny(family: str, tokenizer, **extra):
+    """A 2-3 layer random model of `family` with the bundled tokenizer, fp32 on the CPU."""
+    config = AutoConfig.for_model(family, vocab_size=len(tokenizer),
+                                  eos_token_id=tokenizer.eos_token_id, initializer_range=0.2,
+                                  **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return wrap_model(model, tokenizer, ModelSpec(source=f"tiny-{family}"), f"tiny-{family}", "fp32")
+
+
+def sliding_mistral(tokenizer, **extra):
+    """Mistral whose 16-token window every prompt, answer and timing context exceeds."""
+    return tiny("mistral", tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+                **{"max_position_embeddings": 512, **extra})
+
+
+def short_gpt2(tokenizer):
+    """GPT-2: learned absolute positions, 128 of them."""
+    return tiny("gpt2", tokenizer, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+
+
+def medusa_options() -> TrainOptions:
+    return TrainOptions(
+        method="medusa", max_minutes=2.0, heldout_fraction=0.3, calibration_seconds=1.0,
+        data=DATA,
+        medusa=MedusaTrainConfig(negatives=64, batch_positions=32, eval_positions=64),
+        train=TrainConfig(epochs=1),
+        calibration=CalibrationConfig(budgets=(2, 4), finalists=1, prompts=1,
+                                      max_new_tokens=96, step_repeats=1),
+    )
+
+
+def kangaroo_options() -> TrainOptions:
+    return TrainOptions(
+        "kangaroo", max_minutes=1.0, heldout_fraction=0.3, data=DATA,
+        kangaroo=KangarooTrainConfig(
+            exit_layers=(1,), epochs=1, draft_vocab=1000,
+            calibration=KangarooCalibration(prompts=1, fit_prompts=1, max_new_tokens=96,
+                                            finalists=1)),
+    )
+
+
+def greedy_stays_exact(lm, method: str) -> None:
+    drafter = load_drafter(lm, method)
+    prompt = list(range(20, 60))
+    params = SamplingParams(max_new_tokens=40)
+    assert run(lm, prompt, params, drafter)[1] == run(lm, prompt, params)[1]
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))  # feature shards
+
+
+def test_medusa_builds_on_a_sliding_window_shorter_than_its_contexts(bundled_tokenizer):
+    lm = sliding_mistral(bundled_tokenizer)
+    result = train_accelerator(lm, medusa_options())
+    assert result.folder is not None
+    greedy_stays_exact(lm, "medusa")
+
+
+def test_medusa_builds_on_learned_positions_with_a_short_context(bundled_tokenizer):
+    lm = short_gpt2(bundled_tokenizer)
+    result = train_accelerator(lm, medusa_options())
+    assert result.folder is not None and result.data["tokens"] > 0
+    greedy_stays_exact(lm, "medusa")
+
+
+def test_a_tree_retimed_at_load_fits_a_short_context(bundled_tokenizer):
+    lm = short_gpt2(bundled_tokenizer)
+    heads = MedusaHeads(64, MedusaSettings(num_heads=4))
+    tree = retimed_tree(lm, heads, [[0.9, 0.95]] * 4, repeats=1)  # 192-token timing context
+    assert all(len(choice) <= 4 for choice in tree)
+
+
+def test_kangaroo_keeps_every_position_inside_a_short_context(bundled_tokenizer):
+    lm = sliding_mistral(bundled_tokenizer, max_position_embeddings=96)
+    seen = []
+
+    def record(_module, args, kwargs):
+        positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        seen.append(int(positions.max()))
+
+    hook = lm.model.model.rotary_emb.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        result = train_accelerator(lm, kangaroo_options())
+    finally:
+        hook.remove()
+    assert result.folder is not None
+    assert max(seen) < lm.context_len  # RoPE raises nothing past the end: check, not crash
+    greedy_stays_exact(lm, "kangaroo")
+
+
+def test_kangaroo_refuses_an_architecture_it_cannot_split_before_making_data(bundled_tokenizer):
+    lm = short_gpt2(bundled_tokenizer)
+    with pytest.raises(AcceleratorError, match="not supported for this architecture"):
+        train_accelerator(lm, kangaroo_options())
+    assert not data_path(lm).exists()  # no data budget spent on a build that cannot finish
+
+
+def test_an_unforeseen_training_failure_is_one_line(bundled_tokenizer, monkeypatch, capsys):
+    import app.commands.train as train_command
+    import trainer.pipeline
+
+    def crash(*_args, **_kwargs):
+        raise RuntimeError("something inside transformers\nwith a second line")
+
+    monkeypatch.setattr(train_command, "load", lambda _args: short_gpt2(bundled_tokenizer))
+    monkeypatch.setattr(trainer.pipeline, "train_accelerator", crash)
+    assert main(["train", "--method", "medusa", "--max-minutes", "1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: training failed: RuntimeError: something")
