@@ -1,4 +1,4 @@
-"""Command-line entry: `python launcher.py [chat|train|bench] ...` (no args: the app)."""
+"""Command-line entry: `python launcher.py [chat|train|bench|serve] ...` (no args: the app)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from app.commands import bench, chat, train, ui
+from app.commands import bench, chat, serve, train, ui
 from engine.errors import QuickdraftError
 
-COMMANDS = {"chat": chat, "train": train, "bench": bench, "ui": ui}
+COMMANDS = {"chat": chat, "train": train, "bench": bench, "serve": serve, "ui": ui}
 
 
 def build_parser() -> argparse.ArgumentParser:

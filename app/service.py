@@ -23,8 +23,10 @@ from app.replies import CompareResult, ReplyRequest, ReplyUpdate
 from app.store import Conversation, Settings, Store, StoreError, title_from_prompt
 from engine.accelerators import METHODS as TRAINABLE
 from engine.accelerators import describe, measured_speedup
-from engine.chat import conversation, encode
-from engine.config import ModelSpec
+from engine import neartie
+from engine.chat import conversation, encode, fit_to_context
+from engine.config import ChatMessage, ModelSpec, SamplingParams
+from engine.config import Conversation as Prompt
 from engine.drafters.base import Drafter
 from engine.drafters.auto import AutoDrafter
 from engine.drafters.registry import (
@@ -35,7 +37,7 @@ from engine.drafters.registry import (
     load_drafter,
 )
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.generate import generate, run
+from engine.generate import StepEvent, generate, run
 from engine.loading import LoadedModel, load_model
 from trainer.progress import Progress, ProgressFn
 
@@ -124,7 +126,7 @@ class Service:
         report = report or (lambda _p: None)
         _fetch_if_needed(spec, report)
         report(Progress("load", 0, 0, f"loading {spec.source} ({spec.quant})"))
-        lm = load_model(spec)
+        lm = load_model(spec, lambda message: report(Progress("convert", 0, 0, message)))
         with self._lock:  # waits for the reply in progress
             old, self._lm, self._drafters = self._lm, lm, {}
         del old
@@ -231,6 +233,20 @@ class Service:
                 if "stats" not in reply:
                     _save_reply(self.store, conv, reply)
 
+    def complete(self, messages: list[ChatMessage], system: str | None, params: SamplingParams,
+                 method: str, cancel: threading.Event) -> Iterator[tuple[StepEvent, str]]:
+        """A reply for another tool (the HTTP API), kept out of the stored conversations.
+        Takes the same lock as the page's replies: generations never interleave. Yields each
+        step's event with the method in use (Auto's main arm on the last one)."""
+        with self._lock:
+            lm = self.lm
+            drafter, used, _notices = self._drafter_or_off(method)
+            ids = encode(lm.tokenizer, Prompt(tuple(messages), system))
+            for event in generate(lm, ids, params, drafter, cancel):
+                if event.done and isinstance(drafter, AutoDrafter):
+                    used = f"auto:{drafter.current}"
+                yield event, used
+
     @contextlib.contextmanager
     def _owned(self, owner: str):
         """Mark the running generation as `owner`'s; a fresh Stop state for it."""
@@ -262,15 +278,19 @@ class Service:
                 raise AcceleratorError(f"{accel_label(method)} is not trained for this model yet")
             params = dataclasses.replace(request.params, temperature=0.0, seed=None)
             ids = encode(lm.tokenizer, conversation(prompt, history, system))
-            exact = lm.quant == "fp32"
+            dtype = str(lm.model.dtype).removeprefix("torch.")
             drafter = self._drafter(method)
             warm = dataclasses.replace(params, max_new_tokens=2)
             for each in (None, drafter):  # untimed: neither side pays first-call costs
                 run(lm, ids, warm, each, self._cancel)
             _text, off_ids, off = run(lm, ids, params, None, self._cancel)
-            yield CompareResult(method, prompt, off, exact=exact)
+            yield CompareResult(method, prompt, off, dtype=dtype)
             _text, on_ids, on = run(lm, ids, params, drafter, self._cancel)
-            yield CompareResult(method, prompt, off, on, off_ids == on_ids, exact)
+            result = CompareResult(method, prompt, off, on, off_ids == on_ids, dtype=dtype)
+            if not result.identical and not result.stopped:  # measure the verdict, never assume
+                fitted = fit_to_context(ids, lm.context_len, params.max_new_tokens)[0]  # as run()
+                result.divergence = neartie.measure(lm, fitted, off_ids, on_ids)
+            yield result
 
     # -- training -----------------------------------------------------------------
     def start_training(self, options: TrainOptions) -> Job:

@@ -6,11 +6,15 @@ import argparse
 import sys
 
 from engine.config import QUANT_CHOICES, ModelSpec
+from engine.errors import QuickdraftError
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
-                        help="'default' (bundled SmolLM2-135M-Instruct), a local folder, or a repo id")
+                        help="'default' (bundled SmolLM2-135M-Instruct), a local folder, a .gguf "
+                             "file, a repo id, or REPO:FILE.gguf")
+    parser.add_argument("--gguf-file", metavar="NAME", default=None,
+                        help="with a repo id as --model: the GGUF file of that repo to use")
     parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
                         help="weights: auto picks per device (default: auto)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -18,8 +22,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="allow code shipped with a hub model to run (off by default)")
 
 
+def gguf_source(model: str, gguf_file: str | None) -> str:
+    """`--model REPO --gguf-file NAME` -> "REPO:NAME", the form the loader takes."""
+    if gguf_file is None:
+        return model
+    if model.count("/") != 1 or ":" in model:
+        raise QuickdraftError("--gguf-file goes with a Hugging Face repo id as --model "
+                              "(owner/name); for a file on disk give its path to --model")
+    return f"{model}:{gguf_file}"
+
+
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    return ModelSpec(source=args.model, quant=args.quant, device=args.device,
+    return ModelSpec(source=gguf_source(args.model, getattr(args, "gguf_file", None)),
+                     quant=args.quant, device=args.device,
                      trust_remote_code=args.trust_remote_code)
 
 
@@ -27,8 +42,9 @@ def load(args: argparse.Namespace):
     """Load the model the arguments name, telling the user on stderr."""
     from engine.loading import load_model
 
-    print(f"Loading {args.model} ({args.quant})...", file=sys.stderr, flush=True)
-    lm = load_model(model_spec(args))
+    spec = model_spec(args)
+    print(f"Loading {spec.source} ({args.quant})...", file=sys.stderr, flush=True)
+    lm = load_model(spec, lambda message: print(message, file=sys.stderr, flush=True))
     print(f"Loaded {lm.model_id} as {lm.quant} on {lm.device} in {lm.load_seconds:.1f} s",
           file=sys.stderr, flush=True)
     return lm

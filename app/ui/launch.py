@@ -1,5 +1,5 @@
-"""Serve the app: loopback by default, a free port, a login whenever the page is reachable
-from other machines, never a public share link."""
+"""Serve the app and its OpenAI-compatible API: loopback by default, a free port, a login and
+an API key whenever they are reachable from other machines, never a public share link."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class LaunchOptions:
     auth: tuple[str, str] | None = None  # (user, password) asked by Gradio's login page
     open_browser: bool = True  # open the page in the default browser once it is up
     model: ModelSpec | None = None  # None: the last model used, else the bundled one
+    api_key: str | None = None  # the /v1 API's "Authorization: Bearer" key; needed off loopback
 
 
 def is_loopback(host: str) -> bool:
@@ -39,13 +40,27 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def check_exposure(host: str, auth: tuple[str, str] | None) -> None:
-    """Refuse to serve beyond this machine without a login."""
-    if not is_loopback(host) and auth is None:
+def check_exposure(host: str, auth: tuple[str, str] | None, api_key: str | None = "") -> None:
+    """Refuse to serve beyond this machine without a login for the page and a key for the
+    API. (api_key="" skips the key check, for callers that serve no API.)"""
+    if is_loopback(host):
+        return
+    if auth is None:
         raise QuickdraftError(
             f"--host {host} makes the app reachable from other machines: add "
             "--auth USER:PASSWORD to require a login, or leave --host out to stay on 127.0.0.1"
         )
+    if api_key is None:
+        raise QuickdraftError(
+            f"--host {host} makes the API reachable from other machines: add --api-key KEY "
+            "(clients send it as 'Authorization: Bearer KEY'), or leave --host out"
+        )
+
+
+def check_api_key(key: str | None) -> str | None:
+    if key is not None and (len(key) < 8 or any(c.isspace() for c in key)):
+        raise QuickdraftError("--api-key needs at least 8 characters and no spaces")
+    return key
 
 
 def parse_auth(text: str | None) -> tuple[str, str] | None:
@@ -82,8 +97,9 @@ def _free(host: str, port: int) -> bool:
 
 
 def launch(options: LaunchOptions, block: bool = True):
-    """Load the model, build the page and serve it. Returns (Blocks, url) when not blocking."""
-    check_exposure(options.host, options.auth)
+    """Load the model, build the page and serve it with the API. Returns (Blocks, url,
+    Service) when not blocking."""
+    check_exposure(options.host, options.auth, check_api_key(options.api_key))
     port = pick_port(options.host, options.port)
     # A local app does not report usage anywhere (read when gradio is imported).
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -111,7 +127,16 @@ def launch(options: LaunchOptions, block: bool = True):
         inbrowser=options.open_browser, prevent_thread_lock=True, show_error=True,
         theme=theme, css=CSS, footer_links=[], ssr_mode=False, quiet=True,
     )
+    _mount_api(_app, service, options)
     print(f"Quickdraft is running at {url}  (Ctrl-C to quit)", flush=True)
+    print(f"OpenAI-compatible API at {url.rstrip('/')}/v1"
+          + (" (key required)" if options.api_key else ""), flush=True)
     if block:
         demo.block_thread()
-    return demo, url
+    return demo, url, service
+
+
+def _mount_api(app, service, options: LaunchOptions) -> None:
+    from app.api import ApiOptions, mount
+
+    mount(app, service, ApiOptions(api_key=options.api_key))

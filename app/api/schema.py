@@ -1,0 +1,150 @@
+"""OpenAI chat-completion requests in, Quickdraft's own types out; errors in OpenAI's shape.
+
+Parsed by hand rather than by a pydantic model so every refusal is a 400 with OpenAI's
+`{"error": {"message", "type", "param", "code"}}` body that its clients know how to show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ChatMessage, SamplingParams
+from engine.drafters.registry import ACCEL_CHOICES
+
+ROLES = ("system", "developer", "user", "assistant")  # "developer": OpenAI's newer "system"
+MAX_STOP = 4  # OpenAI accepts up to four stop sequences
+TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
+DEFAULT_ACCEL = "auto"  # the app's own default: the fastest drafter per step
+
+
+class ApiError(Exception):
+    """A refusal with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (status, message, param,
+                                                                       code, kind)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated POST /v1/chat/completions body."""
+
+    model: str | None  # the id asked for (None: whatever is loaded)
+    messages: tuple[ChatMessage, ...]  # user/assistant turns, in order
+    system: str | None  # system (and developer) messages joined
+    params: SamplingParams
+    accel: str  # Quickdraft extension: acceleration method (default Auto)
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+
+
+def parse(body: object, default_max_tokens: int) -> CompletionRequest:
+    """Check a request body; raises ApiError(400) naming the offending parameter."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model must be a string", "model")
+    messages, system = _messages(body.get("messages"))
+    if body.get("n") not in (None, 1):
+        raise _bad("only n=1 is supported", "n")
+    accel = body.get("accel", DEFAULT_ACCEL)
+    if accel not in ACCEL_CHOICES:
+        raise _bad(f"unknown acceleration {accel!r}: choose one of {', '.join(ACCEL_CHOICES)}",
+                   "accel")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("stream_options must be an object", "stream_options")
+    return CompletionRequest(model, messages, system, _params(body, default_max_tokens), accel,
+                             stream, bool(options.get("include_usage")))
+
+
+def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages must be a non-empty list", "messages")
+    turns, system = [], []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = message.get("role")
+        if role not in ROLES:
+            raise _bad(f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}",
+                       f"messages[{i}].role")
+        text = _content(message.get("content"), i)
+        if role in ("system", "developer"):
+            system.append(text)
+        else:
+            turns.append(ChatMessage(role, text))
+    if not any(t.role == "user" for t in turns) or not turns[-1].content.strip():
+        raise _bad("messages need a user message, and the last one must not be empty",
+                   "messages")
+    return tuple(turns), "\n\n".join(system) if system else None
+
+
+def _content(value, i: int) -> str:
+    """A string, or OpenAI's list of content parts (text parts only)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts",
+               f"messages[{i}].content")
+
+
+def _params(body: dict, default_max_tokens: int) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= TEMPERATURE_MAX:
+        raise _bad(f"temperature must be between 0 and {TEMPERATURE_MAX:g}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise _bad("top_p must be in (0, 1]", "top_p")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif not _is_int(max_tokens) or max_tokens < 1:
+        raise _bad(f"{key} must be a positive integer", key)
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise _bad("seed must be an integer", "seed")
+    return SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
+                          stop=_stop(body.get("stop")), seed=seed)
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise _bad(f"stop takes at most {MAX_STOP} strings", "stop")
+    return tuple(stops)
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(f"{key} must be a number", key)
+    return float(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, param, "invalid_value" if param else "invalid_request")

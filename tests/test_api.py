@@ -1,0 +1,259 @@
+"""The OpenAI-compatible API on a live server (127.0.0.1, bundled model, fp32), driven by the
+official `openai` client and by raw HTTP: whole and streamed replies, greedy output equal to
+`chat --json`, the shared queue with the page's replies, a 20-client load test, client
+disconnects, and every refusal in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from app.cli import main as cli_main
+from app.replies import ReplyRequest
+from app.ui.launch import LaunchOptions, launch
+from engine.chat import conversation, encode
+from engine.config import ModelSpec, SamplingParams
+from engine.generate import run
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "Name three colours of the rainbow."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The app on a free loopback port, in this process, with the bundled model in fp32."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path_factory.mktemp("api-data")))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        options = LaunchOptions(open_browser=False, model=ModelSpec(quant="fp32"), api_key=KEY)
+        demo, url, service = launch(options, block=False)
+        try:
+            yield demo, url.rstrip("/"), service
+        finally:
+            demo.close()
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    return server[2]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _reference(lm, prompt: str, max_new: int) -> tuple[str, list[int]]:
+    ids = encode(lm.tokenizer, conversation(prompt))
+    text, out, _stats = run(lm, ids, SamplingParams(max_new_tokens=max_new))
+    return text, out
+
+
+# -- the openai client ----------------------------------------------------------------------
+
+def test_models_and_a_whole_reply(client, service):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [service.lm.model_id]
+    reply = client.chat.completions.create(
+        model=models.data[0].id, messages=[{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": PROMPT}],
+        temperature=0, max_tokens=12)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 12 and reply.usage.prompt_tokens > 10
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    extra = reply.model_extra["quickdraft"]
+    assert extra["accel"].startswith("auto") and extra["tokens_per_step"] >= 1
+
+
+def test_streaming_reply_matches_the_whole_one(client):
+    kwargs = dict(model="default", messages=[{"role": "user", "content": PROMPT}],
+                  temperature=0, max_completion_tokens=16, extra_body={"accel": "off"})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-2].model_extra["quickdraft"]["accel"] == "off"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 16
+
+
+def test_greedy_api_output_equals_chat_json(client, service, tmp_path):
+    """Token for token, fp32, with Auto acceleration (lossless) against the plain CLI."""
+    env = {**os.environ, "QUICKDRAFT_NO_BOOTSTRAP": "1", "HF_HUB_OFFLINE": "1",
+           "QUICKDRAFT_DATA_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(ROOT / "launcher.py"), "chat", "--prompt", PROMPT,
+                          "--quant", "fp32", "--max-new-tokens", "40", "--json"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cli = json.loads(out.stdout)
+    reply = client.chat.completions.create(model="default", temperature=0, max_tokens=40,
+                                           messages=[{"role": "user", "content": PROMPT}])
+    assert reply.model_extra["quickdraft"]["token_ids"] == cli["token_ids"]
+    assert reply.choices[0].message.content == cli["text"]
+
+
+def test_stop_and_seed_are_honoured(client):
+    ask = dict(model="default", messages=[{"role": "user", "content": PROMPT}], max_tokens=24)
+    full = client.chat.completions.create(temperature=0, **ask).choices[0].message.content
+    cut = full.split()[2]
+    stopped = client.chat.completions.create(temperature=0, stop=[cut], **ask).choices[0]
+    assert stopped.finish_reason == "stop" and cut not in stopped.message.content
+    assert full.startswith(stopped.message.content)
+    sampled = [client.chat.completions.create(temperature=1.2, top_p=0.9, seed=7, **ask)
+               .choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+# -- raw HTTP: refusals in OpenAI's shape ---------------------------------------------------
+
+BAD_REQUESTS = [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "accel": "warp"}, 400, "accel"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "nope/nothing"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"] and "\n" not in error["message"]
+
+
+def test_a_missing_or_wrong_key_is_401(server):
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({}, {"Authorization": "Bearer wrong-key-000"}):
+        r = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server[1] + "/v1/models").status_code == 401
+
+
+def test_503_while_a_model_loads(server, service):
+    from app.jobs import Job
+
+    before, service.loading = service.loading, Job("load", "some/model")
+    try:
+        r = httpx.get(server[1] + "/v1/models", headers=AUTH)
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+    finally:
+        service.loading = before
+
+
+def test_no_key_off_loopback_is_refused_at_start(capsys):
+    assert cli_main(["serve", "--host", "0.0.0.0", "--auth", "me:secret"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key" in err and len(err.strip().splitlines()) == 1
+
+
+# -- the queue ------------------------------------------------------------------------------
+
+def _stream(url: str, prompt: str, max_tokens: int, record: dict) -> None:
+    """One raw SSE client: its text and when its first and last content arrived."""
+    body = {"model": "default", "stream": True, "temperature": 0, "max_tokens": max_tokens,
+            "accel": "off", "messages": [{"role": "user", "content": prompt}]}
+    parts = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                record["done"] = True
+                break
+            chunk = json.loads(line[6:])
+            if "quickdraft" in chunk:
+                record["ticket"] = chunk["quickdraft"]["queue_ticket"]
+            delta = chunk["choices"][0]["delta"].get("content")
+            if delta:
+                record.setdefault("first", time.monotonic())
+                record["last"] = time.monotonic()
+                parts.append(delta)
+    record["text"] = "".join(parts)
+
+
+def test_api_and_page_replies_queue_and_both_complete(server, service):
+    conv = service.store.new()
+    page: dict = {}
+
+    def page_reply():
+        ask = ReplyRequest(conv.id, SamplingParams(max_new_tokens=30), "off", owner="tab")
+        updates = list(service.chat(ask, "Tell me about the sea."))
+        page["start"], page["end"] = updates[0].elapsed_s, time.monotonic()
+        page["text"] = updates[-1].conversation.messages[-1]["content"]
+
+    api: dict = {}
+    worker = threading.Thread(target=page_reply)
+    worker.start()
+    time.sleep(0.05)
+    _stream(server[1], PROMPT, 20, api)
+    worker.join(120)
+    assert page["text"] and api["text"] and api.get("done")
+    # one at a time: the API's reply started after the page's ended, or ended before it
+    assert api["first"] >= page["end"] - 0.01 or api["last"] <= page["end"]
+
+
+def test_twenty_streaming_clients_each_get_their_own_text_in_order(server, service):
+    prompts = [f"Say something about the number {i}." for i in range(20)]
+    expected = [_reference(service.lm, p, 6)[0] for p in prompts]
+    _stream(server[1], "warm up", 6, {})
+    rss = psutil.Process().memory_info().rss
+    records = [{} for _ in prompts]
+    threads = []
+    for prompt, record in zip(prompts, records, strict=True):
+        threads.append(threading.Thread(target=_stream, args=(server[1], prompt, 6, record)))
+        threads[-1].start()
+        time.sleep(0.02)  # all twenty wait in the queue at once
+    for t in threads:
+        t.join(300)
+    assert [r["text"] for r in records] == expected
+    served = sorted(records, key=lambda r: r["first"])
+    assert [r["ticket"] for r in served] == sorted(r["ticket"] for r in records)  # queue order
+    assert all(b["first"] >= a["last"] for a, b in zip(served, served[1:], strict=False))  # one at a time
+    after = psutil.Process().memory_info().rss
+    print(f"rss before {rss / 2**20:.0f} MiB, after {after / 2**20:.0f} MiB")
+    assert abs(after - rss) <= 0.05 * rss
+
+
+def test_a_client_that_disconnects_frees_the_queue(server, service):
+    body = {"model": "default", "stream": True, "temperature": 0, "max_tokens": 400,
+            "accel": "off", "messages": [{"role": "user", "content": "Write a long story."}]}
+    with httpx.stream("POST", server[1] + "/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += '"content": "' in line and '"content": ""' not in line
+            if seen >= 3:
+                break  # hang up mid-reply
+        assert service.busy
+    hung_up = time.monotonic()
+    while service.busy and time.monotonic() - hung_up < 5:
+        time.sleep(0.01)
+    freed = time.monotonic() - hung_up
+    print(f"queue freed {freed * 1000:.0f} ms after the client hung up")
+    assert not service.busy and freed < 2  # 400 tokens would take ~15 s
+    record: dict = {}
+    _stream(server[1], PROMPT, 4, record)
+    assert record.get("done") and record["text"]
