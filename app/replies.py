@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from app.store import Conversation
 from engine.config import SamplingParams
+from engine.neartie import Divergence
 from engine.stats import GenerationStats
 
 
@@ -48,7 +49,10 @@ class CompareResult:
     off: GenerationStats | None = None  # filled as each run ends
     on: GenerationStats | None = None
     identical: bool | None = None  # both runs produced the same tokens
-    exact: bool = True  # fp32 weights: greedy texts must match (bf16 / 4-bit can flip near-ties)
+    # where the texts first differ and whether the plain model's call there was within the
+    # dtype's rounding (measured, not assumed); None while identical, running or stopped
+    divergence: Divergence | None = None
+    dtype: str = "float32"  # the weights' compute dtype, named in the verdict
 
     @property
     def ratio(self) -> float | None:

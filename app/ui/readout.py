@@ -92,13 +92,14 @@ def compare_html(result: CompareResult) -> str:
         return head + _row(off + _chip(f"running {label}…", "qd-live"))
     on = _chip(f"{label} <b>{result.on.tokens_per_s:.1f}</b> tok/s")
     ratio = _chip(f"<b>{result.ratio:.2f}×</b>", "qd-ratio")
+    d = result.divergence
     if result.identical:
         same = _chip("identical text", "qd-same")
-    elif result.exact:
+    elif d is None:  # stopped early: the replies were not compared
         same = _chip("texts differ", "qd-differ")
-    else:  # batched verification in reduced precision can round a near-tie the other way
-        same = _chip("texts differ: reduced precision flipped a near-tie (fp32 is exact)",
-                     "qd-differ")
+    else:  # a near-tie is within the dtype's rounding; anything else is a defect
+        same = _chip("texts differ: " + html.escape(d.verdict(result.dtype)),
+                     "qd-differ" if d.near_tie else "qd-mismatch")
     steps = _chip(f"{result.on.mean_accepted:.2f} tokens/step")
     tail = _chip("stopped early: figures are partial", "qd-differ") if result.stopped else ""
     return head + _row(off + on + ratio + same + steps + tail)
@@ -180,7 +181,8 @@ CSS = """
   border:1px solid var(--border-color-primary); white-space:nowrap;}
 .qd-method {background:var(--color-accent-soft); font-weight:600;}
 .qd-ratio {background:#d1fae5; color:#065f46;} .qd-same {color:#047857;}
-.qd-differ {color:#b45309;} .qd-live {opacity:0.7;}
+.qd-differ {color:#b45309;} .qd-mismatch {color:#dc2626; font-weight:600;}
+.qd-live {opacity:0.7;}
 .qd-hist {display:inline-flex; gap:2px; align-items:flex-end; height:30px;}
 .qd-bar {display:inline-flex; flex-direction:column; align-items:center; width:12px;}
 .qd-bar i {display:block; width:9px; background:var(--color-accent); border-radius:2px;}

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import LOOKUP_TOKENS, Method
 from engine.benchmark.prompts import BenchPrompt, encode_prompt
-from engine.benchmark.report import build_report, machine_info
+from engine.benchmark.report import build_report, divergences, machine_info
 from engine.benchmark.runner import run_bench
 from engine.config import SamplingParams
 from trainer.progress import ProgressFn, ignore
@@ -55,4 +55,5 @@ def bench_report(
         "passes": passes,
         "memory": probe.describe(),
     }
-    return build_report(machine, settings, results, skipped)
+    verdicts = divergences(lm, prompt_ids, results) if params.temperature == 0 else {}
+    return build_report(machine, settings, results, skipped, verdicts)

@@ -17,35 +17,58 @@ from pathlib import Path
 
 import torch
 
+from engine import neartie
 from engine.benchmark.methods import BASELINE
 from engine.benchmark.runner import Measurement
+from engine.neartie import Divergence
 from engine.stats import GenerationStats
 
 LOOKUP = "hf-lookup"  # the model-free speculative peer accelerators are also compared with
 OVERALL = "all"  # the column that pools every category
 
 
-def summarize(results: list[Measurement], greedy: bool) -> dict[str, dict]:
-    """{method: {figures..., "by_category": {category: {figures...}}}}, in run order."""
+def summarize(results: list[Measurement], greedy: bool,
+              verdicts: dict[tuple[str, int], Divergence] | None = None) -> dict[str, dict]:
+    """{method: {figures..., "by_category": {category: {figures...}}}}, in run order.
+    `verdicts`: (method, prompt index) -> the measured first difference of a greedy reply
+    that differs from the baseline's (see divergences)."""
     ref = _by_prompt(results, BASELINE)
     lookup = _by_prompt(results, LOOKUP)
     methods = list(dict.fromkeys(m.method for m in results))
     categories = list(dict.fromkeys(m.category for m in results))
+    verdicts = verdicts or {}
     summary = {}
     for name in methods:
         rows = [m for m in results if m.method == name]
-        entry = figures(rows, ref, lookup, greedy)
+        entry = figures(rows, ref, lookup, greedy, verdicts)
         entry["by_category"] = {
-            cat: figures([m for m in rows if m.category == cat], ref, lookup, greedy)
+            cat: figures([m for m in rows if m.category == cat], ref, lookup, greedy, verdicts)
             for cat in categories
         }
         summary[name] = entry
     return summary
 
 
+def divergences(lm, prompt_ids: list[list[int]],
+                results: list[Measurement]) -> dict[tuple[str, int], Divergence]:
+    """Where each greedy reply that differs from the baseline's first differs, and whether
+    the plain model's call there is a near-tie the dtype's rounding can flip (one forward
+    per mismatched reply)."""
+    ref = _by_prompt(results, BASELINE)
+    out = {}
+    for m in results:
+        baseline = ref[m.prompt_index].ids
+        if m.method != BASELINE and m.ids != baseline:
+            out[m.method, m.prompt_index] = neartie.measure(
+                lm, prompt_ids[m.prompt_index], baseline, m.ids)
+    return out
+
+
 def figures(rows: list[Measurement], ref: dict[int, Measurement],
-            lookup: dict[int, Measurement], greedy: bool) -> dict:
+            lookup: dict[int, Measurement], greedy: bool,
+            verdicts: dict[tuple[str, int], Divergence] | None = None) -> dict:
     """The report's figures for one method over `rows` (one measurement per prompt)."""
+    verdicts = verdicts or {}
     known = all(m.accepted is not None for m in rows)
     pooled = GenerationStats(accepted=[a for m in rows for a in m.accepted]) if known else None
     matches = [_prefix(m.ids, ref[m.prompt_index].ids) for m in rows] if greedy else []
@@ -65,6 +88,9 @@ def figures(rows: list[Measurement], ref: dict[int, Measurement],
         "prefix_match": _r(statistics.fmean(matches)) if greedy else None,
         "mismatched_prompts": ([m.prompt_index for m, f in zip(rows, matches, strict=True)
                                 if f < 1.0] if greedy else []),
+        # per mismatched prompt: first differing position, logit gap, rounding, near_tie
+        "mismatches": [{"prompt": m.prompt_index, **verdicts[m.method, m.prompt_index].to_json()}
+                       for m in rows if (m.method, m.prompt_index) in verdicts],
     }
 
 
@@ -130,13 +156,15 @@ def _load_avg() -> list[float] | None:
 
 
 def build_report(machine: dict, settings: dict, results: list[Measurement],
-                 skipped: dict[str, str]) -> dict:
-    """The report.json object (design.md §2's keys plus skipped methods and raw data)."""
+                 skipped: dict[str, str],
+                 verdicts: dict[tuple[str, int], Divergence] | None = None) -> dict:
+    """The report.json object (design.md §2's keys plus skipped methods and raw data).
+    `verdicts`: the measured greedy mismatches (divergences)."""
     greedy = settings["temperature"] == 0
     return {
         "machine": {**machine, "load_avg_end": _load_avg()},
         "settings": settings,
-        "methods": summarize(results, greedy),
+        "methods": summarize(results, greedy, verdicts),
         "skipped": skipped,
         "measurements": [m.to_json() for m in results],
     }
@@ -223,14 +251,10 @@ def notes(report: dict) -> list[str]:
     """Greedy mismatches against hf (never hidden) and methods that did not run."""
     lines = []
     greedy = report["settings"]["temperature"] == 0
+    dtype = report["settings"].get("dtype", "")
     for name, f in report["methods"].items():
-        bad = f["mismatched_prompts"]
-        if greedy and bad:
-            lines.append(
-                f"- MISMATCH: {name} differs from {BASELINE} on {len(bad)} of {f['prompts']} "
-                f"prompts (exact match {f['greedy_match_rate']:.1%}, mean matching prefix "
-                f"{f['prefix_match']:.1%}); prompts {bad[:12]}"
-            )
+        if greedy and f["mismatched_prompts"]:
+            lines += _mismatch_lines(name, f, dtype)
     if not greedy:
         lines.append("- Sampling: outputs differ by design, so they are not compared token for "
                      "token (run with --temperature 0 for the greedy match).")
@@ -238,6 +262,29 @@ def notes(report: dict) -> list[str]:
         lines.append(f"- Every method matched {BASELINE} token for token on every prompt.")
     lines += [f"- {name} did not run: {why}" for name, why in report["skipped"].items()]
     lines += _picks(report["measurements"])
+    return lines
+
+
+def _mismatch_lines(name: str, f: dict, dtype: str) -> list[str]:
+    """Greedy differences from the baseline: a near-tie within the dtype's rounding is
+    named as such; every other one (or one not measured) is a MISMATCH."""
+    ties = [d for d in f.get("mismatches", []) if d["near_tie"]]
+    tied = {d["prompt"] for d in ties}
+    bad = [p for p in f["mismatched_prompts"] if p not in tied]
+    where = {d["prompt"]: f" at token {d['position'] + 1} (gap {d['gap']:.3g})"
+             for d in f.get("mismatches", [])}
+    lines = []
+    if bad:
+        lines.append(
+            f"- MISMATCH: {name} differs from {BASELINE} on {len(bad)} of {f['prompts']} "
+            f"prompts beyond {dtype} rounding (exact match {f['greedy_match_rate']:.1%}, mean "
+            f"matching prefix {f['prefix_match']:.1%}); prompts "
+            + ", ".join(f"{p}{where.get(p, '')}" for p in bad[:12]))
+    if ties:
+        lines.append(
+            f"- {name} differs from {BASELINE} on {len(ties)} of {f['prompts']} prompts by a "
+            f"near-tie within {dtype} rounding; prompts "
+            + ", ".join(f"{d['prompt']}{where[d['prompt']]}" for d in ties[:12]))
     return lines
 
 
