@@ -1,5 +1,6 @@
 """What the Models tab offers before anything is loaded: models already in the Hugging Face
-cache, a model's parameter count, the memory it will take, and a download with progress."""
+cache and GGUF files in LM Studio's and Ollama's folders, a model's parameter count, the
+memory it will take, and a download with progress."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import torch
 
-from engine import devices
+from app.model_folders import FoundModel, ModelFolders, find_models
+from engine import devices, gguf
 from engine.config import ModelSpec
+from engine.errors import QuickdraftError
 from engine.loading import HUB_PATTERNS, bundled_folder
 
 log = logging.getLogger(__name__)
@@ -48,17 +51,50 @@ def cached_models() -> list[str]:
     return sorted(repos, key=str.lower)
 
 
+def gguf_models(folders: ModelFolders | None = None) -> list[tuple[str, str]]:
+    """(label, source) for each GGUF model in LM Studio's and Ollama's folders, the label
+    with its file size and the memory it will take once loaded."""
+    out = []
+    for found in find_models(folders):
+        try:
+            need = _gguf_need(gguf.inspect(found.path).parameters, "auto")[1]
+            memory = f"~{_size(need)} to run"
+        except QuickdraftError as exc:  # listed anyway, with why it cannot be opened
+            memory = str(exc).replace(str(found.path), "").strip(" :").split(";")[0]
+        out.append((_label(found, memory), str(found.path)))
+    return out
+
+
+def _label(found: FoundModel, memory: str) -> str:
+    return f"{found.app}: {found.name} · {_size(found.size)} file · {memory}"
+
+
+def _gguf_need(params: int, quant: str) -> tuple[str, int]:
+    """(resolved quantization, bytes needed) for a GGUF model once converted (fp32 on disk)."""
+    device = devices.pick_device("auto")
+    resolved = devices.resolve_quant(quant, device, params * 4)
+    return resolved, estimate_bytes(params, resolved)
+
+
 def local_folder(spec: ModelSpec) -> Path | None:
-    """The folder `spec` names when it is on this machine already (bundled, local, cached)."""
-    from huggingface_hub import snapshot_download
+    """The folder `spec` names when it is on this machine already (bundled, local, cached);
+    for a GGUF on the hub, its file in the Hugging Face cache."""
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     source = spec.source.strip()
     if source == "default":
         return bundled_folder()
     path = Path(source).expanduser()
-    if path.is_dir():
+    if path.exists():
         return path
+    hub_gguf = gguf.parse_hub(source)
+    if hub_gguf is not None:
+        try:
+            return Path(hf_hub_download(*hub_gguf, revision=spec.revision,
+                                        local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            return None
     if source.count("/") != 1:
         return None
     try:
@@ -108,6 +144,8 @@ def memory_estimate(spec: ModelSpec) -> str:
     folder = local_folder(spec)
     if folder is None:
         return "Size unknown until downloaded (the download shows its size as it goes)."
+    if folder.is_file():
+        return _gguf_estimate(folder, spec)
     device = devices.pick_device(spec.device)
     params = count_parameters(folder)
     quant = devices.resolve_quant(spec.quant, device, folder_bytes(folder))
@@ -120,9 +158,23 @@ def memory_estimate(spec: ModelSpec) -> str:
     return line
 
 
+def _gguf_estimate(path: Path, spec: ModelSpec) -> str:
+    info = gguf.inspect(path)  # a one-line error when the file cannot be used
+    quant, need = _gguf_need(info.parameters, spec.quant)
+    free = available_bytes(devices.pick_device(spec.device))
+    line = (f"GGUF {info.architecture} ({'/'.join(info.tensor_types)}), "
+            f"{info.parameters / 1e6:,.0f} M parameters, {_size(info.file_bytes)} file · "
+            f"converted once to safetensors · {quant}: about {_size(need)} needed, "
+            f"{_size(free)} free")
+    if need > free:
+        line += " — probably not enough: pick a smaller quantization"
+    return line
+
+
 def download(repo_id: str, revision: str | None, report: Report) -> Path:
-    """Fetch a hub model into the ordinary Hugging Face cache, reporting bytes as they come."""
-    from huggingface_hub import snapshot_download
+    """Fetch a hub model (or, for "owner/name:file.gguf", that one file) into the ordinary
+    Hugging Face cache, reporting bytes as they come."""
+    from huggingface_hub import hf_hub_download, snapshot_download
     from tqdm.auto import tqdm
 
     class Reporting(tqdm):
@@ -141,6 +193,9 @@ def download(repo_id: str, revision: str | None, report: Report) -> Path:
                 frac = min(1.0, self.n / self.total) if self.total else None
                 report(f"downloading {repo_id}: {_size(self.n)} of {_size(self.total or 0)}", frac)
 
+    hub_gguf = gguf.parse_hub(repo_id)
+    if hub_gguf is not None:
+        return Path(hf_hub_download(*hub_gguf, revision=revision, tqdm_class=Reporting))
     return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS,
                                   tqdm_class=Reporting))
 

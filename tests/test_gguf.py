@@ -4,6 +4,7 @@ one-line errors; the converted folder is reused."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -41,8 +42,8 @@ def bundled_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
 
 
-@pytest.fixture(scope="module")
-def vocab():
+@functools.lru_cache(maxsize=1)
+def tokenizer_fields() -> dict:
     """The bundled model's tokenizer fields (tokens, types, merges, chat template)."""
     from gguf import GGUFReader
 
@@ -51,7 +52,16 @@ def vocab():
 
 
 @pytest.fixture(scope="module")
+def vocab():
+    return tokenizer_fields()
+
+
+@pytest.fixture(scope="module")
 def tiny_model():
+    return tiny_llama()
+
+
+def tiny_llama():
     """A random 2-layer Llama (GQA, untied head) over the bundled 49k vocabulary."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

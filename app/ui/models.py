@@ -1,5 +1,6 @@
-"""Models tab: the bundled model, a local folder or a Hugging Face repo id; quantization with
-its memory estimate; trust_remote_code per model; loading with progress."""
+"""Models tab: the bundled model, a local folder, a GGUF file (LM Studio's and Ollama's are
+listed) or a Hugging Face repo id; quantization with its memory estimate; trust_remote_code
+per model; loading with progress."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ class ModelsTab:
             self.source = gr.Dropdown([BUNDLED], value=s.model, allow_custom_value=True,
                                       label="Model", scale=5, elem_id="qd-model-source",
                                       info="the bundled model, a Hugging Face repo id "
-                                           "(owner/name) or the path of a local folder")
-            self.refresh_btn = gr.Button("Refresh cached list", scale=1, size="sm")
+                                           "(owner/name, or owner/name:file.gguf), the path "
+                                           "of a local folder or of a .gguf file")
+            self.refresh_btn = gr.Button("Refresh list", scale=1, size="sm")
         self.quant = gr.Radio(QUANT_LABELS, value=s.quant, label="Quantization",
                               info="Auto: bf16 or fp32 on this CPU, bf16 or 4-bit on a GPU "
                                    "depending on free memory")
@@ -71,9 +73,10 @@ class ModelsTab:
                 f"loaded in {lm.load_seconds:.1f} s")
 
     def choices(self, value: str | None = None) -> gr.Dropdown:
-        """The bundled model plus every model already in the Hugging Face cache."""
+        """The bundled model, every model already in the Hugging Face cache, and the GGUF
+        models of LM Studio and Ollama (converted once when loaded)."""
         cached = [(repo, repo) for repo in catalog.cached_models()]
-        return gr.Dropdown(choices=[BUNDLED, *cached],
+        return gr.Dropdown(choices=[BUNDLED, *cached, *catalog.gguf_models()],
                            value=value if value is not None else gr.skip())
 
     def on_source(self, source, quant):
