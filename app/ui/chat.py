@@ -18,6 +18,10 @@ from engine.errors import QuickdraftError
 GENERATE = dict(concurrency_id="generate", concurrency_limit=1)
 # Cheap events never wait behind a reply (Stop above all).
 INSTANT = dict(concurrency_limit=None)
+# How a drafter's tokens are accepted when sampling (SamplingParams.acceptance). "auto" is
+# the lossless rule (greedy at temperature 0); Medusa's typical acceptance is faster but
+# changes the output distribution, and says so.
+ACCEPTANCE = [("Lossless (exact sampling)", "auto"), ("Typical (faster, not lossless)", "typical")]
 
 
 class ChatTab:
@@ -50,7 +54,10 @@ class ChatTab:
                     self.top_k = gr.Slider(0, 200, s.top_k, step=1, label="Top-k (0 = off)")
                     self.max_new = gr.Slider(1, 4096, s.max_new_tokens, step=1,
                                              label="Max new tokens", elem_id="qd-max-new")
-        self.sampling = [self.temperature, self.top_p, self.top_k, self.max_new]
+                    self.acceptance = gr.Radio(ACCEPTANCE, value="auto",
+                                               label="Acceptance (temperature > 0, accelerated)",
+                                               elem_id="qd-acceptance")
+        self.sampling = [self.temperature, self.top_p, self.top_k, self.max_new, self.acceptance]
 
     def _sidebar(self) -> None:
         self.new_btn = gr.Button("New chat", size="sm", elem_id="qd-new")
@@ -123,10 +130,10 @@ class ChatTab:
                 self.readout, self.plots, self.compare_out, self.export_file]
 
     # -- replies ------------------------------------------------------------------
-    def send(self, message, conv_id, system, temperature, top_p, top_k, max_new, method,
-             request: gr.Request):
+    def send(self, message, conv_id, system, temperature, top_p, top_k, max_new, acceptance,
+             method, request: gr.Request):
         try:
-            params = _params(temperature, top_p, top_k, max_new)
+            params = _params(temperature, top_p, top_k, max_new, acceptance)
             conv = self._conversation(conv_id)
             ask = ReplyRequest(conv.id, params, method, system, _session(request))
             stream = self.service.chat(ask, message)
@@ -141,10 +148,10 @@ class ChatTab:
                self.plots: gr.Row(visible=False), self.readout: readout.live_readout_waiting()}
         yield from self._stream(stream, conv.id)
 
-    def regenerate(self, conv_id, system, temperature, top_p, top_k, max_new, method,
-                   request: gr.Request):
+    def regenerate(self, conv_id, system, temperature, top_p, top_k, max_new, acceptance,
+                   method, request: gr.Request):
         try:
-            params = _params(temperature, top_p, top_k, max_new)
+            params = _params(temperature, top_p, top_k, max_new, acceptance)
             conv = self._conversation(conv_id)
             stream = self.service.regenerate(ReplyRequest(conv.id, params, method, system,
                                                           _session(request)))
@@ -270,6 +277,6 @@ def _session(request: gr.Request | None) -> str:
     return getattr(request, "session_hash", None) or ""
 
 
-def _params(temperature, top_p, top_k, max_new) -> SamplingParams:
+def _params(temperature, top_p, top_k, max_new, acceptance) -> SamplingParams:
     return SamplingParams(temperature=float(temperature), top_p=float(top_p),
-                          top_k=int(top_k), max_new_tokens=int(max_new))
+                          top_k=int(top_k), max_new_tokens=int(max_new), acceptance=acceptance)
