@@ -57,6 +57,14 @@ class DecodeState:
         """Tokens in the cache: all of ids but the pending one."""
         return len(self.ids) - 1
 
+    @property
+    def room(self) -> int:
+        """The most draft tokens worth proposing now: the step's own token must still fit
+        the budget, and no draft may sit past the model's last position."""
+        generated = len(self.ids) - self.prompt_len  # the pending token included
+        return max(0, min(self.params.max_new_tokens - generated - 1,
+                          self.lm.context_len - self.cached - 1))
+
 
 @dataclass
 class StepEvent:
@@ -92,17 +100,17 @@ def generate(
     stats = GenerationStats(prompt_tokens=len(ids), prompt_dropped=dropped)
     notices = [f"prompt too long: its first {dropped} tokens were dropped"] if dropped else []
     stream = TextStream(lm.tokenizer, params.stop)
+    ends = Ends(lm.eos_ids, params.max_new_tokens, stream)
     start = time.perf_counter()
     state = _prefill(lm, ids, params, drafter)
     stats.ttft_s = time.perf_counter() - start
     new = [state.ids[-1]]
+    reason = ends.cut(new, 0)[1]
     while True:
-        new = _clip(new, lm.eos_ids, params.max_new_tokens - stats.tokens, stats)
         stats.tokens += len(new)
+        stats.stop_reason = reason
         text = stream.push(new)
-        if stream.stopped:
-            stats.stop_reason = "stop"
-        elif cancel is not None and cancel.is_set() and not stats.stop_reason:
+        if not reason and cancel is not None and cancel.is_set():
             stats.stop_reason = "cancelled"
         elapsed = time.perf_counter() - start
         if stats.stop_reason:
@@ -115,7 +123,7 @@ def generate(
         yield StepEvent(text, new, _last(stats), stats.tokens, elapsed,
                         full_text=stream.emitted, notices=notices)
         notices = []
-        new, accepted, drafted = _step(state, drafter)
+        new, reason, accepted, drafted = _step(state, drafter, ends, stats.tokens)
         stats.steps += 1
         stats.accepted.append(accepted)
         stats.drafted.append(drafted)
@@ -125,6 +133,8 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: D
     """Run the prompt, choose the first token, and hand the drafter its starting state."""
     generator = make_generator(params.seed, lm.device)
     cache = kv_cache.new_cache(lm.model)
+    if drafter.name != "off":
+        kv_cache.check_draftable(cache)
     with torch.inference_mode():
         out = lm.model(
             input_ids=torch.tensor([ids], device=lm.device),
@@ -143,18 +153,27 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: D
     return state
 
 
-def _step(state: DecodeState, drafter: Drafter) -> tuple[list[int], int, int]:
-    """One full-model forward: returns (new tokens, accepted drafts, drafted count)."""
+def _step(state: DecodeState, drafter: Drafter, ends: Ends,
+          produced: int) -> tuple[list[int], str, int, int]:
+    """One full-model forward: (new tokens, stop reason or "", accepted drafts, drafted).
+
+    When the reply ends inside the accepted block (EOS, a stop string, the token budget),
+    the block is cut there before the drafter commits, so the cache, the ids and every
+    count hold exactly what plain decoding would have produced.
+    """
     with torch.inference_mode():
         draft = drafter.propose(state)
         logits, hidden = drafter.score(state, draft)
         path, nxt = accept(draft, logits, state.params, state.generator)
-        drafter.commit(state, draft, path)
         new = [draft.tokens[i] for i in path] + [nxt]
+        keep, reason = ends.cut(new, produced)
+        if keep < len(new):  # the last kept token becomes the pending one
+            path, new = path[:keep - 1], new[:keep]
+        drafter.commit(state, draft, path)
         state.ids.extend(new)
         if hidden is not None:
             state.hidden = hidden[path[-1] if path else 0]
-    return new, len(path), draft.size - 1
+    return new, reason, len(path), draft.size - 1
 
 
 def accept(
@@ -176,16 +195,28 @@ def accept(
     return verify.accept_pointmass(draft.children, draft.tokens, probs, generator)
 
 
-def _clip(new: list[int], eos_ids: tuple[int, ...], room: int, stats: GenerationStats) -> list[int]:
-    """Cut the step's tokens at EOS (kept, as generate() does) or at the token budget."""
-    for i, t in enumerate(new):
-        if t in eos_ids:
-            stats.stop_reason = "eos"
-            return new[: i + 1] if i + 1 <= room else new[:room]
-    if len(new) >= room:
-        stats.stop_reason = "length"
-        return new[:room]
-    return new
+@dataclass(frozen=True)
+class Ends:
+    """Where a reply ends: the model's EOS, the token budget or a stop string."""
+
+    eos_ids: tuple[int, ...]
+    max_new_tokens: int
+    stream: TextStream  # the reply's text so far (stop strings are found in text)
+
+    def cut(self, new: list[int], produced: int) -> tuple[int, str]:
+        """How many of `new` (after `produced` tokens) plain decoding would emit, and why
+        it would stop there ("" = it goes on)."""
+        keep, reason = len(new), ""
+        eos = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+        if eos is not None:  # EOS is kept, as generate() does
+            keep, reason = eos + 1, "eos"
+        room = self.max_new_tokens - produced
+        if keep > room or (keep == room and not reason):
+            keep, reason = room, "length"
+        stop = self.stream.stop_within(new[:keep])
+        if stop is not None:
+            keep, reason = stop, "stop"
+        return keep, reason
 
 
 def _last(stats: GenerationStats) -> int:

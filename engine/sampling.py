@@ -43,8 +43,15 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a (V,) probability vector."""
+    """Draw one token id from a (V,) probability vector (on the generator's device)."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    """One draw from U[0, 1). Made on the generator's device: torch refuses a CUDA
+    generator for a tensor it would otherwise make on the CPU."""
+    device = generator.device if generator is not None else None
+    return float(torch.rand((), generator=generator, device=device))
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -19,7 +19,7 @@ class TextStream:
     def push(self, ids: list[int]) -> str:
         """Add token ids; return the new text that can be shown now."""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._decode(self.ids)
         cut = self._stop_index(text)
         if cut is not None:
             self.final_text = text[:cut]
@@ -31,8 +31,19 @@ class TextStream:
         """At the end: release text held back for a stop string that never completed."""
         if self.final_text is not None:
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self._advance(text)
+        return self._advance(self._decode(self.ids))
+
+    def stop_within(self, ids: list[int]) -> int | None:
+        """How many of `ids` (not yet pushed) complete a stop string; None if none does."""
+        if not self.stop or not ids:
+            return None
+        if self._stop_index(self._decode(self.ids + ids)) is None:
+            return None
+        return next(k for k in range(1, len(ids) + 1)
+                    if self._stop_index(self._decode(self.ids + ids[:k])) is not None)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
     def stopped(self) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling import sample_from
+from engine.sampling import sample_from, uniform
 
 
 def accept_greedy(
@@ -69,8 +69,7 @@ def accept_pointmass(
                 break
             x = tokens[child]
             px = float(p[x]) / mass
-            u = float(torch.rand((), generator=generator))
-            if u < px:
+            if uniform(generator) < px:
                 chosen = child
                 break
             p[x] = 0.0
@@ -100,7 +99,7 @@ def accept_speculative_chain(
         d = tokens[j + 1]
         p, q = target_probs[j], draft_probs[j]
         ratio = float(p[d]) / max(float(q[d]), 1e-20)
-        if float(torch.rand((), generator=generator)) < min(1.0, ratio):
+        if uniform(generator) < min(1.0, ratio):
             path.append(j + 1)
             continue
         residual = (p - q).clamp_min(0)

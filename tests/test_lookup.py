@@ -47,13 +47,13 @@ def test_draft_length_grows_while_drafts_are_kept_and_shrinks_on_rejection():
 def test_source_drafts_as_long_as_its_schedule_allows():
     source = LookupSource(LookupParams(draft_len=10, start_len=2))
     ids = list(range(20)) + [3]  # 3 occurred before, followed by 4, 5, 6, ...
-    assert source.match(ids) == ([4, 5], 1)
+    assert source.match(ids, 10) == ([4, 5], 1)
     source.update(2, 2)
-    assert source.match(ids)[0] == [4, 5, 6, 7]
+    assert source.match(ids, 10)[0] == [4, 5, 6, 7]
     source.update(4, 1)
-    assert source.match(ids)[0] == [4, 5, 6]
+    assert source.match(ids, 10)[0] == [4, 5, 6]
     source.reset()
-    assert source.match(ids)[0] == [4, 5]
+    assert source.match(ids, 10)[0] == [4, 5]
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -86,7 +86,8 @@ def test_greedy_exact_and_accepting_on_bundled_model(bundled_lm):
 def _second_token_counts(lm, prompt, n):
     counts = torch.zeros(8, dtype=torch.long)
     for seed in range(n):
-        params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed)
+        # Three tokens: the second step has room for a draft (none is made past the budget).
+        params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=seed)
         _t, ids, _ = run(lm, prompt, params, LookupDrafter(LookupParams(draft_len=3)))
         counts[ids[1]] += 1
     return counts
@@ -98,7 +99,7 @@ def test_lossless_sampling_distribution(bundled_tokenizer, monkeypatch):
     from engine import verify
 
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=8)
-    lm.eos_ids = ()  # always two tokens
+    lm.eos_ids = ()  # always three tokens
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # the suffix (1, 2) is followed by 3: drafted
     # Exact distribution of the second token, marginalised over the first.
     with torch.no_grad():

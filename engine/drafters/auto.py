@@ -164,7 +164,7 @@ class AutoDrafter(Drafter):
         self._time_last_round()
         self._count_pending(state.ids)
         began = time.perf_counter()
-        chain, n = self.source.match(state.ids)
+        chain, n = self.source.match(state.ids, state.room)
         root = state.ids[-1]
         if chain and n == self.source.params.max_ngram:
             kind, arm = COPY, COPY

@@ -91,11 +91,10 @@ def forward_layers(
     if draft.tree_mask is not None:
         past = state.cached
         positions = torch.tensor([draft.depths], device=device) + past
-        allowed = torch.ones(n, past + n, dtype=torch.bool, device=device)
-        allowed[:, past:] = draft.tree_mask.to(device)
-        mask = torch.zeros(allowed.shape, dtype=state.dtype, device=device)
-        mask.masked_fill_(~allowed, torch.finfo(state.dtype).min)
-        kwargs = {"position_ids": positions, "attention_mask": mask[None, None]}
+        mask = kv_cache.tree_attention_mask(
+            state.cache, past, draft.tree_mask, draft.depths,
+            getattr(model.config, "layer_types", None), state.dtype, device)
+        kwargs = {"position_ids": positions, "attention_mask": mask}
     out = model(
         input_ids=ids,
         cache=state.cache,

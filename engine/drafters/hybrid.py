@@ -33,7 +33,7 @@ class TreeWithChain:
     def __call__(self, draft: Draft, chain: list[int]) -> Draft:
         if not chain:
             return draft
-        if draft.size == 1:  # no tree pays on this machine: lookup alone
+        if draft.size != self.tree.size:  # no tree pays here, or too little room is left
             return Draft.chain(draft.tokens[0], chain)
         shape = self._shapes.get(len(chain))
         if shape is None:
@@ -63,7 +63,7 @@ class MedusaLookupDrafter(MedusaDrafter):
         self.lookup.reset()
 
     def propose(self, state) -> Draft:
-        chain, n = self.lookup.match(state.ids)
+        chain, n = self.lookup.match(state.ids, state.room)
         self._chain = len(chain)
         if chain and n == self.lookup.params.max_ngram:
             # A copy in progress: the heads' guesses would only add verification cost.
@@ -91,7 +91,7 @@ class KangarooLookupDrafter(KangarooDrafter):
         self.lookup.reset()
 
     def propose(self, state) -> Draft:
-        chain, n = self.lookup.match(state.ids)
+        chain, n = self.lookup.match(state.ids, state.room)
         self._chain = len(chain) if chain and (n >= self.min_match or self.off) else 0
         if self._chain:
             return self.propose_chain(state, chain)

@@ -64,6 +64,7 @@ class Adapter(nn.Module):
 
     def __init__(self, model, ffn: bool = False):
         super().__init__()
+        layers.check_supported(model)
         config = model.config
         last = model.model.layers[-1]
         eps = config.rms_norm_eps
@@ -238,7 +239,6 @@ class KangarooDrafter(Drafter):
     def start(self, state) -> None:
         """The adapter will read the whole prompt's layer-l states at the first propose."""
         if not self.off:
-            kv_cache.enable_rollback(state.cache)  # sliding-window layers (Mistral, Qwen2)
             hidden = state.prefill_hidden
             self.run = _Run(DynamicCache(), layers.exit_states(hidden, self.settings.exit_layer))
 
@@ -247,6 +247,9 @@ class KangarooDrafter(Drafter):
         if self.off:
             return super().propose(state)
         run, s = self.run, self.settings
+        gamma = min(s.gamma, state.room)
+        if gamma == 0:  # no room for a draft token: the round verifies the root alone
+            return self.propose_chain(state, [])
         start = state.cached
         h = self._shallow(state, state.ids[-1], start)  # (1, 1, H) root state
         x, x_start = torch.cat([run.lag, h], dim=1), start - run.lag.shape[1]
@@ -256,7 +259,7 @@ class KangarooDrafter(Drafter):
             token, q, confident = self._choose(out, state)
             tokens.append(token)
             qs.append(q)
-            if len(tokens) == s.gamma or not confident:
+            if len(tokens) == gamma or not confident:
                 break
             x_start = start + len(tokens)
             x = self._shallow(state, token, x_start)

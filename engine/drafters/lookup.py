@@ -93,12 +93,13 @@ class LookupSource:
         self.index = NgramIndex(p.min_ngram, p.max_ngram)
         self.length = min(p.start_len, p.draft_len) if p.adaptive else p.draft_len
 
-    def match(self, ids: list[int]) -> tuple[list[int], int]:
+    def match(self, ids: list[int], room: int) -> tuple[list[int], int]:
         """(continuation, matched n-gram length) for the current suffix of `ids` (which
-        extends the ids seen before). A match of the longest n-gram is a copy in progress:
-        it drafts the full length; shorter matches draft the adaptive length."""
+        extends the ids seen before), at most `room` tokens. A match of the longest n-gram
+        is a copy in progress: it drafts the full length; shorter matches draft the
+        adaptive length."""
         self.index.sync(ids)
-        chain, n = self.index.match(self.params.draft_len)
+        chain, n = self.index.match(min(self.params.draft_len, room))
         return (chain if n == self.params.max_ngram else chain[:self.length]), n
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -118,7 +119,7 @@ class LookupDrafter(Drafter):
         self.source.reset()
 
     def propose(self, state) -> Draft:
-        return Draft.chain(state.ids[-1], self.source.match(state.ids)[0])
+        return Draft.chain(state.ids[-1], self.source.match(state.ids, state.room)[0])
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         super().commit(state, draft, path)

@@ -198,14 +198,18 @@ class MedusaDrafter(Drafter):
         return logits.float(), hidden
 
     def propose(self, state) -> Draft:
-        """Heads read state.hidden (the state that predicted the pending token) -> tree."""
-        root = state.ids[-1]
-        if self.tree.size == 1:  # calibration found no tree that pays: plain decoding
+        """Heads read state.hidden (the state that predicted the pending token) -> tree.
+
+        Where fewer tokens than the tree's depth fit the budget or the context (the last
+        steps of a reply), the heads' top-1 guesses for the room left, as a chain."""
+        root, t = state.ids[-1], self.tree
+        if t.size == 1:  # calibration found no tree that pays: plain decoding
             return Draft.chain(root, [])
         logits = self.heads.logits(state.hidden, self._projection)  # (K, V')
-        top = torch.topk(logits, self.tree.top_k, dim=-1).indices  # (K, top_k) columns
+        if state.room < t.depth:
+            return Draft.chain(root, self.heads.tokens(logits[:state.room].argmax(-1)).tolist())
+        top = torch.topk(logits, t.top_k, dim=-1).indices  # (K, top_k) columns
         drafted = self.heads.tokens(top[self._slots]).tolist()  # (n - 1,) node tokens
-        t = self.tree
         return Draft([root, *drafted], t.children, t.depths, t.mask)
 
 

@@ -1,0 +1,185 @@
+"""Every drafter on every kind of model the engine meets: greedy output identical to plain
+decoding, and the cache after a reply identical to one-by-one decoding.
+
+Tiny random models (built here) cover what the bundled Llama does not: grouped-query
+attention, an untied head, a sliding window shorter than the reply (Mistral), alternating
+sliding / full layers with logit soft-capping (Gemma-2), learned absolute positions with a
+short context (GPT-2), and q/k norms (Qwen3). For each, three replies: one that runs to
+the last position of the context window, one cut by a stop string, and one whose prompt
+makes lookup fire. The vocabulary is the bundled tokenizer's first 100 ids (single
+characters from id 17 on), so replies repeat themselves and stop strings are real text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from engine.config import ModelSpec, SamplingParams
+from engine.drafters.auto import AutoDrafter
+from engine.drafters.auto_figures import AutoPolicy, load_figures, priors
+from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.lookup import LookupDrafter
+from engine.drafters.medusa import MedusaDrafter
+from engine.errors import AcceleratorError
+from engine.generate import run
+from engine.loading import wrap_model
+from engine.tree import build_tree
+from tests import test_medusa as md
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 100
+CONTEXT = 64
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=CONTEXT)
+FAMILIES = {
+    "llama-gqa": ("llama", LLAMA_LIKE),
+    "qwen2-untied": ("qwen2", {**LLAMA_LIKE, "tie_word_embeddings": False}),
+    "mistral-sliding": ("mistral", {**LLAMA_LIKE, "sliding_window": 8}),
+    "gemma2-alternating": ("gemma2", {**LLAMA_LIKE, "sliding_window": 8, "head_dim": 16,
+                                      "query_pre_attn_scalar": 16,
+                                      "final_logit_softcapping": 30.0,
+                                      "attn_logit_softcapping": 50.0}),
+    "gpt2-absolute": ("gpt2", dict(n_embd=64, n_inner=128, n_layer=4, n_head=4,
+                                   n_positions=CONTEXT)),
+    "qwen3-qknorm": ("qwen3", {**LLAMA_LIKE, "head_dim": 16}),
+}
+METHODS = ("lookup", "medusa", "medusa+lookup", "kangaroo", "kangaroo+lookup", "auto")
+
+
+def family_model(name: str, tokenizer):
+    model_type, extra = FAMILIES[name]
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, initializer_range=0.2,
+                                  eos_token_id=tokenizer.eos_token_id, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    lm = wrap_model(model, tokenizer, ModelSpec(source=name), name, "fp32")
+    return dataclasses.replace(lm, eos_ids=())  # replies run to their budget
+
+
+def make_drafter(lm, method: str):
+    """Random heads / adapter (eta 0: the adapter always drafts 4 tokens)."""
+    heads = md.random_heads(lm, seed=1)
+    tree = build_tree(md.TREE, 4)
+    settings = KangarooSettings(2, 0.0, 4)
+    if method == "lookup":
+        return LookupDrafter()
+    if method == "medusa":
+        return MedusaDrafter(lm, heads, tree)
+    if method == "medusa+lookup":
+        return MedusaLookupDrafter(lm, heads, tree)
+    if method == "kangaroo":
+        return KangarooDrafter(lm, Adapter(lm.model), settings)
+    if method == "kangaroo+lookup":
+        return KangarooLookupDrafter(lm, Adapter(lm.model), settings)
+    try:
+        kangaroo = KangarooDrafter(lm, Adapter(lm.model), settings)
+    except AcceleratorError:
+        kangaroo = None
+    speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.3,
+                **({"kangaroo+lookup": 1.2} if kangaroo else {})}
+    # explore_every 2: every arm runs often within one short reply.
+    return AutoDrafter(load_figures(None, priors(0.01, speedups)),
+                       MedusaDrafter(lm, heads, tree), kangaroo, None,
+                       AutoPolicy(explore_every=2))
+
+
+def capture_state(monkeypatch) -> list:
+    """The decode state of each generation, to read its cache afterwards."""
+    from engine import generate
+
+    states, prefill = [], generate._prefill
+
+    def recording(*args):
+        states.append(prefill(*args))
+        return states[-1]
+
+    monkeypatch.setattr(generate, "_prefill", recording)
+    return states
+
+
+def one_by_one_cache(lm, ids: list[int]) -> DynamicCache:
+    """transformers' own cache after feeding `ids` one token at a time."""
+    cache = DynamicCache(config=lm.model.config)
+    with torch.no_grad():
+        for t in ids:
+            lm.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
+    return cache
+
+
+def assert_same_cache(got: DynamicCache, want: DynamicCache) -> None:
+    assert got.get_seq_length() == want.get_seq_length()
+    for a, b in zip(got.layers, want.layers, strict=True):
+        # A sliding layer keeps at least its window; compare what both hold.
+        n = min(a.keys.shape[-2], b.keys.shape[-2])
+        assert torch.allclose(a.keys[..., -n:, :], b.keys[..., -n:, :], atol=1e-4)
+        assert torch.allclose(a.values[..., -n:, :], b.values[..., -n:, :], atol=1e-4)
+
+
+def prompts() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    fresh = [int(t) for t in torch.randint(17, VOCAB, (20,), generator=gen)]
+    part = [int(t) for t in torch.randint(17, VOCAB, (9,), generator=gen)]
+    repetitive = part + fresh[:5] + part + part[:4]  # lookup has matches from the start
+    return {"fresh": fresh, "repetitive": repetitive}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, bundled_tokenizer):
+    lm = family_model(request.param, bundled_tokenizer)
+    plain = {}
+    for name, prompt in prompts().items():
+        # (a) to the end of the context window: the last token sits at position CONTEXT - 1
+        params = SamplingParams(max_new_tokens=CONTEXT - len(prompt))
+        plain[name] = run(lm, prompt, params)[1]
+    return request.param, lm, plain
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_to_the_end_of_the_context_matches_plain_decoding(family, method, monkeypatch):
+    name, lm, plain = family
+    try:
+        drafter = make_drafter(lm, method)
+    except AcceleratorError as exc:  # Kangaroo's layer split: Llama-layout families only
+        assert "not supported for this architecture" in str(exc)
+        assert name in ("gemma2-alternating", "gpt2-absolute")
+        return
+    states = capture_state(monkeypatch)
+    for key, prompt in prompts().items():
+        params = SamplingParams(max_new_tokens=CONTEXT - len(prompt))
+        _text, ids, stats = run(lm, prompt, params, drafter)
+        assert ids == plain[key], (name, method, key)
+        assert stats.tokens == len(ids) == params.max_new_tokens
+        assert stats.stop_reason == "length"
+        state = states[-1]
+        # The cache holds every token but the last (chosen, never fed back).
+        assert_same_cache(state.cache, one_by_one_cache(lm, state.ids[:-1]))
+    if "lookup" in method:
+        assert sum(stats.drafted) > 0  # the repetitive prompt made lookup draft
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_stop_string_ends_every_drafter_where_it_ends_plain_decoding(family, method):
+    name, lm, plain = family
+    try:
+        drafter = make_drafter(lm, method)
+    except AcceleratorError:
+        return  # refused above, with its message checked
+    prompt = prompts()["repetitive"]
+    reply = plain["repetitive"]
+    # A stop string made of two character tokens (ids from 17 on) after the 15th.
+    at = next(i for i in range(15, len(reply) - 1) if min(reply[i:i + 2]) >= 17)
+    stop = lm.tokenizer.decode(reply[at:at + 2])
+    params = SamplingParams(max_new_tokens=CONTEXT - len(prompt), stop=(stop,))
+    want_text, want_ids, want = run(lm, prompt, params)
+    text, ids, stats = run(lm, prompt, params, drafter)
+    assert (text, ids) == (want_text, want_ids)
+    assert stats.tokens == want.tokens == len(ids)
+    assert stats.stop_reason == want.stop_reason == "stop"
+    assert stats.steps + 1 + sum(stats.accepted) == stats.tokens
