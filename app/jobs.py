@@ -62,4 +62,11 @@ class Job:
             self.error, self.state = str(exc), "cancelled" if self.cancel.is_set() else "failed"
         except Exception as exc:  # a background thread must report, not die silently
             log.exception("%s job failed", self.kind)
-            self.error, self.state = f"{type(exc).__name__}: {exc}".splitlines()[0], "failed"
+            self.error, self.state = one_line(exc), "failed"
+
+
+def one_line(exc: BaseException) -> str:
+    """An unexpected exception for people: its type and first non-empty message line (the
+    traceback goes to the log)."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first.strip()}" if first else type(exc).__name__

@@ -38,10 +38,10 @@ class Divergence:
 
     def verdict(self, dtype: str) -> str:
         """One line for people; token numbers count from 1."""
-        where = f"token {self.position + 1}"
+        where, rounding = f"token {self.position + 1}", f"{dtype} rounding {self.tolerance:.3g}"
         if self.near_tie:
-            return f"near-tie (gap {self.gap:.3g}, within {dtype} rounding {self.tolerance:.3g}) at {where}"
-        return f"MISMATCH at {where} (gap {self.gap:.3g}, {dtype} rounding {self.tolerance:.3g})"
+            return f"near-tie (gap {self.gap:.3g}, within {rounding}) at {where}"
+        return f"MISMATCH at {where} (gap {self.gap:.3g}, {rounding})"
 
     def to_json(self) -> dict:
         return {"position": self.position, "expected": self.expected, "got": self.got,

@@ -37,7 +37,8 @@ def tiny(family: str, tokenizer, **extra):
                                   **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return wrap_model(model, tokenizer, ModelSpec(source=f"tiny-{family}"), f"tiny-{family}", "fp32")
+    name = f"tiny-{family}"
+    return wrap_model(model, tokenizer, ModelSpec(source=name), name, "fp32")
 
 
 def sliding_mistral(tokenizer, **extra):
@@ -143,3 +144,14 @@ def test_an_unforeseen_training_failure_is_one_line(bundled_tokenizer, monkeypat
     assert main(["train", "--method", "medusa", "--max-minutes", "1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: training failed: RuntimeError: something")
+
+
+def test_an_unforeseen_failure_of_the_ui_training_job_is_one_line():
+    from app.jobs import Job
+
+    def crash():
+        raise RuntimeError("\nthe current layer does not track past states\n  at layer 3")
+
+    job = Job("train", "Medusa for tiny").start(crash)
+    assert job.wait(10) and job.state == "failed"
+    assert job.error == "RuntimeError: the current layer does not track past states"

@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 from app.commands.common import add_model_args, load
+from app.jobs import one_line
 from engine.accelerators import METHODS
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except QuickdraftError:
         raise
     except Exception as exc:  # a model outside the tested envelope: one line, details logged
-        raise QuickdraftError(f"training failed: {_one_line(exc)} (details in {_log(exc)})") from exc
+        raise QuickdraftError(f"training failed: {one_line(exc)} (details in {_log(exc)})") from exc
     finally:
         bar.close()
     if result is None:
@@ -61,11 +62,6 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(summary(result), flush=True)
     return 0
-
-
-def _one_line(exc: Exception) -> str:
-    first = next((line for line in str(exc).splitlines() if line.strip()), "")
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _log(exc: Exception) -> Path:
