@@ -18,10 +18,10 @@ import psutil
 import pytest
 
 from app.cli import main as cli_main
-from app.replies import ReplyRequest
-from app.ui.launch import LaunchOptions, launch
+from app.ui.launch import LaunchOptions, check_api_key, check_exposure, launch
 from engine.chat import conversation, encode
 from engine.config import ModelSpec, SamplingParams
+from engine.errors import QuickdraftError
 from engine.generate import run
 
 pytestmark = pytest.mark.slow
@@ -166,6 +166,12 @@ def test_no_key_off_loopback_is_refused_at_start(capsys):
     assert cli_main(["serve", "--host", "0.0.0.0", "--auth", "me:secret"]) == 2
     err = capsys.readouterr().err
     assert "--api-key" in err and len(err.strip().splitlines()) == 1
+    assert cli_main(["serve", "--host", "0.0.0.0", "--api-key", "0123456789"]) == 2
+    assert "--auth" in capsys.readouterr().err  # the page's login stays required
+    check_exposure("0.0.0.0", ("me", "secret"), check_api_key("0123456789"))
+    check_exposure("127.0.0.1", None, None)  # loopback: neither is needed
+    with pytest.raises(QuickdraftError, match="at least 8"):
+        check_api_key("short")
 
 
 # -- the queue ------------------------------------------------------------------------------
@@ -195,24 +201,31 @@ def _stream(url: str, prompt: str, max_tokens: int, record: dict) -> None:
 
 
 def test_api_and_page_replies_queue_and_both_complete(server, service):
-    conv = service.store.new()
+    """A reply asked on the page (through Gradio's own client, as the browser does) and one
+    asked through the API at the same time: they queue, and each gets its own text."""
+    from gradio_client import Client
+
+    page_prompt = "Tell me about the sea."
+    page_client = Client(server[1] + "/", verbose=False)
     page: dict = {}
 
-    def page_reply():
-        ask = ReplyRequest(conv.id, SamplingParams(max_new_tokens=30), "off", owner="tab")
-        updates = list(service.chat(ask, "Tell me about the sea."))
-        page["start"], page["end"] = updates[0].elapsed_s, time.monotonic()
-        page["text"] = updates[-1].conversation.messages[-1]["content"]
+    def on_update(*_outputs):
+        page.setdefault("first", time.monotonic())
+        page["last"] = time.monotonic()
 
+    # the page's Send: message, system, temperature, top-p, top-k, max new tokens, acceptance
+    job = page_client.submit(page_prompt, "", 0.0, 1.0, 0, 40, "auto", api_name="/send",
+                             result_callbacks=[on_update])
+    while not service.busy:  # the page's reply holds the model now
+        time.sleep(0.005)
     api: dict = {}
-    worker = threading.Thread(target=page_reply)
-    worker.start()
-    time.sleep(0.05)
-    _stream(server[1], PROMPT, 20, api)
-    worker.join(120)
-    assert page["text"] and api["text"] and api.get("done")
-    # one at a time: the API's reply started after the page's ended, or ended before it
-    assert api["first"] >= page["end"] - 0.01 or api["last"] <= page["end"]
+    asked = time.monotonic()
+    _stream(server[1], PROMPT, 12, api)
+    chat = job.result(timeout=120)[0]
+    assert chat[-1]["content"][0]["text"] == _reference(service.lm, page_prompt, 40)[0]
+    assert api["text"] == _reference(service.lm, PROMPT, 12)[0] and api.get("done")
+    # the API's reply waited for the page's: 40 tokens take far longer than this slack
+    assert api["first"] - asked > 0.5 and api["first"] >= page["first"]
 
 
 def test_twenty_streaming_clients_each_get_their_own_text_in_order(server, service):

@@ -161,6 +161,8 @@ async def _whole(reply: Reply, head: dict, request: Request) -> JSONResponse:
             ids.extend(item[0].token_ids)
     finally:
         reply.cancel.set()  # no-op once done; stops the reply if this handler is cancelled
+    if last is None:  # its client left before its turn: nobody reads this
+        return _error(ApiError(400, "the request was cancelled before it started"))
     event, method = last
     message = {"role": "assistant", "content": event.full_text}
     choice = {"index": 0, "message": message, "logprobs": None,

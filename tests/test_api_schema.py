@@ -1,0 +1,92 @@
+"""Request parsing of the OpenAI-compatible API, and the routes without a key (loopback) on a
+tiny model through FastAPI's test client."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from app.api import ApiOptions, mount
+from app.api.schema import ApiError, parse
+from app.service import Service
+from app.store import Store
+from engine.chat import encode
+from engine.config import ChatMessage, Conversation, SamplingParams
+from engine.generate import run
+from tests.conftest import make_tiny_model
+
+USER = {"role": "user", "content": "hi"}
+
+
+def test_parse_maps_openai_fields():
+    req = parse({"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "developer", "content": "Be kind."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                     {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "Hi."}, USER],
+        "temperature": 0, "top_p": 0.5, "max_tokens": 9, "max_completion_tokens": 7,
+        "stop": "\n", "seed": 3, "stream": True, "stream_options": {"include_usage": True},
+        "accel": "lookup"}, 256)
+    assert req.system == "Be brief.\n\nBe kind."
+    assert [m.content for m in req.messages] == ["Hello there", "Hi.", "hi"]
+    p = req.params
+    assert (p.temperature, p.top_p, p.max_new_tokens, p.stop, p.seed) == (0, 0.5, 7, ("\n",), 3)
+    assert req.accel == "lookup" and req.stream and req.include_usage
+
+
+def test_parse_defaults():
+    req = parse({"messages": [USER]}, 256)
+    assert req.model is None and req.accel == "auto" and not req.stream
+    assert req.params.temperature == 1.0 and req.params.max_new_tokens == 256
+
+
+@pytest.mark.parametrize("body,param", [
+    ([], None),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "system", "content": "only a system prompt"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ({"messages": [USER], "temperature": True}, "temperature"),
+    ({"messages": [USER], "top_p": 0}, "top_p"),
+    ({"messages": [USER], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [USER], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": [USER], "seed": 1.5}, "seed"),
+    ({"messages": [USER], "n": 2}, "n"),
+    ({"messages": [USER], "stream": "yes"}, "stream"),
+])
+def test_parse_refuses_with_the_parameter_named(body, param):
+    with pytest.raises(ApiError) as err:
+        parse(body, 256)
+    assert err.value.status == 400 and err.value.param == param
+    assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.fixture
+def app(tmp_path, bundled_tokenizer):
+    lm = make_tiny_model("llama-mha", bundled_tokenizer)
+    app = FastAPI()
+    worker = mount(app, Service(Store(tmp_path / "data"), lm), ApiOptions(api_key=None))
+    yield app, lm
+    worker.close()
+
+
+def test_loopback_without_a_key_serves_whole_and_streamed_replies(app):
+    app, lm = app
+    client = TestClient(app)
+    body = {"model": "tiny-llama-mha", "temperature": 0, "max_tokens": 8, "accel": "off",
+            "messages": [USER]}
+    ids = encode(lm.tokenizer, Conversation((ChatMessage("user", "hi"),)))
+    text, tokens, _stats = run(lm, ids, SamplingParams(max_new_tokens=8))
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["message"]["content"] == text
+    assert whole["quickdraft"]["token_ids"] == tokens
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-llama-mha"
