@@ -71,7 +71,8 @@ def teacher_forced(lm, drafter: KangarooDrafter, seq: list[int]) -> tuple[list[b
     model = lm.model
     with torch.inference_mode():
         ids = torch.tensor([seq], device=lm.device)
-        hidden = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+        hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False,
+                       logits_to_keep=1).hidden_states  # one pass: no cache to build
         x = layers.exit_states(hidden, drafter.settings.exit_layer)
         logits = (sequence_states(model, drafter.adapter, x)[0] @ drafter.head.T).float()  # (S, Vd)
         probs = logits.softmax(-1)
