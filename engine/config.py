@@ -62,6 +62,10 @@ class SamplingParams:
                 f"unknown acceptance {self.acceptance!r}: choose one of "
                 f"{', '.join(ACCEPTANCE_CHOICES)}"
             )
+        if self.acceptance == "greedy" and not self.greedy:
+            # Greedy verification while undrafted steps sample would be neither rule.
+            raise QuickdraftError(
+                "greedy acceptance needs temperature 0: use lossless or typical to sample")
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property
@@ -71,11 +75,9 @@ class SamplingParams:
     @property
     def acceptance_mode(self) -> str:
         """The acceptance rule drafters use: greedy at T=0, lossless sampling otherwise."""
-        if self.acceptance == "auto":
-            return "greedy" if self.greedy else "lossless"
-        if self.greedy and self.acceptance != "greedy":
+        if self.greedy:
             return "greedy"
-        return self.acceptance
+        return "lossless" if self.acceptance == "auto" else self.acceptance
 
 
 @dataclass(frozen=True)

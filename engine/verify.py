@@ -13,7 +13,6 @@ Each rule returns (path, next_token): the accepted draft nodes from the root dow
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -29,17 +28,21 @@ def accept_greedy(
     Where siblings carry the same token (a hybrid tree: the heads' branch and a lookup chain
     both guessing it), the deepest accepted path wins: both are the target's own choice.
     """
-    path = _deepest_greedy_path(children, tokens, target_argmax, 0)
+    ok = [False] * len(tokens)
+    for node, kids in enumerate(children):
+        for child in kids:
+            ok[child] = tokens[child] == target_argmax[node]
+    path = _deepest_path(children, ok, 0)
     return path, int(target_argmax[path[-1] if path else 0])
 
 
-def _deepest_greedy_path(
-    children: Sequence[Sequence[int]], tokens: Sequence[int], argmax: Sequence[int], node: int
-) -> list[int]:
+def _deepest_path(children: Sequence[Sequence[int]], ok: Sequence[bool], node: int) -> list[int]:
+    """The longest path below `node` through nodes whose ok flag is set (the first in draft
+    order among equally long ones)."""
     best: list[int] = []
     for child in children[node]:
-        if tokens[child] == argmax[node]:
-            below = [child, *_deepest_greedy_path(children, tokens, argmax, child)]
+        if ok[child]:
+            below = [child, *_deepest_path(children, ok, child)]
             if len(below) > len(best):
                 best = below
     return best
@@ -117,18 +120,19 @@ def accept_typical(
     delta: float,
     generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
-    """Medusa's typical acceptance (not lossless): accept x when
-    p(x) > min(eps, delta * exp(-H(p))). The first acceptable child (in draft order) is
-    followed; the token after the last accepted node is sampled from p.
+    """Medusa's typical acceptance (faster, not lossless): a child x of node i is
+    acceptable when p_i(x) > min(eps, delta * exp(-H(p_i))), and the longest path of
+    acceptable nodes is kept (Medusa §2.3.1); the token after it is sampled from p.
+    target_probs: (n_nodes, V) float probabilities.
     """
-    path: list[int] = []
-    node = 0
-    while True:
-        p = target_probs[node]
-        entropy = float(-(p * torch.log(p.clamp_min(1e-20))).sum())
-        threshold = min(eps, delta * math.exp(-entropy))
-        nxt = next((c for c in children[node] if float(p[tokens[c]]) > threshold), None)
-        if nxt is None:
-            return path, sample_from(p, generator)
-        path.append(nxt)
-        node = nxt
+    p = target_probs
+    entropy = -(p * torch.log(p.clamp_min(1e-20))).sum(-1)  # (n,)
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=eps)  # (n,)
+    ok = [False] * len(tokens)
+    for node, kids in enumerate(children):
+        if kids:
+            probs = p[node, list(tokens[c] for c in kids)]
+            for child, good in zip(kids, (probs > threshold[node]).tolist(), strict=True):
+                ok[child] = good
+    path = _deepest_path(children, ok, 0)
+    return path, sample_from(p[path[-1] if path else 0], generator)

@@ -183,3 +183,32 @@ def test_a_stop_string_ends_every_drafter_where_it_ends_plain_decoding(family, m
     assert stats.tokens == want.tokens == len(ids)
     assert stats.stop_reason == want.stop_reason == "stop"
     assert stats.steps + 1 + sum(stats.accepted) == stats.tokens
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma2-alternating", "gpt2-absolute"])
+def test_a_tree_step_keeping_a_non_contiguous_path_equals_one_by_one_decoding(
+        name, bundled_tokenizer):
+    """Verify a token tree past the sliding window, keep a path that skips nodes, and
+    compare the cache and the next logits with feeding the path one token at a time."""
+    from engine import kv_cache
+    from engine.drafters.base import Draft, forward_nodes
+    from engine.generate import DecodeState
+    from engine.sampling import make_generator
+
+    lm = family_model(name, bundled_tokenizer)
+    prompt = prompts()["fresh"]  # 20 tokens: past the 8-token windows
+    tree = build_tree([(0,), (1,), (0, 0), (1, 0), (1, 1)], 4)
+    tokens = [30, 41, 52, 63, 74, 85]
+    path = [2, 5]  # root -> (1,) -> (1, 1): entries 2 and 5 move to slots 1 and 2
+    with torch.no_grad():
+        cache = kv_cache.new_cache(lm.model)
+        lm.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        state = DecodeState(lm, SamplingParams(), cache, [*prompt, tokens[0]], len(prompt),
+                            make_generator(0))
+        forward_nodes(state, Draft(tokens, tree.children, tree.depths, tree.mask), False)
+        kv_cache.keep_path(cache, len(prompt), [0, *path])
+        kept = [*prompt, tokens[0], tokens[2], tokens[5]]
+        assert_same_cache(cache, one_by_one_cache(lm, kept))
+        nxt = lm.model(input_ids=torch.tensor([[77]]), cache=cache, use_cache=True).logits
+        ref = lm.model(input_ids=torch.tensor([kept + [77]])).logits[:, -1:]
+    assert torch.allclose(nxt, ref, atol=1e-4)

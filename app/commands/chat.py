@@ -24,12 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--acceptance", default="lossless", choices=("lossless", "typical"),
+                        help="how drafts are verified when sampling: lossless (default) or "
+                             "typical (Medusa's rule: faster, not lossless)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed)
+                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed,
+                          acceptance="auto" if args.acceptance == "lossless" else "typical")
 
 
 def run(args: argparse.Namespace) -> int:
