@@ -4,6 +4,7 @@ memory it will take, and a download with progress."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -57,12 +58,21 @@ def gguf_models(folders: ModelFolders | None = None) -> list[tuple[str, str]]:
     out = []
     for found in find_models(folders):
         try:
-            need = _gguf_need(gguf.inspect(found.path).parameters, "auto")[1]
+            stat = found.path.stat()
+            params = _gguf_parameters(str(found.path), stat.st_size, stat.st_mtime_ns)
+            need = _gguf_need(params, "auto")[1]
             memory = f"~{_size(need)} to run"
         except QuickdraftError as exc:  # listed anyway, with why it cannot be opened
             memory = str(exc).replace(str(found.path), "").strip(" :").split(";")[0]
         out.append((_label(found, memory), str(found.path)))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _gguf_parameters(path: str, _size: int, _mtime_ns: int) -> int:
+    """Parameters of a GGUF file; reading a big header takes a while, so the Models tab
+    reads each file once (size and mtime in the key: a replaced file is read again)."""
+    return gguf.inspect(Path(path)).parameters
 
 
 def _label(found: FoundModel, memory: str) -> str:

@@ -249,3 +249,13 @@ def test_missing_file_and_hub_gguf_ids(tmp_path, gguf_cache):
     with pytest.raises(ModelLoadError, match="owner/repo:model.gguf") as err:
         load_model(ModelSpec("owner/repo:model.gguf"))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_bundled_model_converts_as_before(tmp_path, monkeypatch, bundled_lm):
+    """The bundled GGUF, converted afresh into an empty cache, decodes like the cached one."""
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))
+    fresh = load_model(ModelSpec(quant="fp32"))
+    assert (tmp_path / "models" / "SmolLM2-135M-Instruct" / "model.safetensors").is_file()
+    assert fresh.fingerprint == bundled_lm.fingerprint
+    assert _greedy(fresh) == _greedy(bundled_lm)
