@@ -13,6 +13,7 @@ characters from id 17 on), so replies repeat themselves and stop strings are rea
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -35,6 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 100
 CONTEXT = 64
+# scripts/gpu_check.py runs this module on CUDA; the suite runs it on the CPU.
+DEVICE = torch.device(os.environ.get("QUICKDRAFT_TEST_DEVICE", "cpu"))
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=CONTEXT)
@@ -58,7 +61,7 @@ def family_model(name: str, tokenizer):
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, initializer_range=0.2,
                                   eos_token_id=tokenizer.eos_token_id, **extra)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
     lm = wrap_model(model, tokenizer, ModelSpec(source=name), name, "fp32")
     return dataclasses.replace(lm, eos_ids=())  # replies run to their budget
 
@@ -109,7 +112,7 @@ def one_by_one_cache(lm, ids: list[int]) -> DynamicCache:
     cache = DynamicCache(config=lm.model.config)
     with torch.no_grad():
         for t in ids:
-            lm.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
+            lm.model(input_ids=torch.tensor([[t]], device=DEVICE), cache=cache, use_cache=True)
     return cache
 
 
@@ -165,6 +168,22 @@ def test_greedy_to_the_end_of_the_context_matches_plain_decoding(family, method,
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_sampled_replies_run_with_every_drafter(family, method):
+    """Sampling draws with the generation's generator on the model's device (a CUDA
+    generator is refused for CPU tensors): every drafter samples a whole reply."""
+    name, lm, _plain = family
+    try:
+        drafter = make_drafter(lm, method)
+    except AcceleratorError:
+        return  # refused above, with its message checked
+    for acceptance in ("auto", "typical"):
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=24, seed=1,
+                                acceptance=acceptance)
+        _t, ids, stats = run(lm, prompts()["repetitive"], params, drafter)
+        assert len(ids) == stats.tokens == 24
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_a_stop_string_ends_every_drafter_where_it_ends_plain_decoding(family, method):
     name, lm, plain = family
     try:
@@ -202,13 +221,14 @@ def test_a_tree_step_keeping_a_non_contiguous_path_equals_one_by_one_decoding(
     path = [2, 5]  # root -> (1,) -> (1, 1): entries 2 and 5 move to slots 1 and 2
     with torch.no_grad():
         cache = kv_cache.new_cache(lm.model)
-        lm.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        lm.model(input_ids=torch.tensor([prompt], device=DEVICE), cache=cache, use_cache=True)
         state = DecodeState(lm, SamplingParams(), cache, [*prompt, tokens[0]], len(prompt),
-                            make_generator(0))
+                            make_generator(0, DEVICE))
         forward_nodes(state, Draft(tokens, tree.children, tree.depths, tree.mask), False)
         kv_cache.keep_path(cache, len(prompt), [0, *path])
         kept = [*prompt, tokens[0], tokens[2], tokens[5]]
         assert_same_cache(cache, one_by_one_cache(lm, kept))
-        nxt = lm.model(input_ids=torch.tensor([[77]]), cache=cache, use_cache=True).logits
-        ref = lm.model(input_ids=torch.tensor([kept + [77]])).logits[:, -1:]
+        nxt = lm.model(input_ids=torch.tensor([[77]], device=DEVICE), cache=cache,
+                       use_cache=True).logits
+        ref = lm.model(input_ids=torch.tensor([kept + [77]], device=DEVICE)).logits[:, -1:]
     assert torch.allclose(nxt, ref, atol=1e-4)

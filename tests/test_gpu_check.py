@@ -1,0 +1,24 @@
+"""scripts/gpu_check.py in its reduced CPU form, so the GPU check cannot rot where no GPU
+is: every check it runs passes, and its summary counts them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_reduced_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--reduced",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert lines[-1] == "7 passed, 0 failed"
+    assert any(line.startswith("chat fp32 lookup ") and "same tokens as Off" in line
+               for line in lines)
