@@ -271,3 +271,28 @@ def test_a_client_that_disconnects_frees_the_queue(server, service):
     record: dict = {}
     _stream(server[1], PROMPT, 4, record)
     assert record.get("done") and record["text"]
+
+
+def test_a_whole_reply_whose_client_hangs_up_is_cancelled(server, service):
+    """Without streaming the server notices the hang-up by polling the connection."""
+    import socket
+    from urllib.parse import urlparse
+
+    body = json.dumps({"model": "default", "temperature": 0, "max_tokens": 400, "accel": "off",
+                       "messages": [{"role": "user", "content": "Write a long story."}]})
+    where = urlparse(server[1])
+    with socket.create_connection((where.hostname, where.port)) as sock:
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {where.netloc}\r\n"
+                      f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        deadline = time.monotonic() + 10
+        while not service.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert service.busy
+        time.sleep(1.0)  # past the prefill: the reply is decoding when the client leaves
+    hung_up = time.monotonic()
+    while service.busy and time.monotonic() - hung_up < 5:
+        time.sleep(0.01)
+    freed = time.monotonic() - hung_up
+    print(f"whole reply: queue freed {freed * 1000:.0f} ms after the client hung up")
+    assert not service.busy and freed < 2

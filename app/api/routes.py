@@ -25,8 +25,6 @@ from engine.config import SamplingParams
 from engine.errors import QuickdraftError
 from engine.loading import LoadedModel
 
-# How often a non-streaming request checks that its client is still there.
-DISCONNECT_POLL_S = 0.25
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
@@ -145,21 +143,15 @@ async def _whole(reply: Reply, head: dict, request: Request) -> JSONResponse:
     """Wait for the whole reply; a client that hangs up cancels it."""
     ids: list[int] = []
     last = None
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, reply))
     try:
-        while True:
-            try:
-                item = await asyncio.wait_for(reply.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on Python 3.10)
-                if await request.is_disconnected():
-                    reply.cancel.set()
-                continue
-            if item is END:
-                break
+        while (item := await reply.events.get()) is not END:
             if isinstance(item, Exception):
                 return _error(_as_api_error(item))
             last = item
             ids.extend(item[0].token_ids)
     finally:
+        watcher.cancel()
         reply.cancel.set()  # no-op once done; stops the reply if this handler is cancelled
     if last is None:  # its client left before its turn: nobody reads this
         return _error(ApiError(400, "the request was cancelled before it started"))
@@ -169,6 +161,13 @@ async def _whole(reply: Reply, head: dict, request: Request) -> JSONResponse:
               "finish_reason": FINISH.get(event.stats.stop_reason, "stop")}
     return JSONResponse({**head, "choices": [choice], "usage": _usage(event.stats),
                          "quickdraft": _extension(reply, method, event.stats, ids)})
+
+
+async def _cancel_on_disconnect(request: Request, reply: Reply) -> None:
+    """Wait for the client to hang up (the body is read: the next message is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    reply.cancel.set()
 
 
 async def _sse(reply: Reply, head: dict):
