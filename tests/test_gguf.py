@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -259,3 +260,32 @@ def test_bundled_model_converts_as_before(tmp_path, monkeypatch, bundled_lm):
     assert (tmp_path / "models" / "SmolLM2-135M-Instruct" / "model.safetensors").is_file()
     assert fresh.fingerprint == bundled_lm.fingerprint
     assert _greedy(fresh) == _greedy(bundled_lm)
+
+
+def test_models_tab_load_reports_the_conversion(tiny_files, tmp_path, monkeypatch):
+    """Loading a GGUF the way the Models tab does: the job hears about the conversion."""
+    from app.service import Service
+    from app.store import Store
+
+    monkeypatch.setattr(qd_gguf, "cache_dir", lambda: tmp_path / "cache")
+    service = Service(Store(tmp_path / "data"))
+    job = service.start_load(ModelSpec(str(tiny_files[0]), "fp32"))
+    seen = []
+    while job.running:
+        if job.progress is not None and job.progress.message not in seen:
+            seen.append(job.progress.message)
+        time.sleep(0.01)
+    assert job.state == "done", job.error
+    assert any("first time only" in m for m in seen)
+    assert service.lm.model_id == str(tiny_files[0].resolve())
+    assert service.settings().model == str(tiny_files[0])
+
+
+def test_gguf_file_flag_joins_repo_and_file():
+    from app.commands.common import gguf_source
+    from engine.errors import QuickdraftError
+
+    assert gguf_source("owner/repo", "model.Q4_K_M.gguf") == "owner/repo:model.Q4_K_M.gguf"
+    assert gguf_source("owner/repo", None) == "owner/repo"
+    with pytest.raises(QuickdraftError, match="--gguf-file goes with"):
+        gguf_source("./folder/x.gguf", "model.gguf")
