@@ -62,11 +62,26 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
         reply = worker.submit(Reply(req, asyncio.get_running_loop()))
         head = _head(lm, "chat.completion.chunk" if req.stream else "chat.completion")
         if req.stream:
-            return StreamingResponse(_sse(reply, head), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _Stream(reply, _sse(reply, head))
         return await _whole(reply, head, request)
 
     return router, worker
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events that cancel their reply however the response ends, even when the
+    client leaves before the first chunk (the chunk generator then never starts)."""
+
+    def __init__(self, reply: Reply, chunks):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.reply = reply
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.reply.cancel.set()
 
 
 def _authorize(request: Request, options: ApiOptions) -> None:
