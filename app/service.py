@@ -260,7 +260,8 @@ class Service:
     def _drafter_or_off(self, method: str) -> tuple[Drafter, str, list[str]]:
         status = self.accel_status(method)
         if status.ready:
-            return self._drafter(method), method, []
+            drafter = self._drafter(method)  # says why when it decodes plainly here
+            return drafter, method, [drafter.notice] if drafter.notice else []
         return Drafter(), "off", [f"{status.message} This reply uses plain decoding."]
 
     def compare(self, request: ReplyRequest) -> Iterator[CompareResult]:

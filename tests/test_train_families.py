@@ -103,7 +103,7 @@ def test_medusa_builds_on_learned_positions_with_a_short_context(bundled_tokeniz
 def test_a_tree_retimed_at_load_fits_a_short_context(bundled_tokenizer):
     lm = short_gpt2(bundled_tokenizer)
     heads = MedusaHeads(64, MedusaSettings(num_heads=4))
-    tree = retimed_tree(lm, heads, [[0.9, 0.95]] * 4, repeats=1)  # 192-token timing context
+    tree, _payoff = retimed_tree(lm, heads, [[0.9, 0.95]] * 4, repeats=1)  # 192-token context
     assert all(len(choice) <= 4 for choice in tree)
 
 

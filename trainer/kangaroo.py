@@ -236,6 +236,8 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
     if vocab is not None:
         tensors["draft_vocab"] = vocab
     settings = {**chosen.to_json(), "pays": result.pays,
+                # where calibration timed it: another dtype or device re-times at load
+                "quant": lm.quant, "device": lm.device.type,
                 "draft_vocab_size": int(vocab.numel()) if vocab is not None else int(vocab_size)}
     metrics = {
         "pays": result.pays, "speedup": result.speedup, "chosen": chosen.to_json(),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from engine.tree import expected_tokens, marginal_accuracies
 from trainer.features import Features, encode_conversations, hidden_states
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
 from trainer.progress import Progress, ProgressFn, ignore
@@ -218,10 +219,23 @@ def train_medusa(
         "tree": result.tree,
         "pays": result.pays,
         "quant": lm.quant,  # the dtype the tree was timed in (another one re-times at load)
+        "device": lm.device.type,  # and the device
         "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
+        "estimate_ratio": estimate_ratio(acc, result),
     }
     metrics = _metrics(acc, result, fit, heads, train, heldout, times)
     return heads.tensors(), settings, metrics
+
+
+def estimate_ratio(acc, result) -> float:
+    """Measured / estimated drafted tokens per step of the chosen tree (the estimate from
+    held-out accuracies assumes independent heads and runs high); re-timing at load scales
+    its estimates by it. 1.0 when no tree was chosen."""
+    expected = expected_tokens(result.tree, marginal_accuracies(acc)) if result.tree else 1.0
+    measured = result.measured.get(result.chosen, {}).get("mean_accepted")
+    if expected <= 1.0 or measured is None:
+        return 1.0
+    return round(min(1.5, max(0.2, (measured - 1.0) / (expected - 1.0))), 3)
 
 
 def _new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher) -> MedusaHeads:

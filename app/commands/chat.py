@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         conversation(args.prompt)  # refuse an empty prompt before loading anything
     lm = load(args)
     drafter = _drafter(lm, args.accel)
+    if drafter.notice:  # e.g. it does not pay in this dtype here: plain decoding
+        print(f"quickdraft: {drafter.notice}", file=sys.stderr)
     if args.prompt is None:
         return _interactive(lm, drafter, params, args.system)
     reply = _reply(lm, drafter, params, args.prompt, [], args.system, echo=not args.json)

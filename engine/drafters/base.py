@@ -46,6 +46,8 @@ class Drafter:
 
     name = "off"
     wants_hidden = False  # True when the drafter reads hidden states (state.hidden, prefill)
+    notice = ""  # one line for the user when it decodes plainly after all (does not pay here)
+    retimed_speedup: float | None = None  # the speedup estimated at load, when re-timed here
 
     def start(self, state: DecodeState) -> None:
         """Called once after prefill (state.hidden holds the prompt's last hidden state)."""

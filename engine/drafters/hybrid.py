@@ -52,7 +52,7 @@ class MedusaLookupDrafter(MedusaDrafter):
 
     name = "medusa+lookup"
 
-    def __init__(self, lm, heads, tree, retimed: bool = False,
+    def __init__(self, lm, heads, tree, retimed=None,
                  lookup: LookupParams | None = None):
         super().__init__(lm, heads, tree, retimed)
         self.lookup = LookupSource(lookup or LookupParams())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -20,7 +21,9 @@ from transformers.masking_utils import create_causal_mask
 
 from engine import kv_cache
 from engine.drafters import kangaroo_layers as layers
+from engine.drafters.auto_figures import plain_step_seconds
 from engine.drafters.base import Draft, Drafter
+from engine.drafters.payoff import Payoff, not_paying_notice, round_seconds, timed_elsewhere
 from engine.errors import AcceleratorError
 from engine.sampling import logits_to_probs, sample_from
 
@@ -193,9 +196,27 @@ class KangarooDrafter(Drafter):
                 "run: python launcher.py train --method kangaroo"
             ) from exc
         drafter = cls(lm, adapter, settings, ckpt.tensors.get("draft_vocab"), ckpt.metrics)
-        if ckpt.metrics.get("pays") is False:
+        if not drafter.off and timed_elsewhere(ckpt.info.get("settings", {}), lm):
+            drafter.retime()
+        if drafter.metrics.get("pays") is False:
             log.warning("%s", drafter.verdict())
         return drafter
+
+    def retime(self) -> None:
+        """Re-estimate the speedup here (calibration timed another dtype or device): the
+        tokens per round calibration measured against a round and a plain step timed now.
+        Where it does not pay, the drafter decodes plainly and says so."""
+        tokens = float(self.metrics.get("mean_accepted") or 1.0)
+        # A round drafts about as many tokens as it keeps, plus the one that failed.
+        drafted = max(1, min(self.settings.gamma, math.ceil(tokens)))
+        # eta 0: the timed rounds draft exactly that many.
+        timed = round_seconds(self.lm, self.with_schedule(eta=0.0, gamma=drafted))
+        payoff = Payoff(tokens, plain_step_seconds(self.lm), timed)
+        self.metrics = {**self.metrics, "speedup": round(payoff.speedup, 3), "pays": payoff.pays}
+        self.retimed_speedup = payoff.speedup
+        if not payoff.pays:
+            self.off, self.wants_hidden = True, False
+            self.notice = not_paying_notice("Kangaroo", self.lm, payoff.speedup)
 
     def with_schedule(self, eta: float, gamma: int) -> KangarooDrafter:
         """A drafter sharing these weights with another eta and gamma (calibration)."""
@@ -365,3 +386,4 @@ class KangarooDrafter(Drafter):
                 self.vocab_size, device=q_small.device).index_copy_(0, self.vocab, q_small)
         token = idx if self.vocab is None else int(self.vocab[idx])
         return token, q, top > self.settings.eta
+

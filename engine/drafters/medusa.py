@@ -19,6 +19,7 @@ from torch import nn
 from engine import kv_cache
 from engine.config import SamplingParams
 from engine.drafters.base import Draft, Drafter, forward_nodes
+from engine.drafters.payoff import Payoff, not_paying_notice, timed_elsewhere
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import DecodeState
 from engine.sampling import make_generator
@@ -32,11 +33,9 @@ from engine.tree import (
 
 WEIGHT, BIAS, VOCAB, VOCAB_IDS = "heads.weight", "heads.bias", "heads.vocab", "heads.vocab_ids"
 FIX = "run: python launcher.py train --method medusa"
-# Loading in a dtype calibration did not time (e.g. trained in bf16, loaded in fp32): the
-# tree budgets re-timed at load, and the estimated speedup a tree must reach to be used
-# (acceptance estimates from held-out accuracies run a little high).
+# Loading in a dtype or on a device calibration did not time (e.g. trained in bf16, loaded
+# in fp32): the tree budgets re-timed at load (engine.drafters.payoff decides what pays).
 RETIME_BUDGETS = (1, 2, 4, 8, 16)
-RETIME_MARGIN = 1.1
 
 
 @dataclass(frozen=True)
@@ -142,7 +141,8 @@ class MedusaDrafter(Drafter):
     name = "medusa"
     wants_hidden = True
 
-    def __init__(self, lm, heads: MedusaHeads, tree: TreeBuffers, retimed: bool = False):
+    def __init__(self, lm, heads: MedusaHeads, tree: TreeBuffers,
+                 retimed: Payoff | None = None):
         if tree.depth > heads.settings.num_heads:
             raise AcceleratorError(
                 f"the Medusa tree needs {tree.depth} heads but the checkpoint has "
@@ -152,7 +152,12 @@ class MedusaDrafter(Drafter):
         # (V', H) LM-head rows the heads read: a small copy for a draft vocabulary.
         self._projection = heads.project(lm.model.get_output_embeddings().weight.detach())
         self.tree = tree
-        self.retimed = retimed  # the tree was re-timed at load for an uncalibrated dtype
+        # The best tree's estimate when it was re-timed at load (uncalibrated dtype or
+        # device); None: the calibrated tree, as stored.
+        self.retimed = retimed
+        self.retimed_speedup = None if retimed is None else retimed.speedup
+        self.notice = "" if retimed is None or retimed.pays else not_paying_notice(
+            "Medusa", lm, retimed.speedup)
         # Gather indices live on the heads' device once; only token values change per step.
         self._slots = (tree.node_heads.to(lm.device), tree.node_ranks.to(lm.device))
 
@@ -175,16 +180,17 @@ class MedusaDrafter(Drafter):
         heads = heads_from_tensors(
             ckpt.tensors, int(lm.model.config.hidden_size), int(lm_head.weight.shape[0]), settings
         )
-        retime = s.get("quant", lm.quant) != lm.quant and bool(accuracies)
-        if retime:
-            choices = retimed_tree(lm, heads, accuracies)
+        retimed = None
+        if timed_elsewhere(s, lm) and accuracies:
+            choices, retimed = retimed_tree(lm, heads, accuracies,
+                                            float(s.get("estimate_ratio", 1.0)))
         try:
             tree = build_tree(choices, settings.num_heads)
         except QuickdraftError as exc:
             raise AcceleratorError(
                 f"the Medusa tree in {ckpt.folder} is invalid: {exc}; {FIX}"
             ) from exc
-        return cls(lm, heads, tree, retime)
+        return cls(lm, heads, tree, retimed)
 
     @property
     def pays(self) -> bool:
@@ -244,22 +250,22 @@ def step_seconds(lm, heads: MedusaHeads, choices, context: list[int], repeats: i
     return statistics.median(times[1:])
 
 
-def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]], repeats: int = 3) -> list:
-    """The greedy tree with the best estimated speedup from step times measured now (the
-    expected tokens per step come from the stored held-out accuracies); [] when no budget
-    reaches RETIME_MARGIN, so a re-timed drafter is never expected to be slower."""
+def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]],
+                 estimate_ratio: float = 1.0, repeats: int = 3) -> tuple[list, Payoff]:
+    """The greedy tree with the best estimated speedup from step times measured now, and
+    that estimate; no tree ([]) when none pays, so a re-timed drafter is never expected to
+    be slower. Expected tokens per step come from the stored held-out accuracies, scaled by
+    `estimate_ratio` (measured / estimated tokens per step of the tree calibration chose:
+    the independence assumption over-counts deep nodes)."""
     marginal = marginal_accuracies(topk_acc)
     context = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, 193)]  # 192 tokens
     # (step_seconds keeps as many as fit a shorter context window)
     plain = step_seconds(lm, heads, [], context, repeats)
-    best, best_speedup = [], RETIME_MARGIN
+    best, best_payoff = [], Payoff(1.0, plain, plain)
     for budget in RETIME_BUDGETS:
         choices = greedy_tree(marginal, budget)
-        speedup = (
-            expected_tokens(choices, marginal)
-            * plain
-            / step_seconds(lm, heads, choices, context, repeats)
-        )
-        if speedup > best_speedup:
-            best, best_speedup = choices, speedup
-    return best
+        tokens = 1 + (expected_tokens(choices, marginal) - 1) * estimate_ratio
+        payoff = Payoff(tokens, plain, step_seconds(lm, heads, choices, context, repeats))
+        if payoff.speedup > best_payoff.speedup:
+            best, best_payoff = choices, payoff
+    return (best, best_payoff) if best_payoff.pays else ([], best_payoff)

@@ -82,7 +82,7 @@ def load_auto(lm, remember: bool = True, load=None):
         if drafter.pays:
             trained[base] = drafter
             metrics = (describe(lm, base) or {}).get("metrics", {})
-            speedups[method] = measured_speedup(metrics) or 1.0
+            speedups[method] = drafter.retimed_speedup or measured_speedup(metrics) or 1.0
     path = auto_figures_path(lm) if remember else None
     figures = load_figures(path, priors(plain_step_seconds(lm), speedups))
     return AutoDrafter(figures, trained.get("medusa"), trained.get("kangaroo"), path)

@@ -1,0 +1,85 @@
+"""Whether drafting pays here: expected tokens per step against step times measured on
+this machine, in this dtype, on this device.
+
+Calibration times an accelerator where it was trained. Loaded in another dtype (fp32
+instead of bf16, 4-bit) or on another device, a drafted step costs a different multiple of
+a plain one (on a CPU in fp32, verifying 8 tokens costs ~1.5 plain steps; in bf16 ~1.1), so
+the drafter re-times its steps at load and decodes plainly, saying so, where the estimate
+does not beat plain decoding by PAY_MARGIN.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import kv_cache
+
+# An estimate must beat plain decoding by this factor: estimates from held-out acceptance
+# and a few timed steps run a little high, and a drafter that only breaks even costs memory.
+PAY_MARGIN = 1.1
+
+
+@dataclass(frozen=True)
+class Payoff:
+    """A drafted step against a plain one, here."""
+
+    tokens_per_step: float  # expected tokens a drafted step adds (its own token included)
+    plain_s: float  # seconds of one plain decode step, measured here
+    step_s: float  # seconds of one drafted step (propose + verify), measured here
+
+    @property
+    def speedup(self) -> float:
+        """Estimated decoding speed over plain decoding."""
+        return self.tokens_per_step * self.plain_s / self.step_s
+
+    @property
+    def pays(self) -> bool:
+        return self.speedup > PAY_MARGIN
+
+
+def timed_elsewhere(settings: dict, lm) -> bool:
+    """True unless calibration timed this accelerator in `lm`'s dtype on its device type
+    (checkpoints that did not record one are taken as timed in neither)."""
+    return (settings.get("quant") != lm.quant
+            or settings.get("device", lm.device.type) != lm.device.type)
+
+
+def not_paying_notice(method: str, lm, speedup: float) -> str:
+    """What a reply says when a drafter falls back to plain decoding here."""
+    return (f"{method} is estimated at {speedup:.2f}x plain decoding in {lm.quant} on this "
+            f"{lm.device.type.upper()}: decoding plainly (retrain it here to fit this setup)")
+
+
+def round_seconds(lm, drafter, context: int = 192, repeats: int = 3) -> float:
+    """Median seconds of one decode step of `lm` with `drafter` (propose, verify, commit)
+    whose drafts are all rejected, after a `context`-token prompt."""
+    from engine.config import SamplingParams
+    from engine.generate import DecodeState
+    from engine.sampling import make_generator
+
+    n = max(2, min(context, lm.context_len - 16 - repeats))  # drafts stay inside the window
+    ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, n + 1)]
+    cache = kv_cache.new_cache(lm.model)
+    times = []
+    with torch.inference_mode():
+        out = lm.model(input_ids=torch.tensor([ids[:-1]], device=lm.device), cache=cache,
+                       use_cache=True, output_hidden_states=drafter.wants_hidden,
+                       logits_to_keep=1)
+        state = DecodeState(lm, SamplingParams(), cache, list(ids), n - 1,
+                            make_generator(0, lm.device))
+        if drafter.wants_hidden:
+            state.hidden, state.prefill_hidden = out.hidden_states[-1][0, -1], out.hidden_states
+        drafter.start(state)
+        state.prefill_hidden = None
+        for _ in range(repeats + 1):  # the first round warms up
+            begin = time.perf_counter()
+            draft = drafter.propose(state)
+            drafter.score(state, draft)
+            drafter.commit(state, draft, [])
+            times.append(time.perf_counter() - begin)
+            state.ids.append(draft.tokens[-1])  # a rejected step still adds the model's token
+    return statistics.median(times[1:])
