@@ -112,11 +112,11 @@ def test_auto(bundled_lm, prompts, plain, trained_adapters):
     medusa = MedusaDrafter(bundled_lm, _random_heads(int(bundled_lm.model.config.hidden_size)),
                            build_tree(TREE, 4))
     figures = priors(0.03, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2,
-                            "kangaroo+lookup": 1.3})
+                            "kangaroo": 1.3})
     # Arms are re-measured every few steps of a kind: every switch between them occurs.
     d = AutoDrafter(figures, medusa, kangaroo, policy=AutoPolicy(explore_every=3))
     steps = Counter()
     for ids, want in zip(prompts, plain, strict=True):
         assert run(bundled_lm, ids, PARAMS, d)[1] == want
         steps.update(d.last_reply)
-    assert set(steps) == {"copy", "off", "lookup", "medusa+lookup", "kangaroo+lookup"}
+    assert set(steps) == {"copy", "off", "lookup", "medusa+lookup", "kangaroo"}

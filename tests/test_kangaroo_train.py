@@ -23,7 +23,6 @@ from trainer.kangaroo import (
 from trainer.kangaroo_calibrate import KangarooCalibration, simulate
 from trainer.train import TrainConfig
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

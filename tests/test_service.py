@@ -15,8 +15,8 @@ from app.store import Store, StoreError
 from engine.accelerators import checkpoint_dir
 from engine.chat import conversation, encode
 from engine.config import ModelSpec, SamplingParams
-from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
 from engine.drafters.registry import load_drafter
+from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
 from engine.generate import run
 from tests.conftest import make_tiny_model
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads, step_seconds
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads, tree_step_seconds
 from engine.generate import generate
+from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
 from trainer.context import answer_room
-from trainer.progress import Progress, ProgressFn, ignore
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,10 @@ def calibrate(
     marginal = marginal_accuracies(topk_acc)
     trees = candidate_trees(topk_acc, config.budgets)
     context = max(prompts, key=len)
-    plain_s = step_seconds(lm, heads, [], context, config.step_repeats)
+    plain_s = tree_step_seconds(lm, heads, [], context, config.step_repeats)
     estimates = []
     for i, choices in enumerate(trees):
-        secs = step_seconds(lm, heads, choices, context, config.step_repeats)
+        secs = tree_step_seconds(lm, heads, choices, context, config.step_repeats)
         expected = expected_tokens(choices, marginal)
         estimates.append(
             {

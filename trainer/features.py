@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import QuickdraftError
 from engine.paths import cache_dir
+from engine.progress import Eta, Progress, ProgressFn, ignore
 from trainer.context import fit_sequence
-from trainer.progress import Eta, Progress, ProgressFn, ignore
 
 SHARD_TOKENS = 65536  # tokens per cache shard: the unit of resuming
 BATCH_TOKENS = 8192  # padded tokens per frozen forward (memory / speed balance on a CPU)

@@ -20,10 +20,10 @@ import torch
 from engine.drafters import kangaroo_layers as layers
 from engine.drafters.kangaroo import Adapter, KangarooSettings, draft_head, sequence_states
 from engine.errors import QuickdraftError
+from engine.progress import Progress, ProgressFn, ignore
 from trainer.features import Features, encode_conversations, hidden_states
 from trainer.kangaroo_calibrate import KangarooCalibration, calibrate, prompt_ids
 from trainer.losses import soft_cross_entropy
-from trainer.progress import Progress, ProgressFn, ignore
 from trainer.train import TrainConfig, train_module
 
 
@@ -187,12 +187,22 @@ def fit_adapter(lm, adapter: Adapter, head: torch.Tensor, vocab, data: tuple[Fea
     return fit
 
 
-def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
+def check(lm) -> None:
+    """Refuse, before any data is spent, a model whose layers the engine cannot split."""
+    layers.check_supported(lm.model)
+
+
+def reserve_s(options) -> float:
+    """Seconds of the budget kept back from training for calibration."""
+    return options.kangaroo.calibration.seconds
+
+
+def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
                    progress: ProgressFn = ignore, cancel: threading.Event | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Features -> one adapter per exit layer -> calibrated (l, eta, gamma), within
     options.max_minutes. Returns (checkpoint tensors, drafter.json settings, metrics)."""
-    layers.check_supported(lm.model)
+    check(lm)
     config: KangarooTrainConfig = options.kangaroo
     start = time.perf_counter()
     final = layers.num_layers(lm.model)

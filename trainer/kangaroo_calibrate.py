@@ -28,9 +28,9 @@ from engine.drafters import kangaroo_layers as layers
 from engine.drafters.base import Drafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, sequence_states
 from engine.generate import run
+from engine.progress import Progress, ProgressFn, ignore
 from engine.stats import GenerationStats
 from trainer.context import answer_room, fit_prompt
-from trainer.progress import Progress, ProgressFn, ignore
 
 
 @dataclass(frozen=True)

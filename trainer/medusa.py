@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import expected_tokens, marginal_accuracies
 from trainer.features import Features, encode_conversations, hidden_states
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
-from trainer.progress import Progress, ProgressFn, ignore
 from trainer.train import TrainConfig, train_module
 
 CHUNK = 2048  # positions per LM-head matmul when scoring teachers and accuracies
@@ -169,7 +169,16 @@ def head_accuracies(
     return [[round(float(a), 4) for a in row] for row in cumulative]
 
 
-def train_medusa(
+def check(lm) -> None:
+    """Refuse a model Medusa cannot train on: none (the heads read only the final state)."""
+
+
+def reserve_s(options) -> float:
+    """Seconds of the budget kept back from training for calibration."""
+    return options.calibration_seconds
+
+
+def train(
     lm,
     train_convs: list[list[dict]],
     heldout_convs: list[list[dict]],

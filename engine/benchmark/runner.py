@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import Method, Outcome
 from engine.benchmark.prompts import BenchPrompt
-from trainer.progress import Eta, Progress, ProgressFn, ignore
+from engine.progress import Eta, Progress, ProgressFn, ignore
 
 
 @dataclass

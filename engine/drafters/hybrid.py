@@ -59,7 +59,7 @@ class MedusaLookupDrafter(MedusaDrafter):
         self.merge = TreeWithChain(tree)
         self._chain = 0  # lookup tokens in this step's draft (after the tree's nodes)
 
-    def start(self, state) -> None:
+    def start(self, state, prefill) -> None:
         self.lookup.reset()
 
     def propose(self, state) -> Draft:
@@ -86,8 +86,8 @@ class KangarooLookupDrafter(KangarooDrafter):
         self.min_match = min_match  # shortest matched n-gram whose continuation is drafted
         self._chain = 0  # lookup tokens drafted this round (0: the adapter drafted)
 
-    def start(self, state) -> None:
-        super().start(state)
+    def start(self, state, prefill) -> None:
+        super().start(state, prefill)
         self.lookup.reset()
 
     def propose(self, state) -> Draft:

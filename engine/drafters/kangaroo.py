@@ -21,9 +21,14 @@ from transformers.masking_utils import create_causal_mask
 
 from engine import kv_cache
 from engine.drafters import kangaroo_layers as layers
-from engine.drafters.auto_figures import plain_step_seconds
 from engine.drafters.base import Draft, Drafter
-from engine.drafters.payoff import Payoff, not_paying_notice, round_seconds, timed_elsewhere
+from engine.drafters.payoff import (
+    Payoff,
+    not_paying_notice,
+    plain_step_seconds,
+    round_seconds,
+    timed_elsewhere,
+)
 from engine.errors import AcceleratorError
 from engine.sampling import logits_to_probs, sample_from
 
@@ -257,11 +262,10 @@ class KangarooDrafter(Drafter):
 
     # -- the decode loop's hooks ---------------------------------------------------------
 
-    def start(self, state) -> None:
+    def start(self, state, prefill) -> None:
         """The adapter will read the whole prompt's layer-l states at the first propose."""
         if not self.off:
-            hidden = state.prefill_hidden
-            self.run = _Run(DynamicCache(), layers.exit_states(hidden, self.settings.exit_layer))
+            self.run = _Run(DynamicCache(), layers.exit_states(prefill, self.settings.exit_layer))
 
     def propose(self, state) -> Draft:
         """Run the pending token through the shallow layers, then draft until unsure."""
@@ -305,6 +309,25 @@ class KangarooDrafter(Drafter):
         run.lag = run.lag[:, :0]
         return first, read
 
+    def absorb(self, exits: torch.Tensor) -> None:
+        """Queue the (1, m, H) layer-l states of tokens just committed by a round the adapter
+        did not draft (lookup, or another drafter's whole-model forward): the adapter reads
+        them at its next round, so no layer runs twice for a token."""
+        self.run.lag = torch.cat([self.run.lag, exits], dim=1)
+
+    def guesses(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The adapter's drafts over (n, H) adapter states: (n, Vd) float32 logits, the (n,)
+        top-1 token ids and their (n,) probabilities. Drafting goes on after a guess while
+        `sure` says so (one rule for drafting, Auto's counting and calibration)."""
+        # (n, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
+        logits = nn.functional.linear(states, self.head).float()
+        top, idx = torch.softmax(logits, -1).max(-1)
+        return logits, idx if self.vocab is None else self.vocab[idx], top
+
+    def sure(self, top: torch.Tensor) -> torch.Tensor:
+        """Whether a draft with top-1 probability `top` is sure enough to draft on after."""
+        return top > self.settings.eta
+
     def propose_chain(self, state, tokens: list[int]) -> Draft:
         """A round whose draft comes from elsewhere (a lookup continuation): the pending
         token and `tokens` go through the shallow layers in one pass, and the adapter reads
@@ -320,7 +343,7 @@ class KangarooDrafter(Drafter):
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers l..L over the saved layer-l states (+ the last draft token's, computed now
-        unless the round already ran it): float32 logits and the final (normed) hidden states,
+        unless the round already ran it): logits and the final (normed) hidden states,
         which Medusa's heads read when Auto mixes the two."""
         if self.off:
             return super().score(state, draft)
@@ -332,8 +355,7 @@ class KangarooDrafter(Drafter):
             run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
         deep = range(self.settings.exit_layer, layers.num_layers(model))
         h = model.model.norm(layers.run_layers(model, run.scored, deep, state.cache, start))
-        # float32: argmax and softmax over a bf16 vocabulary row are several times slower.
-        return model.lm_head(h)[0].float(), h[0]
+        return model.lm_head(h)[0], h[0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
@@ -343,7 +365,7 @@ class KangarooDrafter(Drafter):
         k, a = draft.size - 1, len(path)
         kv_cache.rollback(state.cache, k - a)  # every layer held start + k + 1 positions
         if run.external:  # the adapter has read none of this round's states
-            run.lag = torch.cat([run.lag, run.scored[:, :a + 1]], dim=1)
+            self.absorb(run.scored[:, :a + 1])
         elif a < k:
             # The adapter read the root and d1..d(k-1): keep the root and d1..da.
             kv_cache.drop_last(run.cache, k - a - 1)
@@ -372,18 +394,16 @@ class KangarooDrafter(Drafter):
 
     def _choose(self, out: torch.Tensor, state) -> tuple[int, torch.Tensor | None, bool]:
         """Draft token, its q row (V,) for speculative sampling (else None), and whether
-        the draft is confident enough to go on (top-1 probability > eta)."""
-        # (1, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
-        logits = nn.functional.linear(out[None], self.head)[0].float()  # (Vd,)
-        top = float(torch.softmax(logits, -1).max())
+        the draft is sure enough to go on."""
+        logits, top1, top = self.guesses(out[None])
+        sure = bool(self.sure(top[0]))
         params = state.params
         if params.acceptance_mode != "lossless":
-            idx, q = int(logits.argmax()), None
-        else:
-            q_small = logits_to_probs(logits, params)
-            idx = sample_from(q_small, state.generator)
-            q = q_small if self.vocab is None else torch.zeros(
-                self.vocab_size, device=q_small.device).index_copy_(0, self.vocab, q_small)
-        token = idx if self.vocab is None else int(self.vocab[idx])
-        return token, q, top > self.settings.eta
+            return int(top1[0]), None, sure
+        q_small = logits_to_probs(logits[0], params)
+        idx = sample_from(q_small, state.generator)
+        if self.vocab is None:
+            return idx, q_small, sure
+        q = torch.zeros(self.vocab_size, device=q_small.device).index_copy_(0, self.vocab, q_small)
+        return int(self.vocab[idx]), q, sure
 

@@ -115,7 +115,7 @@ class LookupDrafter(Drafter):
     def __init__(self, params: LookupParams | None = None) -> None:
         self.source = LookupSource(params or LookupParams())
 
-    def start(self, state) -> None:
+    def start(self, state, prefill) -> None:
         self.source.reset()
 
     def propose(self, state) -> Draft:
