@@ -25,8 +25,9 @@ from engine.generate import run
 from engine.tree import build_tree
 from tests.test_medusa_bundled import TREE, _random_heads
 from trainer.features import encode_conversations, hidden_states
-from trainer.kangaroo import KangarooTrainConfig, draft_vocabulary, fit_adapter
+from trainer.kangaroo.train import KangarooTrainConfig, fit_adapter
 from trainer.train import TrainConfig
+from trainer.vocab import draft_vocabulary
 
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parent.parent / "assets" / "bench_prompts.jsonl"

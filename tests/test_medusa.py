@@ -19,7 +19,7 @@ from engine.tree import build_tree, greedy_tree
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 from trainer.features import encode_conversations, hidden_states
-from trainer.medusa import MedusaTrainConfig, fit_heads, teacher_topk
+from trainer.medusa.train import MedusaTrainConfig, fit_heads, teacher_topk
 from trainer.train import TrainConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]

@@ -275,7 +275,7 @@ def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny)
 def _fast_training(max_conversations: int):
     """Options that train Medusa on a tiny model in seconds (few short answers, a small
     calibration)."""
-    from trainer.calibrate import CalibrationConfig
+    from trainer.medusa.calibrate import CalibrationConfig
     from trainer.pipeline import TrainOptions
     from trainer.selfdistill import DataBudget
 

@@ -237,3 +237,10 @@ def _read_shard(path: Path, layers: list[int]) -> Features:
             f"the feature cache shard {path} is unreadable; delete it and rerun"
         ) from exc
     return Features(t["ids"], t["mask"], t["offsets"], {n: t[f"layer{n}"] for n in layers})
+
+
+def features_for(lm, convs: list[list[dict]], layers: list[int], progress: ProgressFn = ignore,
+                 cancel: threading.Event | None = None) -> Features:
+    """The conversations' token ids, answer masks and hidden states at `layers`, cached."""
+    ids, masks = encode_conversations(lm, convs)
+    return hidden_states(lm, ids, layers, masks, progress, cancel).load()

@@ -15,9 +15,9 @@ from engine.accelerators import save_checkpoint
 from engine.drafters.registry import TRAINED, method
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
-from trainer.calibrate import CalibrationConfig
 from trainer.kangaroo import KangarooTrainConfig
 from trainer.medusa import MedusaTrainConfig
+from trainer.medusa.calibrate import CalibrationConfig
 from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
 from trainer.train import TrainConfig
 

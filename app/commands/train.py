@@ -133,7 +133,7 @@ def summary(result) -> str:
     if result.method == "medusa":
         lines += _medusa_lines(m, s)
     elif result.method == "kangaroo":
-        from trainer.kangaroo import summary_lines
+        from trainer.kangaroo.train import summary_lines
 
         lines += summary_lines(m, s)
     elif s.get("pays") is False:

@@ -65,10 +65,6 @@ class NgramIndex:
         """Catch up with a token list this index is a prefix of (the decode loop's ids)."""
         self.extend(ids[len(self.ids):])
 
-    def continuation(self, length: int) -> list[int]:
-        """Tokens that followed the longest earlier match of the current suffix."""
-        return self.match(length)[0]
-
     def match(self, length: int) -> tuple[list[int], int]:
         """(continuation, n): up to `length` tokens that followed the longest earlier match of
         the current suffix, and that match's n-gram length; ([], 0) without a match."""

@@ -11,17 +11,16 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 from dataclasses import dataclass, field
 
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, tree_step_seconds
-from engine.generate import generate
 from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
 from trainer.context import answer_room
+from trainer.measure import PLAIN, measure
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class CalibrationResult:
 
     tree: list[list[int]]  # chosen choices; [] = no tree beat plain decoding here
     pays: bool  # a tree was measurably faster than plain decoding
-    chosen: str = "plain"  # key of the winner in `measured`
+    chosen: str = PLAIN  # key of the winner in `measured`
     # name -> {"tokens_per_s", "mean_accepted", "speedup", "nodes"}
     measured: dict = field(default_factory=dict)
     # per budget: nodes, expected tokens, step ms, estimated speedup, tree
@@ -98,13 +97,13 @@ def calibrate(
                 f"timed a {len(choices)}-node tree",
             )
         )
-    best = sorted(estimates, key=lambda e: -e["estimated_speedup"])[: config.finalists]
-    measured = measure_decoding(
-        lm, heads, [e["tree"] for e in best], prompts[: config.prompts], config, progress, cancel
-    )
+    finalists = [e["tree"] for e in sorted(estimates, key=lambda e: -e["estimated_speedup"])]
+    finalists = finalists[: config.finalists]
+    measured = measure_decoding(lm, heads, finalists, prompts[: config.prompts], config,
+                                progress, cancel)
     # Plain decoding's speedup is 1 by definition; a tree must beat it to be kept.
-    winner = max(measured, key=lambda name: measured[name]["speedup"], default="plain")
-    tree = [] if winner == "plain" else [list(c) for c in best[int(winner.split("-")[1])]["tree"]]
+    winner = max(measured, key=lambda name: measured[name]["speedup"], default=PLAIN)
+    tree = [list(c) for c in tree_names(finalists)[winner]]
     for e in estimates:
         e["tree"] = [list(c) for c in e["tree"]]
     return CalibrationResult(tree, bool(tree), winner, measured, estimates)
@@ -119,44 +118,20 @@ def measure_decoding(
     progress: ProgressFn = ignore,
     cancel: threading.Event | None = None,
 ) -> dict:
-    """Greedy replies to `prompts` with plain decoding and with each tree, interleaved per
-    prompt (the machine's speed drifts). Returns name -> tokens/s, tokens/step, speedup."""
-    drafters: dict[str, Drafter] = {"plain": Drafter()}
-    for i, choices in enumerate(trees):
-        drafters[f"tree-{i}"] = MedusaDrafter(
-            lm, heads, build_tree(choices, heads.settings.num_heads)
-        )
+    """Greedy replies to `prompts` with plain decoding and with each tree (trainer.measure).
+    Returns name (see tree_names) -> tokens/s, tokens/step, speedup, nodes, ..."""
+    candidates = tree_names(trees)
+    drafters: dict[str, Drafter] = {
+        name: MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
+        if choices else Drafter()
+        for name, choices in candidates.items()
+    }
     params = SamplingParams(max_new_tokens=answer_room(lm, config.max_new_tokens))
-    rates: dict[str, list[float]] = {name: [] for name in drafters}
-    accepted: dict[str, list[float]] = {name: [] for name in drafters}
-    for n, ids in enumerate(prompts):
-        if cancel is not None and cancel.is_set():
-            break
-        names = list(drafters)
-        for name in names[n % len(names) :] + names[: n % len(names)]:  # rotate the order
-            stats = _final_stats(lm, ids, params, drafters[name])
-            rates[name].append(stats.tokens_per_s)
-            accepted[name].append(stats.mean_accepted)
-        progress(
-            Progress("calibrate", n + 1, len(prompts), f"timed {n + 1}/{len(prompts)} replies")
-        )
-    plain = rates["plain"]
-    out = {}
-    for name in drafters:
-        if not rates[name]:
-            continue
-        ratios = [r / p for r, p in zip(rates[name], plain, strict=True) if p > 0]
-        out[name] = {
-            "tokens_per_s": round(statistics.median(rates[name]), 2),
-            "mean_accepted": round(statistics.mean(accepted[name]), 3),
-            "speedup": round(statistics.median(ratios), 3) if ratios else 0.0,
-            "nodes": 0 if name == "plain" else len(trees[int(name.split("-")[1])]),
-        }
-    return out
+    measured = measure(lm, drafters, prompts, params, progress, cancel)
+    return {name: {**figures, "nodes": len(candidates[name])}
+            for name, figures in measured.items()}
 
 
-def _final_stats(lm, ids, params, drafter):
-    for event in generate(lm, ids, params, drafter):
-        if event.done:
-            return event.stats
-    raise AssertionError("the decode loop ended without a final event")
+def tree_names(trees) -> dict[str, list]:
+    """Name -> tree choices of what calibration decodes: plain decoding ([]) and each tree."""
+    return {PLAIN: [], **{f"tree-{i}": list(choices) for i, choices in enumerate(trees)}}

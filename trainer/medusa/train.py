@@ -19,9 +19,12 @@ import torch
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
 from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import expected_tokens, marginal_accuracies
-from trainer.features import Features, encode_conversations, hidden_states
+from trainer.context import prompt_ids
+from trainer.features import Features, features_for
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
+from trainer.medusa.calibrate import calibrate
 from trainer.train import TrainConfig, train_module
+from trainer.vocab import coverage, draft_vocabulary
 
 CHUNK = 2048  # positions per LM-head matmul when scoring teachers and accuracies
 
@@ -125,19 +128,6 @@ def step_loss(
     return (lam * per_head).sum() / lam.sum()
 
 
-def draft_vocabulary(
-    features: Features, teacher: Teacher, size: int, vocab_size: int
-) -> torch.Tensor | None:
-    """The `size` tokens the heads may propose: the most frequent among the answers' tokens
-    and the model's own top guesses at answer positions. None (the whole vocabulary) when
-    size is 0 or covers the vocabulary. Returns sorted (V',) long ids."""
-    if size <= 0 or size >= vocab_size:
-        return None
-    seen = torch.cat([features.ids[features.mask], teacher.ids[features.mask, 0]])
-    counts = torch.bincount(seen, minlength=vocab_size)
-    return torch.sort(torch.topk(counts, size).indices).values
-
-
 def head_accuracies(
     lm,
     heads: MedusaHeads,
@@ -191,13 +181,11 @@ def train(
 
     Returns (checkpoint tensors, settings for drafter.json, metrics for metrics.json).
     """
-    from trainer.calibrate import calibrate  # calibrate imports the decode loop; keep it lazy
-
     config: MedusaTrainConfig = options.medusa
     start = time.perf_counter()
     final = int(lm.model.config.num_hidden_layers)
-    train = _features(lm, train_convs, final, progress, cancel)
-    heldout = _features(lm, heldout_convs, final, progress, cancel)
+    train = features_for(lm, train_convs, [final], progress, cancel)
+    heldout = features_for(lm, heldout_convs, [final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
     mark = time.perf_counter()
     t_teacher = teacher_topk(lm, train.states[final], config.teacher_topk, progress)
@@ -219,7 +207,7 @@ def train(
     acc = head_accuracies(
         lm, heads, heldout.states[final], h_teacher, h_pos, h_valid, config.max_rank
     )
-    prompts = [_prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
+    prompts = [prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
     result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
     settings = {
@@ -255,7 +243,8 @@ def _new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher)
     return MedusaHeads(
         int(lm.model.config.hidden_size),
         MedusaSettings(config.num_heads, config.own_vocab),
-        draft_vocabulary(train, teacher, size, len(weight)),
+        # the model's own top guesses at answer positions count as well as what it said
+        draft_vocabulary(train, size, (), len(weight), extra=teacher.ids[train.mask, 0]),
         weight if config.own_vocab else None,
     )
 
@@ -278,7 +267,10 @@ def _metrics(
             "measured": result.measured,
             "estimates": result.estimates,
         },
-        "draft_vocab": _coverage(heads, heldout),
+        "draft_vocab": {
+            "size": None if heads.vocab_ids is None else int(heads.vocab_ids.numel()),
+            "heldout_coverage": coverage(heldout, heads.vocab_ids),
+        },
         "train_tokens": train.tokens,
         "heldout_tokens": heldout.tokens,
         "times": times,
@@ -328,24 +320,3 @@ def fit_heads(
     return train_module(
         heads, batches, loss_fn, train_config, progress, cancel, eval_fn if h_pos.numel() else None
     )
-
-
-def _coverage(heads: MedusaHeads, heldout: Features) -> dict:
-    """Size of the heads' vocabulary and the share of held-out answer tokens inside it."""
-    answers = heldout.ids[heldout.mask]
-    if heads.vocab_ids is None:
-        return {"size": None, "heldout_coverage": 1.0}
-    inside = torch.isin(answers, heads.vocab_ids.cpu()).float().mean()
-    return {"size": int(heads.vocab_ids.numel()), "heldout_coverage": round(float(inside), 4)}
-
-
-def _features(lm, convs, layer: int, progress: ProgressFn, cancel) -> Features:
-    ids, masks = encode_conversations(lm, convs)
-    return hidden_states(lm, ids, [layer], masks, progress, cancel).load()
-
-
-def _prompt_ids(lm, conv: list[dict]) -> list[int]:
-    """The first user turn of a held-out conversation, as the app would prompt it."""
-    from engine.chat import conversation, encode
-
-    return encode(lm.tokenizer, conversation(conv[0]["content"]))
