@@ -175,7 +175,7 @@ class Service:
         if method == "off":
             return Drafter()
         if method not in self._drafters:
-            # Auto shares the hybrids this service holds (one copy of heads or adapter).
+            # Auto shares the Medusa and Kangaroo drafters this service holds.
             self._drafters[method] = (load_auto(self.lm, True, lambda _lm, m: self._drafter(m))
                                       if method == "auto" else load_drafter(self.lm, method))
         return self._drafters[method]

@@ -27,8 +27,8 @@ from engine.drafters.kangaroo import (
     Adapter,
     KangarooDrafter,
     KangarooSettings,
-    sequence_states,
 )
+from engine.drafters.kangaroo_adapter import sequence_states
 from engine.drafters.lookup import LookupParams
 from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.registry import auto_figures_path, load_drafter

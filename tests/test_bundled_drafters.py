@@ -19,7 +19,8 @@ from engine.config import SamplingParams
 from engine.drafters.auto import AutoDrafter
 from engine.drafters.auto_figures import AutoPolicy, priors
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
 from engine.tree import build_tree

@@ -8,7 +8,8 @@ import torch
 
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model

@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -223,7 +224,7 @@ def to_markdown(report: dict, images: list[str] = ()) -> str:
     if s["temperature"] == 0:
         lines += [f"## Speedup over {BASELINE} on the same text by category", "",
                   f"Only the prompts where a method's text equals {BASELINE}'s (their number "
-                  "in brackets).", "", *same_text_table(report), ""]
+                  "in brackets).", "", *category_table(report, _same_text_cell), ""]
     lines += ["## Notes", "", *notes(report), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(lines).rstrip() + "\n"
@@ -252,33 +253,24 @@ def overall_table(report: dict) -> list[str]:
     return rows
 
 
-def category_table(report: dict, key: str) -> list[str]:
-    """Markdown rows: method x category for one figure, plus the pooled column."""
+def category_table(report: dict, key: str | Callable[[dict], str]) -> list[str]:
+    """Markdown rows: method x category for one figure (its key, or a function of a
+    method's figures that writes the cell), plus the pooled column."""
     methods = report["methods"]
     categories = list(next(iter(methods.values()))["by_category"])
-    rows = ["| method | " + " | ".join([*categories, OVERALL]) + " |",
-            "| --- |" + " ---: |" * (len(categories) + 1)]
-    for name, f in methods.items():
-        cells = [_fmt(f["by_category"][c][key], "x") for c in categories]
-        rows.append(f"| {name} | " + " | ".join([*cells, _fmt(f[key], "x")]) + " |")
-    return rows
-
-
-def same_text_table(report: dict) -> list[str]:
-    """Markdown rows: method x category of the same-text speedup and its prompt count."""
-    methods = report["methods"]
-    categories = list(next(iter(methods.values()))["by_category"])
-
-    def cell(f: dict) -> str:
-        same = f.get("same_text") or {}
-        return f"{_fmt(same.get('speedup_vs_hf'), 'x')} ({same.get('prompts', 0)})"
-
+    cell = key if callable(key) else (lambda f: _fmt(f[key], "x"))
     rows = ["| method | " + " | ".join([*categories, OVERALL]) + " |",
             "| --- |" + " ---: |" * (len(categories) + 1)]
     for name, f in methods.items():
         cells = [cell(f["by_category"][c]) for c in categories]
         rows.append(f"| {name} | " + " | ".join([*cells, cell(f)]) + " |")
     return rows
+
+
+def _same_text_cell(f: dict) -> str:
+    """The same-text speedup and, in brackets, over how many prompts."""
+    same = f.get("same_text") or {}
+    return f"{_fmt(same.get('speedup_vs_hf'), 'x')} ({same.get('prompts', 0)})"
 
 
 def notes(report: dict) -> list[str]:

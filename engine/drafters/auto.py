@@ -165,7 +165,7 @@ class AutoDrafter(Drafter):
         began = time.perf_counter()
         chain, n = self.source.match(state.ids, state.room)
         root = state.ids[-1]
-        if chain and n == self.source.params.max_ngram:
+        if chain and self.source.copying(n):
             kind, arm = COPY, COPY
         else:
             kind = match_kind(n) if chain else NO_MATCH

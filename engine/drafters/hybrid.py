@@ -65,7 +65,7 @@ class MedusaLookupDrafter(MedusaDrafter):
     def propose(self, state) -> Draft:
         chain, n = self.lookup.match(state.ids, state.room)
         self._chain = len(chain)
-        if chain and n == self.lookup.params.max_ngram:
+        if chain and self.lookup.copying(n):
             # A copy in progress: the heads' guesses would only add verification cost.
             return Draft.chain(state.ids[-1], chain)
         return self.merge(super().propose(state), chain)

@@ -96,7 +96,12 @@ class LookupSource:
         adaptive length."""
         self.index.sync(ids)
         chain, n = self.index.match(min(self.params.draft_len, room))
-        return (chain if n == self.params.max_ngram else chain[:self.length]), n
+        return (chain if self.copying(n) else chain[:self.length]), n
+
+    def copying(self, n: int) -> bool:
+        """Whether a match of `n` tokens (match's second value) is a copy in progress: then
+        the continuation alone is drafted, at full length."""
+        return n == self.params.max_ngram
 
     def update(self, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of the `drafted` lookup tokens were kept."""

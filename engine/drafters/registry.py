@@ -10,44 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.drafters.base import Drafter
+from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.kangaroo import KangarooDrafter
+from engine.drafters.lookup import LookupDrafter
+from engine.drafters.medusa import MedusaDrafter
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.paths import data_dir
 
 log = logging.getLogger(__name__)
-
-
-def _off(lm, ckpt) -> Drafter:
-    return Drafter()
-
-
-def _lookup(lm, ckpt) -> Drafter:
-    from engine.drafters.lookup import LookupDrafter
-
-    return LookupDrafter()
-
-
-def _medusa(lm, ckpt) -> Drafter:
-    from engine.drafters.medusa import MedusaDrafter
-
-    return MedusaDrafter.from_checkpoint(lm, ckpt)
-
-
-def _medusa_lookup(lm, ckpt) -> Drafter:
-    from engine.drafters.hybrid import MedusaLookupDrafter
-
-    return MedusaLookupDrafter.from_checkpoint(lm, ckpt)
-
-
-def _kangaroo(lm, ckpt) -> Drafter:
-    from engine.drafters.kangaroo import KangarooDrafter
-
-    return KangarooDrafter.from_checkpoint(lm, ckpt)
-
-
-def _kangaroo_lookup(lm, ckpt) -> Drafter:
-    from engine.drafters.hybrid import KangarooLookupDrafter
-
-    return KangarooLookupDrafter.from_checkpoint(lm, ckpt)
 
 
 @dataclass(frozen=True)
@@ -66,12 +36,14 @@ class Method:
 
 METHODS = (
     Method("auto", "Auto", None),
-    Method("off", "Off", _off),
-    Method("lookup", "Lookup", _lookup),
-    Method("medusa", "Medusa", _medusa, "medusa", "trainer.medusa"),
-    Method("medusa+lookup", "Medusa+lookup", _medusa_lookup, "medusa"),
-    Method("kangaroo", "Kangaroo", _kangaroo, "kangaroo", "trainer.kangaroo"),
-    Method("kangaroo+lookup", "Kangaroo+lookup", _kangaroo_lookup, "kangaroo"),
+    Method("off", "Off", lambda lm, ckpt: Drafter()),
+    Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter()),
+    Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa"),
+    Method("medusa+lookup", "Medusa+lookup", MedusaLookupDrafter.from_checkpoint, "medusa"),
+    Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
+           "trainer.kangaroo"),
+    Method("kangaroo+lookup", "Kangaroo+lookup", KangarooLookupDrafter.from_checkpoint,
+           "kangaroo"),
 )
 BY_NAME = {m.name: m for m in METHODS}
 ACCEL_CHOICES = tuple(BY_NAME)

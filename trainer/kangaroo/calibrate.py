@@ -24,7 +24,8 @@ import torch
 from engine.config import SamplingParams
 from engine.drafters import kangaroo_layers as layers
 from engine.drafters.base import Drafter
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, sequence_states
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import sequence_states
 from engine.generate import run
 from engine.interleave import interleaved
 from engine.progress import Progress, ProgressFn, ignore

@@ -18,13 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafters import kangaroo_layers as layers
-from engine.drafters.kangaroo import (
-    Adapter,
-    KangarooDrafter,
-    KangarooSettings,
-    draft_head,
-    sequence_states,
-)
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import draft_head, sequence_states
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import prompt_ids

@@ -47,9 +47,8 @@ class CalibrationResult:
     estimates: list[dict] = field(default_factory=list)
 
 
-def candidate_trees(
-    topk_acc: list[list[float]], budgets: tuple[int, ...]
-) -> list[list[tuple[int, ...]]]:
+def candidate_trees(topk_acc: list[list[float]],
+                    budgets: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
     """The greedy sparse tree for each node budget (distinct trees only)."""
     marginal = marginal_accuracies(topk_acc)
     trees, seen = [], set()
@@ -61,15 +60,9 @@ def candidate_trees(
     return trees
 
 
-def calibrate(
-    lm,
-    heads: MedusaHeads,
-    topk_acc: list[list[float]],
-    prompts: list[list[int]],
-    config: CalibrationConfig,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-) -> CalibrationResult:
+def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list[list[int]],
+              config: CalibrationConfig, progress: ProgressFn = ignore,
+              cancel: threading.Event | None = None) -> CalibrationResult:
     """Choose the fastest tree measured on this machine (or none, when none pays)."""
     marginal = marginal_accuracies(topk_acc)
     trees = candidate_trees(topk_acc, config.budgets)
@@ -79,24 +72,13 @@ def calibrate(
     for i, choices in enumerate(trees):
         secs = tree_step_seconds(lm, heads, choices, context, config.step_repeats)
         expected = expected_tokens(choices, marginal)
-        estimates.append(
-            {
-                "nodes": len(choices),
-                "expected_tokens": round(expected, 3),
-                "step_ms": round(secs * 1e3, 2),
-                "plain_step_ms": round(plain_s * 1e3, 2),
-                "estimated_speedup": round(expected * plain_s / secs, 3),
-                "tree": choices,
-            }
-        )
-        progress(
-            Progress(
-                "calibrate",
-                i + 1,
-                len(trees) + config.finalists,
-                f"timed a {len(choices)}-node tree",
-            )
-        )
+        estimates.append({"nodes": len(choices), "expected_tokens": round(expected, 3),
+                          "step_ms": round(secs * 1e3, 2),
+                          "plain_step_ms": round(plain_s * 1e3, 2),
+                          "estimated_speedup": round(expected * plain_s / secs, 3),
+                          "tree": choices})
+        progress(Progress("calibrate", i + 1, len(trees) + config.finalists,
+                          f"timed a {len(choices)}-node tree"))
     finalists = [e["tree"] for e in sorted(estimates, key=lambda e: -e["estimated_speedup"])]
     finalists = finalists[: config.finalists]
     measured = measure_decoding(lm, heads, finalists, prompts[: config.prompts], config,
@@ -109,15 +91,9 @@ def calibrate(
     return CalibrationResult(tree, bool(tree), winner, measured, estimates)
 
 
-def measure_decoding(
-    lm,
-    heads: MedusaHeads,
-    trees,
-    prompts: list[list[int]],
-    config: CalibrationConfig,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-) -> dict:
+def measure_decoding(lm, heads: MedusaHeads, trees, prompts: list[list[int]],
+                     config: CalibrationConfig, progress: ProgressFn = ignore,
+                     cancel: threading.Event | None = None) -> dict:
     """Greedy replies to `prompts` with plain decoding and with each tree (trainer.measure).
     Returns name (see tree_names) -> tokens/s, tokens/step, speedup, nodes, ..."""
     candidates = tree_names(trees)

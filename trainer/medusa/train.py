@@ -91,16 +91,9 @@ def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.T
     return pos, valid
 
 
-def step_loss(
-    heads: MedusaHeads,
-    weight: torch.Tensor,
-    states: torch.Tensor,
-    teacher: Teacher,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    config: MedusaTrainConfig,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, teacher: Teacher,
+              pos: torch.Tensor, valid: torch.Tensor, config: MedusaTrainConfig,
+              generator: torch.Generator | None = None) -> torch.Tensor:
     """Weighted sampled-softmax soft cross-entropy of all heads for a batch of positions.
 
     weight: (V, H) frozen vocabulary projection; states: (T, H); pos: (B,); valid: (B, K).
@@ -128,15 +121,8 @@ def step_loss(
     return (lam * per_head).sum() / lam.sum()
 
 
-def head_accuracies(
-    lm,
-    heads: MedusaHeads,
-    states: torch.Tensor,
-    teacher: Teacher,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    max_rank: int,
-) -> list[list[float]]:
+def head_accuracies(lm, heads: MedusaHeads, states: torch.Tensor, teacher: Teacher,
+                    pos: torch.Tensor, valid: torch.Tensor, max_rank: int) -> list[list[float]]:
     """Per head, top-i accuracy (i = 1..max_rank) against the base model's greedy token at
     t + k, guessing from the heads' vocabulary as the drafter does. Returns K lists of
     cumulative accuracies."""
@@ -168,14 +154,9 @@ def reserve_s(options) -> float:
     return options.calibration_seconds
 
 
-def train(
-    lm,
-    train_convs: list[list[dict]],
-    heldout_convs: list[list[dict]],
-    options,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
+          progress: ProgressFn = ignore, cancel: threading.Event | None = None
+          ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Features -> heads -> held-out accuracies -> calibrated tree, within
     options.max_minutes (the time the pipeline left for these stages).
 
@@ -196,30 +177,24 @@ def train(
     budget = max(10.0, left - options.calibration_seconds)
     train_config = dataclasses.replace(options.train, epochs=config.epochs, max_seconds=budget)
     mark = time.perf_counter()
-    fit = fit_heads(
-        lm, heads, (train, t_teacher), (heldout, h_teacher), config, train_config, progress, cancel
-    )
+    fit = fit_heads(lm, heads, (train, t_teacher), (heldout, h_teacher), config, train_config,
+                    progress, cancel)
     times["train_s"] = round(time.perf_counter() - mark, 1)
     if cancel is not None and cancel.is_set():
         return heads.tensors(), {}, {"train": fit, "times": times}  # the pipeline saves nothing
     mark = time.perf_counter()
     h_pos, h_valid = positions(heldout, config.num_heads)
-    acc = head_accuracies(
-        lm, heads, heldout.states[final], h_teacher, h_pos, h_valid, config.max_rank
-    )
+    acc = head_accuracies(lm, heads, heldout.states[final], h_teacher, h_pos, h_valid,
+                          config.max_rank)
     prompts = [prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
     result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
-    settings = {
-        "num_heads": config.num_heads,
-        "own_vocab": config.own_vocab,
-        "tree": result.tree,
-        "pays": result.pays,
-        "quant": lm.quant,  # the dtype the tree was timed in (another one re-times at load)
-        "device": lm.device.type,  # and the device
-        "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
-        "estimate_ratio": estimate_ratio(acc, result),
-    }
+    settings = {"num_heads": config.num_heads, "own_vocab": config.own_vocab,
+                "tree": result.tree, "pays": result.pays,
+                # the dtype and device the tree was timed in (another one re-times at load)
+                "quant": lm.quant, "device": lm.device.type,
+                "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
+                "estimate_ratio": estimate_ratio(acc, result)}
     metrics = _metrics(acc, result, fit, heads, train, heldout, times)
     return heads.tensors(), settings, metrics
 
@@ -240,18 +215,15 @@ def _new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher)
     Own projections are trained over the whole vocabulary, so they get all of it."""
     weight = lm.model.get_output_embeddings().weight.detach()
     size = 0 if config.own_vocab else config.draft_vocab
-    return MedusaHeads(
-        int(lm.model.config.hidden_size),
-        MedusaSettings(config.num_heads, config.own_vocab),
-        # the model's own top guesses at answer positions count as well as what it said
-        draft_vocabulary(train, size, (), len(weight), extra=teacher.ids[train.mask, 0]),
-        weight if config.own_vocab else None,
-    )
+    # The model's own top guesses at answer positions count as well as what it said.
+    vocab = draft_vocabulary(train, size, (), len(weight), extra=teacher.ids[train.mask, 0])
+    return MedusaHeads(int(lm.model.config.hidden_size),
+                       MedusaSettings(config.num_heads, config.own_vocab), vocab,
+                       weight if config.own_vocab else None)
 
 
-def _metrics(
-    acc, result, fit: dict, heads: MedusaHeads, train: Features, heldout: Features, times: dict
-) -> dict:
+def _metrics(acc, result, fit: dict, heads: MedusaHeads, train: Features, heldout: Features,
+             times: dict) -> dict:
     """metrics.json: held-out accuracies, training and calibration figures, stage times."""
     chosen = result.measured.get(result.chosen, {})
     return {
@@ -262,31 +234,18 @@ def _metrics(
         "speedup": chosen.get("speedup", 1.0),
         "mean_accepted": chosen.get("mean_accepted", 1.0),
         "train": fit,
-        "calibration": {
-            "chosen": result.chosen,
-            "measured": result.measured,
-            "estimates": result.estimates,
-        },
-        "draft_vocab": {
-            "size": None if heads.vocab_ids is None else int(heads.vocab_ids.numel()),
-            "heldout_coverage": coverage(heldout, heads.vocab_ids),
-        },
-        "train_tokens": train.tokens,
-        "heldout_tokens": heldout.tokens,
-        "times": times,
+        "calibration": {"chosen": result.chosen, "measured": result.measured,
+                        "estimates": result.estimates},
+        "draft_vocab": {"size": None if heads.vocab_ids is None else int(heads.vocab_ids.numel()),
+                        "heldout_coverage": coverage(heldout, heads.vocab_ids)},
+        "train_tokens": train.tokens, "heldout_tokens": heldout.tokens, "times": times,
     }
 
 
-def fit_heads(
-    lm,
-    heads: MedusaHeads,
-    train: tuple[Features, Teacher],
-    heldout: tuple[Features, Teacher],
-    config: MedusaTrainConfig,
-    train_config: TrainConfig,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-) -> dict:
+def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher],
+              heldout: tuple[Features, Teacher], config: MedusaTrainConfig,
+              train_config: TrainConfig, progress: ProgressFn = ignore,
+              cancel: threading.Event | None = None) -> dict:
     """Train the heads on cached features with the shared loop; returns its figures."""
     final = int(lm.model.config.num_hidden_layers)
     feats, teacher = train
@@ -308,15 +267,12 @@ def fit_heads(
     pick = pick[: config.eval_positions]
 
     def eval_fn(module: MedusaHeads) -> float:
-        acc = head_accuracies(
-            lm, module, h_feats.states[final], h_teacher, h_pos[pick], h_valid[pick], 1
-        )
+        """Minus the heads' weighted held-out top-1 accuracy (lower is better)."""
+        acc = head_accuracies(lm, module, h_feats.states[final], h_teacher, h_pos[pick],
+                              h_valid[pick], 1)
         lam = head_weights(config.num_heads)
-        return -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(
-            lam
-        )  # lower is better
+        return -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(lam)
 
     heads.to(lm.device, torch.float32).train()
-    return train_module(
-        heads, batches, loss_fn, train_config, progress, cancel, eval_fn if h_pos.numel() else None
-    )
+    return train_module(heads, batches, loss_fn, train_config, progress, cancel,
+                        eval_fn if h_pos.numel() else None)
