@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import QuickdraftError
-from trainer.progress import Progress
+from engine.progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -21,17 +21,17 @@ from app import catalog
 from app.jobs import Job
 from app.replies import CompareResult, ReplyRequest, ReplyUpdate
 from app.store import Conversation, Settings, Store, StoreError, title_from_prompt
-from engine.accelerators import METHODS as TRAINABLE
-from engine.accelerators import describe, measured_speedup
 from engine import neartie
+from engine.accelerators import describe, measured_speedup
 from engine.chat import conversation, encode, fit_to_context
 from engine.config import ChatMessage, ModelSpec, SamplingParams
 from engine.config import Conversation as Prompt
-from engine.drafters.base import Drafter
 from engine.drafters.auto import AutoDrafter
+from engine.drafters.base import Drafter
 from engine.drafters.registry import (
     ACCEL_CHOICES,
     ACCEL_LABELS,
+    TRAINED,
     base_method,
     load_auto,
     load_drafter,
@@ -39,7 +39,7 @@ from engine.drafters.registry import (
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import StepEvent, generate, run
 from engine.loading import LoadedModel, load_model
-from trainer.progress import Progress, ProgressFn
+from engine.progress import Progress, ProgressFn
 
 if TYPE_CHECKING:
     from trainer.pipeline import TrainOptions
@@ -150,7 +150,7 @@ class Service:
             return self._auto_status()
         name = model_name(self.lm)
         trained = base_method(method)
-        info = describe(self.lm, trained) if trained in TRAINABLE else {}
+        info = describe(self.lm, trained) if trained in TRAINED else {}
         if info is None:
             return AccelStatus(method, False, True,
                                f"{label} is not trained for {name} yet: train it once, "
@@ -158,14 +158,14 @@ class Service:
         try:
             self._drafter(method)
         except AcceleratorError as exc:
-            return AccelStatus(method, False, trained in TRAINABLE,
+            return AccelStatus(method, False, trained in TRAINED,
                                f"{label} cannot be used: {exc}")
         return AccelStatus(method, True, False, _ready_line(label, info))
 
     def _auto_status(self) -> AccelStatus:
         auto = self._drafter("auto")
         names = ", ".join(accel_label(m) for m in auto.methods)
-        untrained = not any(describe(self.lm, m) for m in TRAINABLE)
+        untrained = not any(describe(self.lm, m) for m in TRAINED)
         hint = " Train an accelerator to give it more to choose from." if untrained else ""
         return AccelStatus("auto", True, False,
                            f"Auto drafts each step with the fastest of {names} on this "
@@ -175,7 +175,7 @@ class Service:
         if method == "off":
             return Drafter()
         if method not in self._drafters:
-            # Auto shares the hybrids this service holds (one copy of heads or adapter).
+            # Auto shares the Medusa and Kangaroo drafters this service holds.
             self._drafters[method] = (load_auto(self.lm, True, lambda _lm, m: self._drafter(m))
                                       if method == "auto" else load_drafter(self.lm, method))
         return self._drafters[method]
@@ -324,7 +324,7 @@ class Service:
 
         lm = self.lm
         lines = []
-        for method in TRAINABLE:
+        for method in TRAINED:
             info = describe(lm, method)
             state = f"trained {info.get('created', '')[:16]}" if info else "not trained yet"
             lines.append(f"{accel_label(method)}: {state}")

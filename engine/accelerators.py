@@ -25,7 +25,6 @@ from engine.errors import AcceleratorError
 from engine.paths import data_dir
 
 FORMAT_VERSION = 1
-METHODS = ("medusa", "kangaroo")
 WEIGHTS, INFO, METRICS = "drafter.safetensors", "drafter.json", "metrics.json"
 
 

@@ -17,53 +17,12 @@ import torch
 from engine import kv_cache, verify
 from engine.chat import fit_to_context
 from engine.config import SamplingParams
-from engine.drafters.base import Draft, Drafter
+from engine.drafters.base import DecodeState, Draft, Drafter, start_drafter
 from engine.errors import PromptError
 from engine.loading import LoadedModel
 from engine.sampling import logits_to_probs, make_generator, next_token
 from engine.stats import GenerationStats
 from engine.textstream import TextStream
-
-
-@dataclass
-class DecodeState:
-    """Everything one generation carries from step to step."""
-
-    lm: LoadedModel
-    params: SamplingParams
-    cache: object  # transformers DynamicCache holding the committed tokens
-    ids: list[int]  # prompt + generated tokens; ids[-1] is pending (chosen, not yet cached)
-    prompt_len: int
-    generator: torch.Generator
-    hidden: torch.Tensor | None = None  # (H,) final hidden state that predicted ids[-1]
-    # Prefill's per-layer states ((1, P, H) each, embeddings first) while drafter.start()
-    # runs, for drafters that read inner layers (Kangaroo); None afterwards.
-    prefill_hidden: tuple[torch.Tensor, ...] | None = None
-
-    @property
-    def model(self):
-        return self.lm.model
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm.model.dtype
-
-    @property
-    def cached(self) -> int:
-        """Tokens in the cache: all of ids but the pending one."""
-        return len(self.ids) - 1
-
-    @property
-    def room(self) -> int:
-        """The most draft tokens worth proposing now: the step's own token must still fit
-        the budget, and no draft may sit past the model's last position."""
-        generated = len(self.ids) - self.prompt_len  # the pending token included
-        return max(0, min(self.params.max_new_tokens - generated - 1,
-                          self.lm.context_len - self.cached - 1))
 
 
 @dataclass
@@ -145,11 +104,7 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: D
         )
         first = next_token(out.logits[0, -1], params, generator)
         state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator)
-        if drafter.wants_hidden:
-            state.hidden = out.hidden_states[-1][0, -1]
-            state.prefill_hidden = out.hidden_states
-        drafter.start(state)
-        state.prefill_hidden = None
+        start_drafter(drafter, state, out)
     return state
 
 
@@ -183,6 +138,9 @@ def accept(
     mode = params.acceptance_mode
     if draft.size == 1:  # nothing drafted: the model's own choice
         return [], next_token(logits[0], params, generator)
+    # float32 (no copy when it already is): the rules reduce over the vocabulary per node,
+    # which CPUs do several times slower in bf16.
+    logits = logits.float()
     if mode == "greedy":
         return verify.accept_greedy(draft.children, draft.tokens, logits.argmax(-1).tolist())
     probs = logits_to_probs(logits, params)

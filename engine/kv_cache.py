@@ -40,11 +40,6 @@ def check_draftable(cache: DynamicCache) -> None:
                 f"{type(layer).__name__} layers cannot: use acceleration Off")
 
 
-def cache_length(cache: DynamicCache) -> int:
-    """Number of positions held by layer 0."""
-    return cache.get_seq_length()
-
-
 def drop_last(cache: DynamicCache, n: int) -> None:
     """Remove the last n positions from every layer (transformers wants a negative count)."""
     if n > 0:
@@ -83,11 +78,6 @@ def _keep_in_layer(layer, start: int, keep: list[int], reorder: bool) -> None:
         # transformers' crop: cuts the tail and trims a sliding layer back to its window
         # (crop(0) on a sliding layer only trims).
         layer.crop(-dropped)
-
-
-def layer_length(cache: DynamicCache, layer: int) -> int:
-    """Positions held by one layer (Kangaroo's layers can differ in length mid-round)."""
-    return cache.layers[layer].get_seq_length() if layer < len(cache.layers) else 0
 
 
 def rollback(cache: DynamicCache, n: int) -> None:

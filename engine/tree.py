@@ -88,11 +88,6 @@ def build_tree(choices: Sequence[Sequence[int]], num_heads: int) -> TreeBuffers:
     )
 
 
-def chain_choices(depth: int) -> list[Choice]:
-    """A top-1 chain of `depth` drafted tokens."""
-    return [(0,) * d for d in range(1, depth + 1)]
-
-
 def marginal_accuracies(topk_acc: Sequence[Sequence[float]]) -> list[list[float]]:
     """Per-head top-i accuracies (cumulative, i = 1..R) -> the accuracy of rank i alone.
 

@@ -28,7 +28,8 @@ from engine import generate as loop  # noqa: E402
 from engine.chat import conversation, encode  # noqa: E402
 from engine.config import ModelSpec, SamplingParams  # noqa: E402
 from engine.drafters import kangaroo_layers as layers  # noqa: E402
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, draft_head  # noqa: E402
+from engine.drafters.kangaroo import Adapter, KangarooDrafter  # noqa: E402
+from engine.drafters.kangaroo_adapter import draft_head  # noqa: E402
 from engine.drafters.registry import load_drafter  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 

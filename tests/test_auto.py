@@ -27,8 +27,8 @@ from engine.drafters.kangaroo import (
     Adapter,
     KangarooDrafter,
     KangarooSettings,
-    sequence_states,
 )
+from engine.drafters.kangaroo_adapter import sequence_states
 from engine.drafters.lookup import LookupParams
 from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.registry import auto_figures_path, load_drafter
@@ -57,7 +57,7 @@ def drafters(lm, medusa=True, kangaroo=True, exit_layer=2, gamma=4, seed=0):
 
 def make_auto(lm, speedups: dict[str, float], path=None, cls=AutoDrafter, lookup=None,
               **policy):
-    m, k = drafters(lm, "medusa+lookup" in speedups, "kangaroo+lookup" in speedups)
+    m, k = drafters(lm, "medusa+lookup" in speedups, "kangaroo" in speedups)
     return cls(load_figures(path, priors(0.01, speedups)), m, k, path, AutoPolicy(**policy),
                lookup)
 
@@ -89,14 +89,14 @@ def simulate(a: AutoDrafter, kind: str, truth: dict[str, tuple[float, float]],
 
 def test_each_step_takes_the_fastest_arm_and_times_the_others_now_and_then(tiny):
     a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.5,
-                         "kangaroo+lookup": 1.2}, explore_every=20)
-    assert a.arms[NO_MATCH] == ("off", "medusa+lookup", "kangaroo+lookup")
+                         "kangaroo": 1.2}, explore_every=20)
+    assert a.arms[NO_MATCH] == ("off", "medusa+lookup", "kangaroo")
     truth = {"off": (1.0, 0.010), "medusa+lookup": (1.6, 0.0123),
-             "kangaroo+lookup": (1.5, 0.0136)}  # 100, 130, 110 tokens/s
+             "kangaroo": (1.5, 0.0136)}  # 100, 130, 110 tokens/s
     taken = simulate(a, NO_MATCH, truth, 100)
     # Never timed: each arm once, best estimate first; then the fastest, with every other
     # arm timed again 8 steps later until it has 3 rounds, then once per 20 steps.
-    assert taken[:3] == ["medusa+lookup", "kangaroo+lookup", "off"]
+    assert taken[:3] == ["medusa+lookup", "kangaroo", "off"]
     off = [i for i, arm in enumerate(taken) if arm == "off"]
     assert [b - a for a, b in zip(off, off[1:], strict=False)] == [8, 8, 20, 20, 20, 20]
     assert Counter(taken)["medusa+lookup"] >= 85
@@ -105,48 +105,48 @@ def test_each_step_takes_the_fastest_arm_and_times_the_others_now_and_then(tiny)
 
 
 def test_live_figures_switch_arms_and_fall_back_to_off(tiny):
-    a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "kangaroo+lookup": 1.4})
-    truth = {"lookup": (1.1, 0.012), "off": (1.0, 0.010), "kangaroo+lookup": (1.8, 0.013)}
+    a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "kangaroo": 1.4})
+    truth = {"lookup": (1.1, 0.012), "off": (1.0, 0.010), "kangaroo": (1.8, 0.013)}
     first = simulate(a, MATCH, truth, 30)
-    assert Counter(first[3:]) == {"kangaroo+lookup": 23, "lookup": 2, "off": 2}  # re-timed
+    assert Counter(first[3:]) == {"kangaroo": 23, "lookup": 2, "off": 2}  # re-timed
     # The reply turns to text the adapter does not guess: Off takes over within steps.
-    truth["kangaroo+lookup"] = (1.0, 0.013)
+    truth["kangaroo"] = (1.0, 0.013)
     later = simulate(a, MATCH, truth, 40)
-    assert "kangaroo+lookup" in later[:3] and Counter(later[-30:])["off"] >= 29  # 1 re-timing
+    assert "kangaroo" in later[:3] and Counter(later[-30:])["off"] >= 29  # 1 re-timing
 
 
 def test_a_reply_takes_another_arm_only_when_it_is_clearly_ahead(tiny):
     """A reply's running means are noisy: an arm a few percent ahead of the long-run best in
     this reply does not take over; one ahead by more than the switch margin does."""
     a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.5,
-                         "kangaroo+lookup": 1.2})
+                         "kangaroo": 1.2})
     truth = {"off": (1.0, 0.010), "medusa+lookup": (1.6, 0.0123),
-             "kangaroo+lookup": (1.5, 0.0136)}  # 100, 130, 110 tokens/s
+             "kangaroo": (1.5, 0.0136)}  # 100, 130, 110 tokens/s
     simulate(a, NO_MATCH, truth, 100)
-    truth["kangaroo+lookup"] = (1.85, 0.0136)  # 136 tokens/s: 5% ahead
+    truth["kangaroo"] = (1.85, 0.0136)  # 136 tokens/s: 5% ahead
     # Medusa keeps the steps (room left for re-timing Off and the adapter).
     assert Counter(simulate(a, NO_MATCH, truth, 40))["medusa+lookup"] >= 38
-    truth["kangaroo+lookup"] = (2.3, 0.0136)  # 169 tokens/s: 30% ahead
+    truth["kangaroo"] = (2.3, 0.0136)  # 169 tokens/s: 30% ahead
     taken = simulate(a, NO_MATCH, truth, 20)
-    assert Counter(taken[3:])["kangaroo+lookup"] >= 16  # 1 re-timing
+    assert Counter(taken[3:])["kangaroo"] >= 16  # 1 re-timing
 
 
 def test_arms_timed_at_another_pace_are_compared_at_todays(tiny):
     """The machine (or a shorter context) runs every arm 40% faster while Off runs: Off's
     fresh timings must not beat the adapter's older ones once the adapter guesses well."""
-    a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "kangaroo+lookup": 1.4})
-    truth = {"lookup": (1.1, 0.012), "off": (1.0, 0.010), "kangaroo+lookup": (1.5, 0.0136)}
-    assert Counter(simulate(a, MATCH, truth, 30)[5:])["kangaroo+lookup"] >= 20
-    truth["kangaroo+lookup"] = (1.0, 0.0136)  # text the adapter does not guess, faster pace
+    a = make_auto(tiny, {"off": 1.0, "lookup": 1.1, "kangaroo": 1.4})
+    truth = {"lookup": (1.1, 0.012), "off": (1.0, 0.010), "kangaroo": (1.5, 0.0136)}
+    assert Counter(simulate(a, MATCH, truth, 30)[5:])["kangaroo"] >= 20
+    truth["kangaroo"] = (1.0, 0.0136)  # text the adapter does not guess, faster pace
     assert Counter(simulate(a, MATCH, truth, 30, pace=0.6)[-20:])["off"] == 20
     assert a.pace.factor == pytest.approx(0.6, rel=0.05)
     # It guesses better than ever: taken as soon as its running tokens put it the switch
     # margin ahead of Off (the long-run best now; 6 steps at weight 0.15), though its last
     # timing is 30 steps old and at the slower pace; compared by raw seconds, Off (at the
     # faster pace) would win until the adapter is timed again.
-    truth["kangaroo+lookup"] = (1.8, 0.0136)
+    truth["kangaroo"] = (1.8, 0.0136)
     taken = simulate(a, MATCH, truth, 20, pace=0.6)
-    assert taken == ["off"] * 6 + ["kangaroo+lookup"] * 14
+    assert taken == ["off"] * 6 + ["kangaroo"] * 14
 
 
 def test_each_reply_starts_from_the_figures_over_all_replies(tiny):
@@ -157,7 +157,7 @@ def test_each_reply_starts_from_the_figures_over_all_replies(tiny):
     for _ in range(12):  # a reply whose text the heads do not guess
         fig.add_tokens(1, a.policy)
     assert fig.recent < 1.4 and fig.tokens > 2.5  # the reply's mean follows, the long one holds
-    a.start(None)  # the next reply (no Kangaroo state to set up)
+    a.start(None, None)  # the next reply (no Kangaroo state to set up)
     assert fig.recent == fig.tokens
 
 
@@ -166,7 +166,7 @@ def test_counting_reproduces_what_rounds_kept(bundled_tokenizer):
     and lookup's drafts walked along the reply, the adapter's teacher-forced guesses."""
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=64)
     lm.eos_ids = ()
-    speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2, "kangaroo+lookup": 1.3}
+    speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2, "kangaroo": 1.3}
     a = make_auto(lm, speedups, cls=Rounds, explore_every=2)
     a.kangaroo.settings = KangarooSettings(2, 0.3, 4)  # stops on unsure guesses too
     _t, ids, _s = run(lm, repetitive_prompt(64), SamplingParams(max_new_tokens=60), a)
@@ -179,7 +179,7 @@ def test_counting_reproduces_what_rounds_kept(bundled_tokenizer):
     guesses = dict(enumerate(zip(guess.tolist(), (top > 0.3).tolist(), strict=True)))
     checked = Counter()
     for arm, root, draft, kept in a.rounds:
-        if arm == "kangaroo+lookup":
+        if arm == "kangaroo":
             got = adapter_kept(guesses, full, root, 4)
         else:
             got = accepted_length(draft, full, root)
@@ -254,8 +254,8 @@ class Rounds(AutoDrafter):
 class Counting(AutoDrafter):
     """Auto counting which arm each step took, over every reply."""
 
-    def start(self, state):
-        super().start(state)
+    def start(self, state, prefill):
+        super().start(state, prefill)
         self.all_steps = getattr(self, "all_steps", Counter())
 
     def commit(self, state, draft, path):
@@ -267,12 +267,12 @@ class Counting(AutoDrafter):
 def test_greedy_replies_stay_exact_while_arms_switch_every_step(name, bundled_tokenizer):
     lm = make_tiny_model(name, bundled_tokenizer, vocab_size=64)
     lm.eos_ids = ()
-    speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2, "kangaroo+lookup": 1.3}
+    speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2, "kangaroo": 1.3}
     a = make_auto(lm, speedups, cls=Counting, explore_every=2)  # rotates through the arms
     params = SamplingParams(max_new_tokens=40)
     for prompt in (repetitive_prompt(64), [9, 8, 7, 6], repetitive_prompt(64, seed=4)):
         assert run(lm, prompt, params, a)[1] == run(lm, prompt, params)[1]
-    assert set(a.all_steps) >= {"off", "lookup", "medusa+lookup", "kangaroo+lookup"}
+    assert set(a.all_steps) >= {"off", "lookup", "medusa+lookup", "kangaroo"}
 
 
 class Recording(kg.recording(AutoDrafter)):
@@ -298,11 +298,11 @@ def test_every_cache_matches_one_by_one_decoding_whatever_the_arms(
     lm.eos_ids = ()
     m, k = drafters(lm, exit_layer=exit_layer)
     figures = priors(0.01, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2,
-                            "kangaroo+lookup": 1.3})
+                            "kangaroo": 1.3})
     a = Recording(figures, m, k, policy=AutoPolicy(explore_every=2))
     kept = kg.check_caches_after_random_accepts(lm, a, [5, 6, 7, 8, 9] * 3, monkeypatch)
     assert max(kept) > 1  # Medusa and lookup rounds left states for the adapter
-    assert set(a.last_reply) >= {"medusa+lookup", "kangaroo+lookup", "off"}
+    assert set(a.last_reply) >= {"medusa+lookup", "kangaroo", "off"}
 
 
 def test_sampling_is_lossless_and_the_test_catches_a_broken_rule(bundled_tokenizer, monkeypatch):
@@ -311,7 +311,7 @@ def test_sampling_is_lossless_and_the_test_catches_a_broken_rule(bundled_tokeniz
     prompt = [1, 4, 2, 5, 1, 4]  # (1, 4) recurs: lookup drafts too
     m, k = drafters(lm, exit_layer=1, gamma=3, seed=3)
     figures = priors(0.01, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2,
-                            "kangaroo+lookup": 1.3})
+                            "kangaroo": 1.3})
     a = Counting(figures, m, k, policy=AutoPolicy(explore_every=2))
     exact = kg._exact_joint(lm, prompt)
     assert chi_square_pvalue(kg._sampled_joint(lm, prompt, a, 800), exact) > 1e-3

@@ -187,6 +187,24 @@ def test_figures_are_computed_from_measurements():
     assert summary["hf"]["mean_accepted"] == 1.0
 
 
+def test_the_same_text_view_compares_methods_on_identical_work_only():
+    results = [
+        _m("hf", 0, "qa", [1, 2, 3, 4], 1.0, [0, 0, 0]),
+        _m("fast", 0, "qa", [1, 2, 3, 4], 0.5, [1, 1]),  # same text, 2x
+        _m("hf", 1, "qa", [5, 6, 7, 8], 2.0, [0, 0, 0]),
+        _m("fast", 1, "qa", [5, 6, 9], 0.25, [3]),  # another text, 6x: left out
+        _m("hf", 2, "math", [1], 1.0, []),
+        _m("fast", 2, "math", [2], 0.5, []),  # another text: no prompt left
+    ]
+    fast = summarize(results, greedy=True)["fast"]
+    assert fast["speedup_vs_hf"] == near(statistics.median([2.0, 6.0, 2.0]))
+    assert fast["same_text"] == {"prompts": 1, "tokens_per_s": near(8.0),
+                                 "speedup_vs_hf": near(2.0)}
+    assert fast["by_category"]["math"]["same_text"] == {
+        "prompts": 0, "tokens_per_s": None, "speedup_vs_hf": None}
+    assert summarize(results, greedy=False)["fast"]["same_text"] is None
+
+
 def test_sampling_reports_no_greedy_match():
     results = [_m("hf", 0, "qa", [1], 1.0, []), _m("x", 0, "qa", [2], 1.0, None)]
     x = summarize(results, greedy=False)["x"]

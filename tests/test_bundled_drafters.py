@@ -19,14 +19,16 @@ from engine.config import SamplingParams
 from engine.drafters.auto import AutoDrafter
 from engine.drafters.auto_figures import AutoPolicy, priors
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
 from engine.tree import build_tree
 from tests.test_medusa_bundled import TREE, _random_heads
 from trainer.features import encode_conversations, hidden_states
-from trainer.kangaroo import KangarooTrainConfig, draft_vocabulary, fit_adapter
+from trainer.kangaroo.train import KangarooTrainConfig, fit_adapter
 from trainer.train import TrainConfig
+from trainer.vocab import draft_vocabulary
 
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parent.parent / "assets" / "bench_prompts.jsonl"
@@ -112,11 +114,11 @@ def test_auto(bundled_lm, prompts, plain, trained_adapters):
     medusa = MedusaDrafter(bundled_lm, _random_heads(int(bundled_lm.model.config.hidden_size)),
                            build_tree(TREE, 4))
     figures = priors(0.03, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2,
-                            "kangaroo+lookup": 1.3})
+                            "kangaroo": 1.3})
     # Arms are re-measured every few steps of a kind: every switch between them occurs.
     d = AutoDrafter(figures, medusa, kangaroo, policy=AutoPolicy(explore_every=3))
     steps = Counter()
     for ids, want in zip(prompts, plain, strict=True):
         assert run(bundled_lm, ids, PARAMS, d)[1] == want
         steps.update(d.last_reply)
-    assert set(steps) == {"copy", "off", "lookup", "medusa+lookup", "kangaroo+lookup"}
+    assert set(steps) == {"copy", "off", "lookup", "medusa+lookup", "kangaroo"}

@@ -86,7 +86,7 @@ def make_drafter(lm, method: str):
     except AcceleratorError:
         kangaroo = None
     speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.3,
-                **({"kangaroo+lookup": 1.2} if kangaroo else {})}
+                **({"kangaroo": 1.2} if kangaroo else {})}
     # explore_every 2: every arm runs often within one short reply.
     return AutoDrafter(load_figures(None, priors(0.01, speedups)),
                        MedusaDrafter(lm, heads, tree), kangaroo, None,

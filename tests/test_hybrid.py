@@ -19,7 +19,6 @@ from tests import test_medusa as md
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.stats_util import chi_square_pvalue
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

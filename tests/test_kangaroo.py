@@ -340,7 +340,7 @@ def test_a_drafter_that_does_not_pay_says_so_and_decodes_plainly(bundled_tokeniz
 
 
 def test_adapter_adds_under_five_percent_of_the_bundled_model(bundled_lm):
-    from trainer.kangaroo import fitting_vocab
+    from trainer.kangaroo.train import fitting_vocab
 
     model_bytes = sum(p.numel() * p.element_size() for p in bundled_lm.model.parameters())
     for ffn in (False, True):

@@ -8,21 +8,21 @@ import torch
 
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, draft_head
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
 from trainer.features import Features, encode_conversations, hidden_states
-from trainer.kangaroo import (
+from trainer.kangaroo.calibrate import KangarooCalibration, simulate
+from trainer.kangaroo.train import (
     KangarooTrainConfig,
     batch_loss,
-    draft_vocabulary,
     fit_adapter,
     make_batches,
 )
-from trainer.kangaroo_calibrate import KangarooCalibration, simulate
 from trainer.train import TrainConfig
-
+from trainer.vocab import draft_vocabulary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,7 +164,7 @@ def test_chat_with_no_kangaroo_trained_says_how_to_train(capsys):
 
 
 def test_train_summary_says_plainly_whether_it_pays():
-    from trainer.kangaroo import summary_lines
+    from trainer.kangaroo.train import summary_lines
 
     settings = {"exit_layer": 2, "eta": 0.2, "gamma": 4, "draft_vocab_size": 5000}
     metrics = {"agreement": {"1": 0.25, "2": 0.3}, "vocab_coverage": 0.9, "pays": True,

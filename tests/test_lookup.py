@@ -22,16 +22,16 @@ def test_index_finds_longest_most_recent_match():
     index = NgramIndex(1, 3)
     index.extend([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
     # suffix (6, 7): last earlier occurrence is followed by 9, 2, ...
-    assert index.continuation(3) == [9, 2, 6]
+    assert index.match(3)[0] == [9, 2, 6]
     index.extend([9])
     # suffix (6, 7, 9) occurred once before, followed by 2, 6, 7, 9
-    assert index.continuation(10) == [2, 6, 7, 9]
+    assert index.match(10)[0] == [2, 6, 7, 9]
 
 
 def test_index_never_matches_the_suffix_itself():
     index = NgramIndex(1, 2)
     index.extend([1, 2, 3])
-    assert index.continuation(4) == []
+    assert index.match(4)[0] == []
 
 
 def test_draft_length_grows_while_drafts_are_kept_and_shrinks_on_rejection():

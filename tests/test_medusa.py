@@ -19,7 +19,7 @@ from engine.tree import build_tree, greedy_tree
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 from trainer.features import encode_conversations, hidden_states
-from trainer.medusa import MedusaTrainConfig, fit_heads, teacher_topk
+from trainer.medusa.train import MedusaTrainConfig, fit_heads, teacher_topk
 from trainer.train import TrainConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
@@ -160,7 +160,7 @@ def test_cache_after_a_tree_step_equals_decoding_the_path_one_by_one(tiny_lm):
         model(input_ids=torch.tensor([prompt]), cache=ref, use_cache=True)
         for t in [tokens[0], tokens[2], tokens[5]]:
             model(input_ids=torch.tensor([[t]]), cache=ref, use_cache=True)
-    assert kv_cache.cache_length(cache) == kv_cache.cache_length(ref) == len(prompt) + 3
+    assert cache.get_seq_length() == ref.get_seq_length() == len(prompt) + 3
     for got, want in zip(cache.layers, ref.layers, strict=True):
         assert torch.allclose(got.keys, want.keys, atol=1e-5)
         assert torch.allclose(got.values, want.values, atol=1e-5)

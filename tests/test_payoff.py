@@ -94,8 +94,8 @@ def _medusa_checkpoint(lm, estimate_ratio: float = 1.0):
 
 def _tree_costs(monkeypatch, per_node: float):
     """Plain step 10 ms; each tree node adds per_node ms."""
-    monkeypatch.setattr(md, "step_seconds",
-                        lambda lm, heads, choices, context, repeats:
+    monkeypatch.setattr(md, "tree_step_seconds",
+                        lambda lm, heads, choices, ids=None, repeats=3:
                         0.010 + per_node * len(choices) / 1000)
 
 

@@ -15,8 +15,8 @@ from app.store import Store, StoreError
 from engine.accelerators import checkpoint_dir
 from engine.chat import conversation, encode
 from engine.config import ModelSpec, SamplingParams
-from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
 from engine.drafters.registry import load_drafter
+from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
 from engine.generate import run
 from tests.conftest import make_tiny_model
 
@@ -275,7 +275,7 @@ def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny)
 def _fast_training(max_conversations: int):
     """Options that train Medusa on a tiny model in seconds (few short answers, a small
     calibration)."""
-    from trainer.calibrate import CalibrationConfig
+    from trainer.medusa.calibrate import CalibrationConfig
     from trainer.pipeline import TrainOptions
     from trainer.selfdistill import DataBudget
 

@@ -15,10 +15,10 @@ from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.loading import wrap_model
-from trainer.calibrate import CalibrationConfig
-from trainer.kangaroo import KangarooTrainConfig
-from trainer.kangaroo_calibrate import KangarooCalibration
-from trainer.medusa import MedusaTrainConfig
+from trainer.kangaroo.calibrate import KangarooCalibration
+from trainer.kangaroo.train import KangarooTrainConfig
+from trainer.medusa.calibrate import CalibrationConfig
+from trainer.medusa.train import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.selfdistill import DataBudget, data_path
 from trainer.train import TrainConfig

@@ -10,7 +10,6 @@ import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
 from tests.conftest import make_tiny_model
-from trainer import calibrate as calibration
 from trainer import features as features_mod
 from trainer.features import Features, encode_conversations, hidden_states
 from trainer.losses import (
@@ -20,7 +19,14 @@ from trainer.losses import (
     soft_cross_entropy,
     sparse_soft_cross_entropy,
 )
-from trainer.medusa import MedusaTrainConfig, fit_heads, head_accuracies, positions, teacher_topk
+from trainer.medusa import calibrate as calibration
+from trainer.medusa.train import (
+    MedusaTrainConfig,
+    fit_heads,
+    head_accuracies,
+    positions,
+    teacher_topk,
+)
 from trainer.train import TrainConfig, lr_factor, train_module
 
 CONVS = [

@@ -14,12 +14,12 @@ from engine.config import SamplingParams
 from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
 from engine.generate import run
+from engine.progress import Progress
 from tests.conftest import make_tiny_model
 from trainer import features as features_mod
-from trainer.calibrate import CalibrationConfig
-from trainer.medusa import MedusaTrainConfig
+from trainer.medusa.calibrate import CalibrationConfig
+from trainer.medusa.train import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
-from trainer.progress import Progress
 from trainer.selfdistill import DataBudget
 from trainer.train import TrainConfig
 

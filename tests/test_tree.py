@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.errors import QuickdraftError
-from engine.tree import build_tree, chain_choices, expected_tokens, greedy_tree, marginal_accuracies
+from engine.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
 
 # root -> a (0,), b (1,);  a -> c (0,0), d (0,1);  b -> e (1,0)
 CHOICES = [(1, 0), (0,), (0, 1), (1,), (0, 0)]
@@ -48,7 +48,7 @@ def test_mask_lets_each_node_see_exactly_its_ancestors():
 
 
 def test_a_chain_needs_no_mask():
-    t = build_tree(chain_choices(3), num_heads=4)
+    t = build_tree([(0,), (0, 0), (0, 0, 0)], num_heads=4)  # a top-1 chain of 3 drafts
     assert t.mask is None
     assert t.children == [[1], [2], [3], []]
     assert t.depths == [0, 1, 2, 3]

@@ -7,7 +7,12 @@ trainer builds is cut to fit `lm.context_len` here.
 
 from __future__ import annotations
 
-from engine.chat import fit_to_context
+from engine.chat import conversation, encode, fit_to_context
+
+
+def prompt_ids(lm, conv: list[dict]) -> list[int]:
+    """The first user turn of a held-out conversation, as the app would prompt it."""
+    return encode(lm.tokenizer, conversation(conv[0]["content"]))
 
 
 def answer_room(lm, wanted: int) -> int:

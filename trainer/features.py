@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import QuickdraftError
 from engine.paths import cache_dir
+from engine.progress import Eta, Progress, ProgressFn, ignore
 from trainer.context import fit_sequence
-from trainer.progress import Eta, Progress, ProgressFn, ignore
 
 SHARD_TOKENS = 65536  # tokens per cache shard: the unit of resuming
 BATCH_TOKENS = 8192  # padded tokens per frozen forward (memory / speed balance on a CPU)
@@ -237,3 +237,10 @@ def _read_shard(path: Path, layers: list[int]) -> Features:
             f"the feature cache shard {path} is unreadable; delete it and rerun"
         ) from exc
     return Features(t["ids"], t["mask"], t["offsets"], {n: t[f"layer{n}"] for n in layers})
+
+
+def features_for(lm, convs: list[list[dict]], layers: list[int], progress: ProgressFn = ignore,
+                 cancel: threading.Event | None = None) -> Features:
+    """The conversations' token ids, answer masks and hidden states at `layers`, cached."""
+    ids, masks = encode_conversations(lm, convs)
+    return hidden_states(lm, ids, layers, masks, progress, cancel).load()

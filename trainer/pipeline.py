@@ -5,17 +5,19 @@ resumes and the feature cache is reused)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.accelerators import METHODS, save_checkpoint
+from engine.accelerators import save_checkpoint
+from engine.drafters.registry import TRAINED, method
 from engine.errors import QuickdraftError
-from trainer.calibrate import CalibrationConfig
+from engine.progress import Progress, ProgressFn, ignore
 from trainer.kangaroo import KangarooTrainConfig
 from trainer.medusa import MedusaTrainConfig
-from trainer.progress import Progress, ProgressFn, ignore
+from trainer.medusa.calibrate import CalibrationConfig
 from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
 from trainer.train import TrainConfig
 
@@ -43,9 +45,9 @@ class TrainOptions:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # tree search
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        if self.method not in TRAINED:
             raise QuickdraftError(
-                f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}"
+                f"unknown method {self.method!r}: choose one of {', '.join(TRAINED)}"
             )
         if not self.max_minutes > 0:
             raise QuickdraftError("--max-minutes must be a positive number")
@@ -81,15 +83,11 @@ def train_accelerator(
     lm, options: TrainOptions, progress: ProgressFn = ignore, cancel: threading.Event | None = None
 ) -> TrainResult:
     """Run every stage for `options.method` and save the checkpoint for `lm`."""
-    if options.method == "kangaroo":  # refuse before spending the data budget
-        from engine.drafters.kangaroo_layers import check_supported
-
-        check_supported(lm.model)
+    trainer = importlib.import_module(method(options.method).trainer)
+    trainer.check(lm)  # refuse before spending the data budget
     start = time.perf_counter()
     total_s = options.max_minutes * 60
-    reserve = (options.kangaroo.calibration.seconds if options.method == "kangaroo"
-               else options.calibration_seconds)
-    report = _with_eta(progress, start, total_s, reserve)
+    report = _with_eta(progress, start, total_s, trainer.reserve_s(options))
     budget = dataclasses.replace(options.data, max_seconds=total_s * options.data_share)
     prompt_files = [Path(options.prompts_file)] if options.prompts_file else None
     data = generate_data(lm, data_path(lm), prompt_files, budget, report, cancel)
@@ -105,18 +103,8 @@ def train_accelerator(
     left_min = max(1.0, total_s - (time.perf_counter() - start)) / 60
     stage_options = dataclasses.replace(options, max_minutes=left_min)
     try:
-        if options.method == "medusa":
-            from trainer.medusa import train_medusa
-
-            tensors, settings, metrics = train_medusa(
-                lm, train_convs, heldout_convs, stage_options, report, cancel
-            )
-        else:
-            from trainer.kangaroo import train_kangaroo
-
-            tensors, settings, metrics = train_kangaroo(
-                lm, train_convs, heldout_convs, stage_options, report, cancel
-            )
+        tensors, settings, metrics = trainer.train(
+            lm, train_convs, heldout_convs, stage_options, report, cancel)
     except QuickdraftError:
         if not _cancelled(cancel):
             raise

@@ -23,8 +23,8 @@ from engine.chat import encode
 from engine.config import ChatMessage, Conversation
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
+from engine.progress import Eta, Progress, ProgressFn
 from trainer.context import answer_room, fit_prompt
-from trainer.progress import Eta, Progress, ProgressFn
 
 SEED_FILE = Path(__file__).resolve().parent.parent / "assets" / "seed_prompts.jsonl"
 

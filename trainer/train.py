@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.progress import Progress, ProgressFn, ignore
+from engine.progress import Progress, ProgressFn, ignore
 
 # batches_fn(epoch) -> the epoch's batches (any objects loss_fn understands).
 BatchesFn = Callable[[int], Sequence]

@@ -12,7 +12,7 @@ from app.commands.common import add_model_args, load
 from engine.benchmark.methods import METHOD_CHOICES
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import QuickdraftError
-from trainer.progress import Progress
+from engine.progress import Progress
 
 HELP = "speed report: tokens/s, speedup over generate(), acceptance, memory, greedy match"
 

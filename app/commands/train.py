@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.commands.common import add_model_args, load
 from app.jobs import one_line
-from engine.accelerators import METHODS
+from engine.drafters.registry import TRAINED
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
 
@@ -20,7 +20,7 @@ BAR = 28  # progress bar width in characters
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--method", required=True, choices=METHODS, help="which accelerator to build"
+        "--method", required=True, choices=TRAINED, help="which accelerator to build"
     )
     add_model_args(parser)
     parser.add_argument(
@@ -133,7 +133,7 @@ def summary(result) -> str:
     if result.method == "medusa":
         lines += _medusa_lines(m, s)
     elif result.method == "kangaroo":
-        from trainer.kangaroo import summary_lines
+        from trainer.kangaroo.train import summary_lines
 
         lines += summary_lines(m, s)
     elif s.get("pays") is False:

@@ -10,7 +10,7 @@ import gradio as gr
 
 from app.service import Service, accel_label, model_name
 from app.ui import readout
-from engine.accelerators import METHODS
+from engine.drafters.registry import TRAINED
 from engine.errors import QuickdraftError
 
 INTRO = """The loaded model answers a set of seed prompts (self-distillation); the drafter is
@@ -31,7 +31,7 @@ class TrainTab:
         gr.Markdown(INTRO)
         self.target = gr.Markdown(elem_id="qd-train-target")
         with gr.Row():
-            self.method = gr.Radio([(accel_label(m), m) for m in METHODS], value=METHODS[0],
+            self.method = gr.Radio([(accel_label(m), m) for m in TRAINED], value=TRAINED[0],
                                    label="Method", elem_id="qd-train-method")
             self.minutes = gr.Slider(1, 240, 20, step=1, label="Time budget (minutes)",
                                      elem_id="qd-train-minutes")

@@ -11,7 +11,7 @@ from engine.benchmark.prompts import BenchPrompt, encode_prompt
 from engine.benchmark.report import build_report, divergences, machine_info
 from engine.benchmark.runner import run_bench
 from engine.config import SamplingParams
-from trainer.progress import ProgressFn, ignore
+from engine.progress import ProgressFn, ignore
 
 
 def bench_report(

@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,7 +92,20 @@ def figures(rows: list[Measurement], ref: dict[int, Measurement],
         # per mismatched prompt: first differing position, logit gap, rounding, near_tie
         "mismatches": [{"prompt": m.prompt_index, **verdicts[m.method, m.prompt_index].to_json()}
                        for m in rows if (m.method, m.prompt_index) in verdicts],
+        "same_text": same_text(rows, ref) if greedy else None,
     }
+
+
+def same_text(rows: list[Measurement], ref: dict[int, Measurement]) -> dict:
+    """Speed over only the prompts whose text equals the baseline's: methods compared on
+    identical work (in bf16 texts part at near-ties on many prompts, and one lucky long
+    copy can move a category's median)."""
+    same = [m for m in rows if m.ids == ref[m.prompt_index].ids]
+    if not same:
+        return {"prompts": 0, "tokens_per_s": None, "speedup_vs_hf": None}
+    return {"prompts": len(same),
+            "tokens_per_s": _r(statistics.median(m.tokens_per_s for m in same)),
+            "speedup_vs_hf": _median_ratio(same, ref)}
 
 
 def _by_prompt(results: list[Measurement], method: str) -> dict[int, Measurement]:
@@ -207,6 +221,10 @@ def to_markdown(report: dict, images: list[str] = ()) -> str:
     if any(v.get("speedup_vs_hf_lookup") is not None for v in report["methods"].values()):
         lines += [f"## Speedup over {LOOKUP} by category", "",
                   *category_table(report, "speedup_vs_hf_lookup"), ""]
+    if s["temperature"] == 0:
+        lines += [f"## Speedup over {BASELINE} on the same text by category", "",
+                  f"Only the prompts where a method's text equals {BASELINE}'s (their number "
+                  "in brackets).", "", *category_table(report, _same_text_cell), ""]
     lines += ["## Notes", "", *notes(report), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(lines).rstrip() + "\n"
@@ -235,16 +253,24 @@ def overall_table(report: dict) -> list[str]:
     return rows
 
 
-def category_table(report: dict, key: str) -> list[str]:
-    """Markdown rows: method x category for one figure, plus the pooled column."""
+def category_table(report: dict, key: str | Callable[[dict], str]) -> list[str]:
+    """Markdown rows: method x category for one figure (its key, or a function of a
+    method's figures that writes the cell), plus the pooled column."""
     methods = report["methods"]
     categories = list(next(iter(methods.values()))["by_category"])
+    cell = key if callable(key) else (lambda f: _fmt(f[key], "x"))
     rows = ["| method | " + " | ".join([*categories, OVERALL]) + " |",
             "| --- |" + " ---: |" * (len(categories) + 1)]
     for name, f in methods.items():
-        cells = [_fmt(f["by_category"][c][key], "x") for c in categories]
-        rows.append(f"| {name} | " + " | ".join([*cells, _fmt(f[key], "x")]) + " |")
+        cells = [cell(f["by_category"][c]) for c in categories]
+        rows.append(f"| {name} | " + " | ".join([*cells, cell(f)]) + " |")
     return rows
+
+
+def _same_text_cell(f: dict) -> str:
+    """The same-text speedup and, in brackets, over how many prompts."""
+    same = f.get("same_text") or {}
+    return f"{_fmt(same.get('speedup_vs_hf'), 'x')} ({same.get('prompts', 0)})"
 
 
 def notes(report: dict) -> list[str]:

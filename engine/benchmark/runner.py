@@ -1,10 +1,7 @@
-"""Run the method table over the prompts: warm-up, then methods interleaved prompt by prompt.
-
-Machines drift (other jobs, clocks, thermals); running every method on a prompt before
-moving to the next, in an order that rotates from prompt to prompt, spreads that drift over
-all methods alike, so per-prompt ratios stay fair. With several passes, a prompt's speed is
-the median over the passes, and each pass starts with a fresh method table (Auto learns as
-it goes and must not meet a prompt it has already decoded).
+"""Run the method table over the prompts: warm-up, then methods interleaved prompt by prompt
+in a rotating order (engine.interleave, as calibration times). With several passes, a
+prompt's speed is the median over the passes, and each pass starts with a fresh method table
+(Auto learns as it goes and must not meet a prompt it has already decoded).
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ from dataclasses import dataclass, replace
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import Method, Outcome
 from engine.benchmark.prompts import BenchPrompt
-from trainer.progress import Eta, Progress, ProgressFn, ignore
+from engine.interleave import interleaved
+from engine.progress import Eta, Progress, ProgressFn, ignore
 
 
 @dataclass
@@ -95,21 +93,27 @@ def _one_pass(methods: dict[str, Method], prompts: list[BenchPrompt],
     for i, name in enumerate(names):
         progress(Progress("warmup", i, len(names), f"warm-up: {name}"))
         methods[name].generate(prompt_ids[0])
-    results: list[Measurement] = []
-    for p, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
-        shift = p % len(names)
-        for name in names[shift:] + names[:shift]:
-            outcome, wall, peak, delta = measure(methods[name], ids, probe)
-            m = Measurement(name, p, prompt.category, len(ids), outcome.ids, wall,
-                            outcome.ttft_s, outcome.accepted, peak, delta, outcome.used)
-            results.append(m)
-            progress(Progress(
-                "bench", done + len(results), eta.total,
-                f"prompt {p + 1}/{len(prompts)} ({prompt.category}) {name} "
-                f"{m.tokens_per_s:.1f} tok/s",
-                eta.left(done + len(results)),
-            ))
-    return results
+    finished = done
+
+    def one(name: str, item: tuple[int, BenchPrompt, list[int]]) -> Measurement:
+        nonlocal finished
+        p, prompt, ids = item
+        outcome, wall, peak, delta = measure(methods[name], ids, probe)
+        m = Measurement(name, p, prompt.category, len(ids), outcome.ids, wall,
+                        outcome.ttft_s, outcome.accepted, peak, delta, outcome.used)
+        finished += 1
+        progress(Progress(
+            "bench", finished, eta.total,
+            f"prompt {p + 1}/{len(prompts)} ({prompt.category}) {name} "
+            f"{m.tokens_per_s:.1f} tok/s",
+            eta.left(finished),
+        ))
+        return m
+
+    items = [(p, prompt, ids)
+             for p, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True))]
+    # Each prompt's measurements in the order they ran.
+    return [m for _p, ran in interleaved(names, items, one) for m in ran.values()]
 
 
 def _merge(passes: tuple[Measurement, ...]) -> Measurement:

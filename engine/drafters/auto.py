@@ -9,7 +9,7 @@ the ways of drafting that share one KV cache:
   continuation alone (every method drafts the same here).
 - otherwise an *arm*: plain decoding ("off"), the short lookup continuation ("lookup", only
   when the latest tokens match an earlier 1- or 2-gram), Medusa's tree with that
-  continuation beside it ("medusa+lookup"), or a Kangaroo adapter round ("kangaroo+lookup").
+  continuation beside it ("medusa+lookup"), or a Kangaroo adapter round ("kangaroo").
 
 A step takes the arm with the best tokens per second over all replies on its kind of step
 (no lookup match, or a match of 1 or 2 tokens), unless the current reply's figures put
@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from engine import kv_cache
 from engine.drafters.auto_figures import (
@@ -149,7 +148,7 @@ class AutoDrafter(Drafter):
 
     # -- the decode loop's hooks ---------------------------------------------------------
 
-    def start(self, state) -> None:
+    def start(self, state, prefill) -> None:
         self._round = None  # the last reply's last round is not timed: nothing followed it
         self.source.reset()
         self.used = Counter()
@@ -158,7 +157,7 @@ class AutoDrafter(Drafter):
             for fig in arms.values():
                 fig.new_reply()
         if self.kangaroo is not None:
-            KangarooDrafter.start(self.kangaroo, state)
+            self.kangaroo.start(state, prefill)
 
     def propose(self, state) -> Draft:
         self._time_last_round()
@@ -166,7 +165,7 @@ class AutoDrafter(Drafter):
         began = time.perf_counter()
         chain, n = self.source.match(state.ids, state.room)
         root = state.ids[-1]
-        if chain and n == self.source.params.max_ngram:
+        if chain and self.source.copying(n):
             kind, arm = COPY, COPY
         else:
             kind = match_kind(n) if chain else NO_MATCH
@@ -176,9 +175,7 @@ class AutoDrafter(Drafter):
             self._reply.pending.append((kind, "lookup", state.cached, Draft.chain(root, chain)))
         if arm == KANGAROO:
             self._count_adapter(state, round_follows=True)
-            # Called on the class: a hybrid subclass from the service's cache would mix in
-            # its own lookup, which Auto does here.
-            return KangarooDrafter.propose(self.kangaroo, state)
+            return self.kangaroo.propose(state)
         if kind == COPY:
             return Draft.chain(root, chain)
         if self.kangaroo is not None and len(self._reply.roots) >= self.policy.adapter_every:
@@ -189,24 +186,22 @@ class AutoDrafter(Drafter):
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._round.arm == KANGAROO:
-            return KangarooDrafter.score(self.kangaroo, state, draft)
+            return self.kangaroo.score(state, draft)
         logits, hidden = forward_layers(state, draft, self.wants_hidden)
         if hidden is None:
             return logits, None
         if self.kangaroo is not None:
             self._round.exits = hidden[self.kangaroo.settings.exit_layer]
-        # float32: the acceptance rules reduce over the vocabulary, slow in bf16 on CPUs.
-        return logits.float(), hidden[-1][0]
+        return logits, hidden[-1][0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         r = self._round
         if r.arm == KANGAROO:
-            KangarooDrafter.commit(self.kangaroo, state, draft, path)
+            self.kangaroo.commit(state, draft, path)
         else:
             kv_cache.keep_path(state.cache, state.cached, [0, *path])
             if r.exits is not None:  # the adapter reads the kept tokens at its next round
-                run = self.kangaroo.run
-                run.lag = torch.cat([run.lag, r.exits[:, [0, *path]]], dim=1)
+                self.kangaroo.absorb(r.exits[:, [0, *path]])
                 r.exits = None
                 kv_cache.rollback(state.cache, 0)  # trims sliding-window layers
         self.source.update(r.chain, chain_accepted(draft, r.chain, path))
@@ -244,7 +239,7 @@ class AutoDrafter(Drafter):
             return None
         began = time.perf_counter()
         reply.shadows = 0
-        merged = self.merge(MedusaDrafter.propose(self.medusa, state), chain)
+        merged = self.merge(self.medusa.propose(state), chain)
         reply.pending.append((kind, MEDUSA, state.cached, merged))
         if not needed:
             self._round.aside += time.perf_counter() - began
@@ -273,11 +268,8 @@ class AutoDrafter(Drafter):
         if caught is not None and reply.roots:
             first, read = caught  # read[i] predicts the token after position first + i
             lo = max(first, min(reply.roots))
-            logits = nn.functional.linear(read[lo - first:], k.head).float()
-            top, idx = torch.softmax(logits, -1).max(-1)
-            guess = (idx if k.vocab is None else k.vocab[idx]).tolist()
-            sure = (top > k.settings.eta).tolist()
-            pairs = enumerate(zip(guess, sure, strict=True))
+            _logits, guess, top = k.guesses(read[lo - first:])
+            pairs = enumerate(zip(guess.tolist(), k.sure(top).tolist(), strict=True))
             reply.guesses.update({lo + j: (g, u) for j, (g, u) in pairs})
         waiting = {}
         for root, kind in reply.roots.items():

@@ -7,14 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from engine import kv_cache
 from engine.drafters.lookup import LookupParams
 
 log = logging.getLogger(__name__)
@@ -29,7 +24,10 @@ def match_kind(n: int) -> str:
 
 
 MATCH = match_kind(1)
-MEDUSA, KANGAROO = "medusa+lookup", "kangaroo+lookup"
+# The trained arms, named for how they draft: Medusa's tree with the lookup continuation
+# hung beside it, and a round of the Kangaroo adapter alone.
+MEDUSA, KANGAROO = "medusa+lookup", "kangaroo"
+ARM_OF = {"medusa": MEDUSA, "kangaroo": KANGAROO}  # trained accelerator -> its arm
 
 
 @dataclass(frozen=True)
@@ -166,21 +164,3 @@ def save_figures(path: Path, figures: Figures) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not save Auto's speed figures to %s: %s", path, exc)
-
-
-def plain_step_seconds(lm, context: int = 128, repeats: int = 5) -> float:
-    """Median time of one plain decode step after a `context`-token prompt."""
-    vocab = int(lm.model.config.vocab_size)
-    ids = [(7 * i) % vocab for i in range(1, context + 2)]
-    cache = kv_cache.new_cache(lm.model)
-    times = []
-    with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([ids[:-1]], device=lm.device), cache=cache,
-                 use_cache=True, logits_to_keep=1)
-        step = torch.tensor([ids[-1:]], device=lm.device)
-        for _ in range(repeats + 1):  # the first one warms up
-            begin = time.perf_counter()
-            lm.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
-            times.append(time.perf_counter() - begin)
-            kv_cache.drop_last(cache, 1)
-    return statistics.median(times[1:])

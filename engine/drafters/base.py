@@ -1,4 +1,5 @@
-"""The drafter interface, and plain decoding as its simplest implementation.
+"""The drafter interface, the state a generation carries from step to step, and plain
+decoding as the simplest drafter.
 
 A step of the decode loop: `propose` returns a Draft (a tree of candidate tokens under the
 pending token), `score` runs the target model over it, the shared acceptance rules pick a
@@ -13,10 +14,49 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine import kv_cache
+from engine.config import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.generate import DecodeState
+    from engine.loading import LoadedModel
     from engine.stats import GenerationStats
+
+
+@dataclass
+class DecodeState:
+    """Everything one generation carries from step to step."""
+
+    lm: LoadedModel
+    params: SamplingParams
+    cache: object  # transformers DynamicCache holding the committed tokens
+    ids: list[int]  # prompt + generated tokens; ids[-1] is pending (chosen, not yet cached)
+    prompt_len: int
+    generator: torch.Generator
+    hidden: torch.Tensor | None = None  # (H,) final hidden state that predicted ids[-1]
+
+    @property
+    def model(self):
+        return self.lm.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.model.dtype
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the cache: all of ids but the pending one."""
+        return len(self.ids) - 1
+
+    @property
+    def room(self) -> int:
+        """The most draft tokens worth proposing now: the step's own token must still fit
+        the budget, and no draft may sit past the model's last position."""
+        generated = len(self.ids) - self.prompt_len  # the pending token included
+        return max(0, min(self.params.max_new_tokens - generated - 1,
+                          self.lm.context_len - self.cached - 1))
 
 
 @dataclass
@@ -49,8 +89,16 @@ class Drafter:
     notice = ""  # one line for the user when it decodes plainly after all (does not pay here)
     retimed_speedup: float | None = None  # the speedup estimated at load, when re-timed here
 
-    def start(self, state: DecodeState) -> None:
-        """Called once after prefill (state.hidden holds the prompt's last hidden state)."""
+    @property
+    def pays(self) -> bool:
+        """False when the drafter was measured no faster than plain decoding here (it then
+        decodes plainly, and Auto leaves it out)."""
+        return True
+
+    def start(self, state: DecodeState, prefill: tuple[torch.Tensor, ...] | None) -> None:
+        """Called once after prefill. prefill: every layer's (1, P, H) states over the prompt
+        (embeddings first) when the drafter wants hidden states, else None; state.hidden
+        then holds the state that predicted the pending token."""
 
     def propose(self, state: DecodeState) -> Draft:
         return Draft.chain(state.ids[-1], [])
@@ -106,3 +154,12 @@ def forward_layers(
         **kwargs,
     )
     return out.logits[0], out.hidden_states if want_hidden else None
+
+
+def start_drafter(drafter: Drafter, state: DecodeState, out) -> None:
+    """Hand the drafter the prefill's output `out` (a model output computed with
+    output_hidden_states=drafter.wants_hidden) once `state` holds the pending token."""
+    hidden = out.hidden_states if drafter.wants_hidden else None
+    if hidden is not None:
+        state.hidden = hidden[-1][0, -1]
+    drafter.start(state, hidden)

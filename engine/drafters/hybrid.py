@@ -59,13 +59,13 @@ class MedusaLookupDrafter(MedusaDrafter):
         self.merge = TreeWithChain(tree)
         self._chain = 0  # lookup tokens in this step's draft (after the tree's nodes)
 
-    def start(self, state) -> None:
+    def start(self, state, prefill) -> None:
         self.lookup.reset()
 
     def propose(self, state) -> Draft:
         chain, n = self.lookup.match(state.ids, state.room)
         self._chain = len(chain)
-        if chain and n == self.lookup.params.max_ngram:
+        if chain and self.lookup.copying(n):
             # A copy in progress: the heads' guesses would only add verification cost.
             return Draft.chain(state.ids[-1], chain)
         return self.merge(super().propose(state), chain)
@@ -86,8 +86,8 @@ class KangarooLookupDrafter(KangarooDrafter):
         self.min_match = min_match  # shortest matched n-gram whose continuation is drafted
         self._chain = 0  # lookup tokens drafted this round (0: the adapter drafted)
 
-    def start(self, state) -> None:
-        super().start(state)
+    def start(self, state, prefill) -> None:
+        super().start(state, prefill)
         self.lookup.reset()
 
     def propose(self, state) -> Draft:

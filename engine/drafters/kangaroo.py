@@ -21,9 +21,15 @@ from transformers.masking_utils import create_causal_mask
 
 from engine import kv_cache
 from engine.drafters import kangaroo_layers as layers
-from engine.drafters.auto_figures import plain_step_seconds
 from engine.drafters.base import Draft, Drafter
-from engine.drafters.payoff import Payoff, not_paying_notice, round_seconds, timed_elsewhere
+from engine.drafters.kangaroo_adapter import Adapter, draft_head
+from engine.drafters.payoff import (
+    Payoff,
+    not_paying_notice,
+    plain_step_seconds,
+    round_seconds,
+    timed_elsewhere,
+)
 from engine.errors import AcceleratorError
 from engine.sampling import logits_to_probs, sample_from
 
@@ -56,87 +62,6 @@ class KangarooSettings:
             )
         if self.gamma < 0 or not 0.0 <= self.eta < 1.0:
             raise AcceleratorError(f"invalid Kangaroo settings: gamma {self.gamma}, eta {self.eta}")
-
-
-class Adapter(nn.Module):
-    """RMSNorm -> attention (+ residual) [-> RMSNorm -> FFN (+ residual)] -> RMSNorm.
-
-    Built from the model's own classes, so it has the model's head count, grouped-query
-    layout, q/k norms and biases; its output goes through the model's frozen LM head.
-    """
-
-    def __init__(self, model, ffn: bool = False):
-        super().__init__()
-        layers.check_supported(model)
-        config = model.config
-        last = model.model.layers[-1]
-        eps = config.rms_norm_eps
-        self.norm_in = type(last.input_layernorm)(config.hidden_size, eps=eps)
-        self.attn = type(last.self_attn)(config, layer_idx=0)  # layer 0 of the adapter's cache
-        self.ffn_norm = self.mlp = None
-        if ffn:
-            self.ffn_norm = type(last.post_attention_layernorm)(config.hidden_size, eps=eps)
-            self.mlp = type(last.mlp)(config)
-        self.norm_out = type(model.model.norm)(config.hidden_size, eps=eps)
-
-    @classmethod
-    def from_model(cls, model, ffn: bool = False, dtype: torch.dtype = torch.float32) -> Adapter:
-        """An adapter initialised from the model's last layer (attention, norms, FFN) and
-        final norm, in `dtype` (quantized source weights are dequantized)."""
-        adapter = cls(model, ffn)
-        last = model.model.layers[-1]
-        pairs = [(adapter.norm_in, last.input_layernorm), (adapter.attn, last.self_attn),
-                 (adapter.norm_out, model.model.norm)]
-        if ffn:
-            pairs += [(adapter.ffn_norm, last.post_attention_layernorm), (adapter.mlp, last.mlp)]
-        with torch.no_grad():
-            for dst, src in pairs:
-                _copy_dense(src, dst)
-        return adapter.to(device=model.model.embed_tokens.weight.device, dtype=dtype)
-
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
-        """h: (B, S, H) layer-l states -> (B, S, H) states for the LM head."""
-        x = h + self.attn(self.norm_in(h), rope, mask, cache)[0]
-        if self.mlp is not None:
-            x = x + self.mlp(self.ffn_norm(x))
-        return self.norm_out(x)
-
-
-def sequence_states(model, adapter: Adapter, x: torch.Tensor,
-                    pad: torch.Tensor | None = None) -> torch.Tensor:
-    """Adapter over whole sequences x (B, S, H) from position 0, causally, without a cache
-    (training and teacher-forced evaluation); pad: (B, S) 1 on real tokens, or None."""
-    pos = layers.positions(0, x.shape[1], x.device).expand(x.shape[0], -1)
-    rope = model.model.rotary_emb(x, pos)
-    mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=pad,
-                              cache=None, position_ids=pos)
-    return adapter(x, rope, mask)
-
-
-def _dense_weight(module: nn.Module) -> torch.Tensor:
-    """A linear's weight as a plain tensor (bitsandbytes 4-/8-bit weights are dequantized)."""
-    if type(module.weight).__name__ in ("Params4bit", "Int8Params"):
-        from peft.utils.integrations import dequantize_module_weight
-
-        return dequantize_module_weight(module)
-    return module.weight
-
-
-def _copy_dense(src: nn.Module, dst: nn.Module) -> None:
-    """Copy src's parameters into dst (same structure), dequantizing on the way."""
-    for name, module in dst.named_modules():
-        source = src.get_submodule(name) if name else src
-        for pname, param in module.named_parameters(recurse=False):
-            value = _dense_weight(source) if pname == "weight" else getattr(source, pname)
-            param.copy_(value.detach().to(param.device, param.dtype).reshape(param.shape))
-
-
-def draft_head(model, vocab: torch.Tensor | None) -> torch.Tensor:
-    """(Vd, H) rows of the frozen LM head the drafter scores: all, or the reduced vocabulary
-    (a copy of those rows: one contiguous matmul per draft token)."""
-    weight = _dense_weight(model.get_output_embeddings()).detach()
-    return weight if vocab is None else weight[vocab.to(weight.device)].clone()
 
 
 def _fits(vocab: torch.Tensor, vocab_size: int) -> bool:
@@ -257,11 +182,10 @@ class KangarooDrafter(Drafter):
 
     # -- the decode loop's hooks ---------------------------------------------------------
 
-    def start(self, state) -> None:
+    def start(self, state, prefill) -> None:
         """The adapter will read the whole prompt's layer-l states at the first propose."""
         if not self.off:
-            hidden = state.prefill_hidden
-            self.run = _Run(DynamicCache(), layers.exit_states(hidden, self.settings.exit_layer))
+            self.run = _Run(DynamicCache(), layers.exit_states(prefill, self.settings.exit_layer))
 
     def propose(self, state) -> Draft:
         """Run the pending token through the shallow layers, then draft until unsure."""
@@ -305,6 +229,25 @@ class KangarooDrafter(Drafter):
         run.lag = run.lag[:, :0]
         return first, read
 
+    def absorb(self, exits: torch.Tensor) -> None:
+        """Queue the (1, m, H) layer-l states of tokens just committed by a round the adapter
+        did not draft (lookup, or another drafter's whole-model forward): the adapter reads
+        them at its next round, so no layer runs twice for a token."""
+        self.run.lag = torch.cat([self.run.lag, exits], dim=1)
+
+    def guesses(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The adapter's drafts over (n, H) adapter states: (n, Vd) float32 logits, the (n,)
+        top-1 token ids and their (n,) probabilities. Drafting goes on after a guess while
+        `sure` says so (one rule for drafting, Auto's counting and calibration)."""
+        # (n, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
+        logits = nn.functional.linear(states, self.head).float()
+        top, idx = torch.softmax(logits, -1).max(-1)
+        return logits, idx if self.vocab is None else self.vocab[idx], top
+
+    def sure(self, top: torch.Tensor) -> torch.Tensor:
+        """Whether a draft with top-1 probability `top` is sure enough to draft on after."""
+        return top > self.settings.eta
+
     def propose_chain(self, state, tokens: list[int]) -> Draft:
         """A round whose draft comes from elsewhere (a lookup continuation): the pending
         token and `tokens` go through the shallow layers in one pass, and the adapter reads
@@ -320,7 +263,7 @@ class KangarooDrafter(Drafter):
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers l..L over the saved layer-l states (+ the last draft token's, computed now
-        unless the round already ran it): float32 logits and the final (normed) hidden states,
+        unless the round already ran it): logits and the final (normed) hidden states,
         which Medusa's heads read when Auto mixes the two."""
         if self.off:
             return super().score(state, draft)
@@ -332,8 +275,7 @@ class KangarooDrafter(Drafter):
             run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
         deep = range(self.settings.exit_layer, layers.num_layers(model))
         h = model.model.norm(layers.run_layers(model, run.scored, deep, state.cache, start))
-        # float32: argmax and softmax over a bf16 vocabulary row are several times slower.
-        return model.lm_head(h)[0].float(), h[0]
+        return model.lm_head(h)[0], h[0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
@@ -343,7 +285,7 @@ class KangarooDrafter(Drafter):
         k, a = draft.size - 1, len(path)
         kv_cache.rollback(state.cache, k - a)  # every layer held start + k + 1 positions
         if run.external:  # the adapter has read none of this round's states
-            run.lag = torch.cat([run.lag, run.scored[:, :a + 1]], dim=1)
+            self.absorb(run.scored[:, :a + 1])
         elif a < k:
             # The adapter read the root and d1..d(k-1): keep the root and d1..da.
             kv_cache.drop_last(run.cache, k - a - 1)
@@ -372,18 +314,16 @@ class KangarooDrafter(Drafter):
 
     def _choose(self, out: torch.Tensor, state) -> tuple[int, torch.Tensor | None, bool]:
         """Draft token, its q row (V,) for speculative sampling (else None), and whether
-        the draft is confident enough to go on (top-1 probability > eta)."""
-        # (1, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
-        logits = nn.functional.linear(out[None], self.head)[0].float()  # (Vd,)
-        top = float(torch.softmax(logits, -1).max())
+        the draft is sure enough to go on."""
+        logits, top1, top = self.guesses(out[None])
+        sure = bool(self.sure(top[0]))
         params = state.params
         if params.acceptance_mode != "lossless":
-            idx, q = int(logits.argmax()), None
-        else:
-            q_small = logits_to_probs(logits, params)
-            idx = sample_from(q_small, state.generator)
-            q = q_small if self.vocab is None else torch.zeros(
-                self.vocab_size, device=q_small.device).index_copy_(0, self.vocab, q_small)
-        token = idx if self.vocab is None else int(self.vocab[idx])
-        return token, q, top > self.settings.eta
+            return int(top1[0]), None, sure
+        q_small = logits_to_probs(logits[0], params)
+        idx = sample_from(q_small, state.generator)
+        if self.vocab is None:
+            return idx, q_small, sure
+        q = torch.zeros(self.vocab_size, device=q_small.device).index_copy_(0, self.vocab, q_small)
+        return int(self.vocab[idx]), q, sure
 

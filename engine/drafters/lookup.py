@@ -65,10 +65,6 @@ class NgramIndex:
         """Catch up with a token list this index is a prefix of (the decode loop's ids)."""
         self.extend(ids[len(self.ids):])
 
-    def continuation(self, length: int) -> list[int]:
-        """Tokens that followed the longest earlier match of the current suffix."""
-        return self.match(length)[0]
-
     def match(self, length: int) -> tuple[list[int], int]:
         """(continuation, n): up to `length` tokens that followed the longest earlier match of
         the current suffix, and that match's n-gram length; ([], 0) without a match."""
@@ -100,7 +96,12 @@ class LookupSource:
         adaptive length."""
         self.index.sync(ids)
         chain, n = self.index.match(min(self.params.draft_len, room))
-        return (chain if n == self.params.max_ngram else chain[:self.length]), n
+        return (chain if self.copying(n) else chain[:self.length]), n
+
+    def copying(self, n: int) -> bool:
+        """Whether a match of `n` tokens (match's second value) is a copy in progress: then
+        the continuation alone is drafted, at full length."""
+        return n == self.params.max_ngram
 
     def update(self, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of the `drafted` lookup tokens were kept."""
@@ -115,7 +116,7 @@ class LookupDrafter(Drafter):
     def __init__(self, params: LookupParams | None = None) -> None:
         self.source = LookupSource(params or LookupParams())
 
-    def start(self, state) -> None:
+    def start(self, state, prefill) -> None:
         self.source.reset()
 
     def propose(self, state) -> Draft:

@@ -9,20 +9,14 @@ it. Verification, acceptance and the cache update are the decode loop's shared c
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine import kv_cache
-from engine.config import SamplingParams
-from engine.drafters.base import Draft, Drafter, forward_nodes
-from engine.drafters.payoff import Payoff, not_paying_notice, timed_elsewhere
+from engine.drafters.base import Draft, Drafter
+from engine.drafters.payoff import Payoff, not_paying_notice, round_seconds, timed_elsewhere
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.generate import DecodeState
-from engine.sampling import make_generator
 from engine.tree import (
     TreeBuffers,
     build_tree,
@@ -197,12 +191,6 @@ class MedusaDrafter(Drafter):
         """False when calibration stored an empty tree: no tree beat plain decoding here."""
         return self.tree.size > 1
 
-    def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The shared tree forward; logits come back as float32 because the acceptance
-        rules reduce over the vocabulary per node, which CPUs do ~6x slower in bf16."""
-        logits, hidden = forward_nodes(state, draft, want_hidden=True)
-        return logits.float(), hidden
-
     def propose(self, state) -> Draft:
         """Heads read state.hidden (the state that predicted the pending token) -> tree.
 
@@ -219,37 +207,6 @@ class MedusaDrafter(Drafter):
         return Draft([root, *drafted], t.children, t.depths, t.mask)
 
 
-def step_seconds(lm, heads: MedusaHeads, choices, context: list[int], repeats: int) -> float:
-    """Median wall time of one decode step's propose + verification forward with this tree
-    (choices [] = a plain one-token step) after a prefilled `context` (its latest tokens:
-    the deepest node, num_heads past the context, must stay inside the model's window)."""
-    context = context[-max(1, lm.context_len - heads.settings.num_heads) :]
-    drafter = MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
-    cache = kv_cache.new_cache(lm.model)
-    with torch.inference_mode():
-        ids = torch.tensor([context[:-1]], device=lm.device)
-        out = lm.model(
-            input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1
-        )
-        state = DecodeState(
-            lm,
-            SamplingParams(),
-            cache,
-            list(context),
-            len(context) - 1,
-            make_generator(0, lm.device),
-        )
-        state.hidden = out.hidden_states[-1][0, -1]
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            begin = time.perf_counter()
-            draft = drafter.propose(state)
-            drafter.score(state, draft)
-            times.append(time.perf_counter() - begin)
-            kv_cache.drop_last(cache, draft.size)
-    return statistics.median(times[1:])
-
-
 def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]],
                  estimate_ratio: float = 1.0, repeats: int = 3) -> tuple[list, Payoff]:
     """The greedy tree with the best estimated speedup from step times measured now, and
@@ -258,14 +215,20 @@ def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]],
     `estimate_ratio` (measured / estimated tokens per step of the tree calibration chose:
     the independence assumption over-counts deep nodes)."""
     marginal = marginal_accuracies(topk_acc)
-    context = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, 193)]  # 192 tokens
-    # (step_seconds keeps as many as fit a shorter context window)
-    plain = step_seconds(lm, heads, [], context, repeats)
+    plain = tree_step_seconds(lm, heads, [], repeats=repeats)
     best, best_payoff = [], Payoff(1.0, plain, plain)
     for budget in RETIME_BUDGETS:
         choices = greedy_tree(marginal, budget)
         tokens = 1 + (expected_tokens(choices, marginal) - 1) * estimate_ratio
-        payoff = Payoff(tokens, plain, step_seconds(lm, heads, choices, context, repeats))
+        payoff = Payoff(tokens, plain, tree_step_seconds(lm, heads, choices, repeats=repeats))
         if payoff.speedup > best_payoff.speedup:
             best, best_payoff = choices, payoff
     return (best, best_payoff) if best_payoff.pays else ([], best_payoff)
+
+
+def tree_step_seconds(lm, heads: MedusaHeads, choices, ids: list[int] | None = None,
+                      repeats: int = 3) -> float:
+    """Median seconds of a decode step drafting the tree `choices` ([]: a plain step, whose
+    heads still run) after the prompt `ids` (engine.drafters.payoff.round_seconds)."""
+    tree = build_tree(choices, heads.settings.num_heads)
+    return round_seconds(lm, MedusaDrafter(lm, heads, tree), ids, repeats)

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from engine import kv_cache
+from engine.config import SamplingParams
+from engine.drafters.base import DecodeState, Drafter, start_drafter
+from engine.sampling import make_generator
 
 # An estimate must beat plain decoding by this factor: estimates from held-out acceptance
 # and a few timed steps run a little high, and a drafter that only breaks even costs memory.
@@ -54,15 +57,15 @@ def not_paying_notice(method: str, lm, speedup: float) -> str:
             f"{lm.device.type.upper()}: decoding plainly (retrain it here to fit this setup)")
 
 
-def round_seconds(lm, drafter, context: int = 192, repeats: int = 3) -> float:
+def round_seconds(lm, drafter: Drafter, ids: list[int] | None = None,
+                  repeats: int = 3) -> float:
     """Median seconds of one decode step of `lm` with `drafter` (propose, verify, commit)
-    whose drafts are all rejected, after a `context`-token prompt."""
-    from engine.config import SamplingParams
-    from engine.generate import DecodeState
-    from engine.sampling import make_generator
-
-    n = max(2, min(context, lm.context_len - 16 - repeats))  # drafts stay inside the window
-    ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, n + 1)]
+    whose drafts are all rejected, after the prompt `ids` (None: 192 made-up tokens). Only
+    its latest tokens are used where the drafts would otherwise pass the model's window."""
+    if ids is None:
+        ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, 193)]
+    n = max(2, min(len(ids), lm.context_len - 16 - repeats))  # drafts stay inside the window
+    ids = list(ids[-n:])
     cache = kv_cache.new_cache(lm.model)
     times = []
     with torch.inference_mode():
@@ -71,10 +74,7 @@ def round_seconds(lm, drafter, context: int = 192, repeats: int = 3) -> float:
                        logits_to_keep=1)
         state = DecodeState(lm, SamplingParams(), cache, list(ids), n - 1,
                             make_generator(0, lm.device))
-        if drafter.wants_hidden:
-            state.hidden, state.prefill_hidden = out.hidden_states[-1][0, -1], out.hidden_states
-        drafter.start(state)
-        state.prefill_hidden = None
+        start_drafter(drafter, state, out)
         for _ in range(repeats + 1):  # the first round warms up
             begin = time.perf_counter()
             draft = drafter.propose(state)
@@ -83,3 +83,8 @@ def round_seconds(lm, drafter, context: int = 192, repeats: int = 3) -> float:
             times.append(time.perf_counter() - begin)
             state.ids.append(draft.tokens[-1])  # a rejected step still adds the model's token
     return statistics.median(times[1:])
+
+
+def plain_step_seconds(lm, repeats: int = 5) -> float:
+    """Median seconds of one plain decode step (what every speedup is a multiple of)."""
+    return round_seconds(lm, Drafter(), repeats=repeats)

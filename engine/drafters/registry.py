@@ -1,59 +1,86 @@
-"""Acceleration method name -> a ready drafter for the loaded model."""
+"""The acceleration methods: one table from which every list of them is derived (the CLI's
+--accel choices, the UI's labels, the trainable methods, the bench's methods), and the
+function that turns a method name into a ready drafter for the loaded model."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.drafters.base import Drafter
+from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.kangaroo import KangarooDrafter
+from engine.drafters.lookup import LookupDrafter
+from engine.drafters.medusa import MedusaDrafter
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.paths import data_dir
 
 log = logging.getLogger(__name__)
 
-ACCEL_CHOICES = ("auto", "off", "lookup", "medusa", "medusa+lookup", "kangaroo",
-                 "kangaroo+lookup")
-ACCEL_LABELS = {"auto": "Auto", "off": "Off", "lookup": "Lookup", "medusa": "Medusa",
-                "medusa+lookup": "Medusa+lookup", "kangaroo": "Kangaroo",
-                "kangaroo+lookup": "Kangaroo+lookup"}
-TRAINED = ("medusa", "kangaroo")  # the methods that need a trained checkpoint
+
+@dataclass(frozen=True)
+class Method:
+    """One acceleration method."""
+
+    name: str  # what --accel, the API and the settings file say
+    label: str  # what people read
+    # (lm, checkpoint or None) -> drafter; None for Auto, which composes the others
+    build: Callable | None
+    checkpoint: str | None = None  # the trained accelerator it loads; None: nothing to load
+    # The module that trains that accelerator (trainer/ is imported only when training, and
+    # the engine never imports it): it offers check(lm), reserve_s(options) and train(...).
+    trainer: str | None = None
 
 
-def base_method(method: str) -> str:
-    """The trained accelerator a method needs ("medusa+lookup" -> "medusa")."""
-    return method.split("+", 1)[0]
+METHODS = (
+    Method("auto", "Auto", None),
+    Method("off", "Off", lambda lm, ckpt: Drafter()),
+    Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter()),
+    Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa"),
+    Method("medusa+lookup", "Medusa+lookup", MedusaLookupDrafter.from_checkpoint, "medusa"),
+    Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
+           "trainer.kangaroo"),
+    Method("kangaroo+lookup", "Kangaroo+lookup", KangarooLookupDrafter.from_checkpoint,
+           "kangaroo"),
+)
+BY_NAME = {m.name: m for m in METHODS}
+ACCEL_CHOICES = tuple(BY_NAME)
+ACCEL_LABELS = {m.name: m.label for m in METHODS}
+TRAINED = tuple(m.name for m in METHODS if m.trainer)  # the methods a user can train
 
 
-def load_drafter(lm, method: str, remember: bool = True) -> Drafter:
-    """The drafter for `method`; trained methods load their checkpoint for `lm`.
+def method(name: str) -> Method:
+    """The method called `name`; QuickdraftError for an unknown one."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise QuickdraftError(
+            f"unknown acceleration {name!r}: choose one of {', '.join(ACCEL_CHOICES)}"
+        ) from None
+
+
+def base_method(name: str) -> str | None:
+    """The trained accelerator a method loads ("medusa+lookup" -> "medusa"); None for
+    methods that load none."""
+    return method(name).checkpoint
+
+
+def load_drafter(lm, name: str, remember: bool = True) -> Drafter:
+    """The drafter for method `name`; trained methods load their checkpoint for `lm`.
 
     Raises AcceleratorError (with the command that fixes it) when none is trained. `remember`:
     Auto keeps its speed figures for this model in the data folder (False: this run only).
     """
-    if method == "off":
-        return Drafter()
-    if method == "lookup":  # model-free: nothing to train or load
-        from engine.drafters.lookup import LookupDrafter
-
-        return LookupDrafter()
-    if method == "auto":
+    m = method(name)
+    if m.build is None:
         return load_auto(lm, remember)
-    if method not in ACCEL_CHOICES:
-        raise QuickdraftError(
-            f"unknown acceleration {method!r}: choose one of {', '.join(ACCEL_CHOICES)}")
+    if m.checkpoint is None:
+        return m.build(lm, None)
     from engine.accelerators import load_checkpoint
 
-    return _trained_class(method).from_checkpoint(lm, load_checkpoint(lm, base_method(method)))
-
-
-def _trained_class(method: str):
-    from engine.drafters import hybrid
-    from engine.drafters.kangaroo import KangarooDrafter
-    from engine.drafters.medusa import MedusaDrafter
-
-    return {"medusa": MedusaDrafter, "kangaroo": KangarooDrafter,
-            "medusa+lookup": hybrid.MedusaLookupDrafter,
-            "kangaroo+lookup": hybrid.KangarooLookupDrafter}[method]
+    return m.build(lm, load_checkpoint(lm, m.checkpoint))
 
 
 def auto_figures_path(lm) -> Path:
@@ -67,22 +94,23 @@ def load_auto(lm, remember: bool = True, load=None):
     a caller share the drafters it already holds."""
     from engine.accelerators import describe, measured_speedup
     from engine.drafters.auto import AutoDrafter
-    from engine.drafters.auto_figures import load_figures, plain_step_seconds, priors
+    from engine.drafters.auto_figures import ARM_OF, load_figures, priors
+    from engine.drafters.payoff import plain_step_seconds
 
     load = load or load_drafter
     # Lookup has no calibration: a modest gain is assumed until steps measure it.
     speedups, trained = {"off": 1.0, "lookup": 1.1}, {}
     for base in TRAINED:
-        method = f"{base}+lookup"
         try:
-            drafter = load(lm, method)
+            drafter = load(lm, base)
         except AcceleratorError as exc:
             log.info("Auto leaves %s out: %s", base, exc)
             continue
         if drafter.pays:
             trained[base] = drafter
             metrics = (describe(lm, base) or {}).get("metrics", {})
-            speedups[method] = drafter.retimed_speedup or measured_speedup(metrics) or 1.0
+            speedups[ARM_OF[base]] = (drafter.retimed_speedup or measured_speedup(metrics)
+                                      or 1.0)
     path = auto_figures_path(lm) if remember else None
     figures = load_figures(path, priors(plain_step_seconds(lm), speedups))
     return AutoDrafter(figures, trained.get("medusa"), trained.get("kangaroo"), path)

@@ -16,21 +16,21 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.chat import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters import kangaroo_layers as layers
 from engine.drafters.base import Drafter
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings, sequence_states
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import sequence_states
 from engine.generate import run
-from engine.stats import GenerationStats
+from engine.interleave import interleaved
+from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import answer_room, fit_prompt
-from trainer.progress import Progress, ProgressFn, ignore
+from trainer.measure import PLAIN, measure
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,6 @@ class CalibrationResult:
     table: dict = field(default_factory=dict)  # costs, estimates and measurements
 
 
-def prompt_ids(lm, conv: list[dict]) -> list[int]:
-    """The first user turn of a held-out conversation, as the app would prompt it."""
-    return encode(lm.tokenizer, conversation(conv[0]["content"]))
-
-
 def teacher_forced(lm, drafter: KangarooDrafter, seq: list[int]) -> tuple[list[bool], list[float]]:
     """For each position t of seq: does the draft's first choice equal seq[t + 1], and its
     top-1 probability. One full forward plus one adapter pass."""
@@ -74,11 +69,7 @@ def teacher_forced(lm, drafter: KangarooDrafter, seq: list[int]) -> tuple[list[b
         hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False,
                        logits_to_keep=1).hidden_states  # one pass: no cache to build
         x = layers.exit_states(hidden, drafter.settings.exit_layer)
-        logits = (sequence_states(model, drafter.adapter, x)[0] @ drafter.head.T).float()  # (S, Vd)
-        probs = logits.softmax(-1)
-        conf, guess = probs.max(-1)
-        if drafter.vocab is not None:
-            guess = drafter.vocab[guess]
+        _logits, guess, conf = drafter.guesses(sequence_states(model, drafter.adapter, x)[0])
     match = (guess[:-1] == ids[0, 1:]).tolist()
     return match, conf[:-1].tolist()
 
@@ -123,7 +114,7 @@ def calibrate(lm, adapters: dict[int, Adapter], ffn: bool, vocab: torch.Tensor |
         progress(Progress("calibrate", n + 1, len(makers), f"exit layer {exit_layer} simulated"))
     estimates.sort(key=lambda e: -e["estimated_speedup"])
     finalists = estimates[: config.finalists]
-    drafters: dict[str, Drafter] = {"plain": Drafter()}
+    drafters: dict[str, Drafter] = {PLAIN: Drafter()}
     drafters.update({_name(e): makers[e["exit_layer"]](e["eta"], e["gamma"]) for e in finalists})
     measured = measure(lm, drafters, prompts, params, progress, cancel)
     best = max(finalists, key=lambda e: measured[_name(e)]["speedup"])
@@ -145,15 +136,18 @@ def fit_costs(lm, prompts, params: SamplingParams, makers: dict,
               gammas: tuple[int, int]) -> dict:
     """Milliseconds per decode step, per exit layer: plain decoding, and Kangaroo's
     base + per_draft * drafts (from eta-0 runs at two gammas). Interleaved per prompt."""
-    drafters: dict = {"plain": Drafter()}
+    drafters: dict = {PLAIN: Drafter()}
     for e, make in makers.items():
         drafters.update({(e, g): make(0.0, g) for g in gammas})
     secs = dict.fromkeys(drafters, 0.0)
     steps = dict.fromkeys(drafters, 0)
     drafted = dict.fromkeys(drafters, 0)
-    for ids in prompts:
-        for name, drafter in drafters.items():
-            _t, _ids, stats = run(lm, ids, params, drafter)
+
+    def reply(name, ids: list[int]):
+        return run(lm, ids, params, drafters[name])[2]
+
+    for _n, replies in interleaved(list(drafters), prompts, reply):
+        for name, stats in replies.items():
             secs[name] += stats.elapsed_s - stats.ttft_s
             steps[name] += stats.steps
             drafted[name] += sum(stats.drafted)
@@ -164,7 +158,7 @@ def fit_costs(lm, prompts, params: SamplingParams, makers: dict,
     for e in makers:
         slope = (ms[e, g2] - ms[e, g1]) / max(1e-9, drafts[e, g2] - drafts[e, g1])
         base = ms[e, g1] - slope * drafts[e, g1]
-        out[e] = {"plain": round(ms["plain"], 3), "base": round(base, 3),
+        out[e] = {"plain": round(ms[PLAIN], 3), "base": round(base, 3),
                   "per_draft": round(slope, 3)}
     return out
 
@@ -193,37 +187,3 @@ def _estimates(exit_layer: int, traces, starts: list[int], cost: dict,
 
 def _name(e: dict) -> str:
     return f"l{e['exit_layer']}-eta{e['eta']}-g{e['gamma']}"
-
-
-def measure(lm, drafters: dict[str, Drafter], prompts: list[list[int]], params: SamplingParams,
-            progress: ProgressFn = ignore, cancel: threading.Event | None = None) -> dict:
-    """Replies to `prompts` with each drafter, interleaved prompt by prompt with a rotating
-    order (the machine's speed drifts). name -> tokens/s, speedup (median per-prompt ratio
-    to "plain"), tokens/step, CTAR and the share of replies identical to plain decoding."""
-    rates = {name: [] for name in drafters}
-    steps = {name: GenerationStats() for name in drafters}
-    same = {name: [] for name in drafters}
-    names = list(drafters)
-    for n, ids in enumerate(prompts):
-        if cancel is not None and cancel.is_set():
-            break
-        outputs = {}
-        for name in names[n % len(names):] + names[: n % len(names)]:
-            _t, out, stats = run(lm, ids, params, drafters[name])
-            outputs[name] = out
-            rates[name].append(stats.tokens_per_s)
-            steps[name].accepted += stats.accepted
-        for name in names:
-            same[name].append(outputs[name] == outputs["plain"])
-        progress(Progress("calibrate", n + 1, len(prompts), f"timed replies to {n + 1} prompts"))
-    result = {}
-    for name in names:
-        ratios = [r / p for r, p in zip(rates[name], rates["plain"], strict=True) if p > 0]
-        result[name] = {
-            "tokens_per_s": round(statistics.median(rates[name]), 2) if rates[name] else 0.0,
-            "speedup": round(statistics.median(ratios), 3) if ratios else 0.0,
-            "mean_accepted": round(steps[name].mean_accepted, 3),
-            "ctar": [round(c, 4) for c in steps[name].ctar()],
-            "greedy_match_rate": round(sum(same[name]) / max(1, len(same[name])), 3),
-        }
-    return result

@@ -17,11 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import expected_tokens, marginal_accuracies
-from trainer.features import Features, encode_conversations, hidden_states
+from trainer.context import prompt_ids
+from trainer.features import Features, features_for
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
-from trainer.progress import Progress, ProgressFn, ignore
+from trainer.medusa.calibrate import calibrate
 from trainer.train import TrainConfig, train_module
+from trainer.vocab import coverage, draft_vocabulary
 
 CHUNK = 2048  # positions per LM-head matmul when scoring teachers and accuracies
 
@@ -88,16 +91,9 @@ def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.T
     return pos, valid
 
 
-def step_loss(
-    heads: MedusaHeads,
-    weight: torch.Tensor,
-    states: torch.Tensor,
-    teacher: Teacher,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    config: MedusaTrainConfig,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, teacher: Teacher,
+              pos: torch.Tensor, valid: torch.Tensor, config: MedusaTrainConfig,
+              generator: torch.Generator | None = None) -> torch.Tensor:
     """Weighted sampled-softmax soft cross-entropy of all heads for a batch of positions.
 
     weight: (V, H) frozen vocabulary projection; states: (T, H); pos: (B,); valid: (B, K).
@@ -125,28 +121,8 @@ def step_loss(
     return (lam * per_head).sum() / lam.sum()
 
 
-def draft_vocabulary(
-    features: Features, teacher: Teacher, size: int, vocab_size: int
-) -> torch.Tensor | None:
-    """The `size` tokens the heads may propose: the most frequent among the answers' tokens
-    and the model's own top guesses at answer positions. None (the whole vocabulary) when
-    size is 0 or covers the vocabulary. Returns sorted (V',) long ids."""
-    if size <= 0 or size >= vocab_size:
-        return None
-    seen = torch.cat([features.ids[features.mask], teacher.ids[features.mask, 0]])
-    counts = torch.bincount(seen, minlength=vocab_size)
-    return torch.sort(torch.topk(counts, size).indices).values
-
-
-def head_accuracies(
-    lm,
-    heads: MedusaHeads,
-    states: torch.Tensor,
-    teacher: Teacher,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    max_rank: int,
-) -> list[list[float]]:
+def head_accuracies(lm, heads: MedusaHeads, states: torch.Tensor, teacher: Teacher,
+                    pos: torch.Tensor, valid: torch.Tensor, max_rank: int) -> list[list[float]]:
     """Per head, top-i accuracy (i = 1..max_rank) against the base model's greedy token at
     t + k, guessing from the heads' vocabulary as the drafter does. Returns K lists of
     cumulative accuracies."""
@@ -169,26 +145,28 @@ def head_accuracies(
     return [[round(float(a), 4) for a in row] for row in cumulative]
 
 
-def train_medusa(
-    lm,
-    train_convs: list[list[dict]],
-    heldout_convs: list[list[dict]],
-    options,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def check(lm) -> None:
+    """Refuse a model Medusa cannot train on: none (the heads read only the final state)."""
+
+
+def reserve_s(options) -> float:
+    """Seconds of the budget kept back from training for calibration."""
+    return options.calibration_seconds
+
+
+def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
+          progress: ProgressFn = ignore, cancel: threading.Event | None = None
+          ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Features -> heads -> held-out accuracies -> calibrated tree, within
     options.max_minutes (the time the pipeline left for these stages).
 
     Returns (checkpoint tensors, settings for drafter.json, metrics for metrics.json).
     """
-    from trainer.calibrate import calibrate  # calibrate imports the decode loop; keep it lazy
-
     config: MedusaTrainConfig = options.medusa
     start = time.perf_counter()
     final = int(lm.model.config.num_hidden_layers)
-    train = _features(lm, train_convs, final, progress, cancel)
-    heldout = _features(lm, heldout_convs, final, progress, cancel)
+    train = features_for(lm, train_convs, [final], progress, cancel)
+    heldout = features_for(lm, heldout_convs, [final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
     mark = time.perf_counter()
     t_teacher = teacher_topk(lm, train.states[final], config.teacher_topk, progress)
@@ -199,30 +177,24 @@ def train_medusa(
     budget = max(10.0, left - options.calibration_seconds)
     train_config = dataclasses.replace(options.train, epochs=config.epochs, max_seconds=budget)
     mark = time.perf_counter()
-    fit = fit_heads(
-        lm, heads, (train, t_teacher), (heldout, h_teacher), config, train_config, progress, cancel
-    )
+    fit = fit_heads(lm, heads, (train, t_teacher), (heldout, h_teacher), config, train_config,
+                    progress, cancel)
     times["train_s"] = round(time.perf_counter() - mark, 1)
     if cancel is not None and cancel.is_set():
         return heads.tensors(), {}, {"train": fit, "times": times}  # the pipeline saves nothing
     mark = time.perf_counter()
     h_pos, h_valid = positions(heldout, config.num_heads)
-    acc = head_accuracies(
-        lm, heads, heldout.states[final], h_teacher, h_pos, h_valid, config.max_rank
-    )
-    prompts = [_prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
+    acc = head_accuracies(lm, heads, heldout.states[final], h_teacher, h_pos, h_valid,
+                          config.max_rank)
+    prompts = [prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
     result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
-    settings = {
-        "num_heads": config.num_heads,
-        "own_vocab": config.own_vocab,
-        "tree": result.tree,
-        "pays": result.pays,
-        "quant": lm.quant,  # the dtype the tree was timed in (another one re-times at load)
-        "device": lm.device.type,  # and the device
-        "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
-        "estimate_ratio": estimate_ratio(acc, result),
-    }
+    settings = {"num_heads": config.num_heads, "own_vocab": config.own_vocab,
+                "tree": result.tree, "pays": result.pays,
+                # the dtype and device the tree was timed in (another one re-times at load)
+                "quant": lm.quant, "device": lm.device.type,
+                "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
+                "estimate_ratio": estimate_ratio(acc, result)}
     metrics = _metrics(acc, result, fit, heads, train, heldout, times)
     return heads.tensors(), settings, metrics
 
@@ -243,17 +215,15 @@ def _new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher)
     Own projections are trained over the whole vocabulary, so they get all of it."""
     weight = lm.model.get_output_embeddings().weight.detach()
     size = 0 if config.own_vocab else config.draft_vocab
-    return MedusaHeads(
-        int(lm.model.config.hidden_size),
-        MedusaSettings(config.num_heads, config.own_vocab),
-        draft_vocabulary(train, teacher, size, len(weight)),
-        weight if config.own_vocab else None,
-    )
+    # The model's own top guesses at answer positions count as well as what it said.
+    vocab = draft_vocabulary(train, size, (), len(weight), extra=teacher.ids[train.mask, 0])
+    return MedusaHeads(int(lm.model.config.hidden_size),
+                       MedusaSettings(config.num_heads, config.own_vocab), vocab,
+                       weight if config.own_vocab else None)
 
 
-def _metrics(
-    acc, result, fit: dict, heads: MedusaHeads, train: Features, heldout: Features, times: dict
-) -> dict:
+def _metrics(acc, result, fit: dict, heads: MedusaHeads, train: Features, heldout: Features,
+             times: dict) -> dict:
     """metrics.json: held-out accuracies, training and calibration figures, stage times."""
     chosen = result.measured.get(result.chosen, {})
     return {
@@ -264,28 +234,18 @@ def _metrics(
         "speedup": chosen.get("speedup", 1.0),
         "mean_accepted": chosen.get("mean_accepted", 1.0),
         "train": fit,
-        "calibration": {
-            "chosen": result.chosen,
-            "measured": result.measured,
-            "estimates": result.estimates,
-        },
-        "draft_vocab": _coverage(heads, heldout),
-        "train_tokens": train.tokens,
-        "heldout_tokens": heldout.tokens,
-        "times": times,
+        "calibration": {"chosen": result.chosen, "measured": result.measured,
+                        "estimates": result.estimates},
+        "draft_vocab": {"size": None if heads.vocab_ids is None else int(heads.vocab_ids.numel()),
+                        "heldout_coverage": coverage(heldout, heads.vocab_ids)},
+        "train_tokens": train.tokens, "heldout_tokens": heldout.tokens, "times": times,
     }
 
 
-def fit_heads(
-    lm,
-    heads: MedusaHeads,
-    train: tuple[Features, Teacher],
-    heldout: tuple[Features, Teacher],
-    config: MedusaTrainConfig,
-    train_config: TrainConfig,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-) -> dict:
+def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher],
+              heldout: tuple[Features, Teacher], config: MedusaTrainConfig,
+              train_config: TrainConfig, progress: ProgressFn = ignore,
+              cancel: threading.Event | None = None) -> dict:
     """Train the heads on cached features with the shared loop; returns its figures."""
     final = int(lm.model.config.num_hidden_layers)
     feats, teacher = train
@@ -307,36 +267,12 @@ def fit_heads(
     pick = pick[: config.eval_positions]
 
     def eval_fn(module: MedusaHeads) -> float:
-        acc = head_accuracies(
-            lm, module, h_feats.states[final], h_teacher, h_pos[pick], h_valid[pick], 1
-        )
+        """Minus the heads' weighted held-out top-1 accuracy (lower is better)."""
+        acc = head_accuracies(lm, module, h_feats.states[final], h_teacher, h_pos[pick],
+                              h_valid[pick], 1)
         lam = head_weights(config.num_heads)
-        return -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(
-            lam
-        )  # lower is better
+        return -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(lam)
 
     heads.to(lm.device, torch.float32).train()
-    return train_module(
-        heads, batches, loss_fn, train_config, progress, cancel, eval_fn if h_pos.numel() else None
-    )
-
-
-def _coverage(heads: MedusaHeads, heldout: Features) -> dict:
-    """Size of the heads' vocabulary and the share of held-out answer tokens inside it."""
-    answers = heldout.ids[heldout.mask]
-    if heads.vocab_ids is None:
-        return {"size": None, "heldout_coverage": 1.0}
-    inside = torch.isin(answers, heads.vocab_ids.cpu()).float().mean()
-    return {"size": int(heads.vocab_ids.numel()), "heldout_coverage": round(float(inside), 4)}
-
-
-def _features(lm, convs, layer: int, progress: ProgressFn, cancel) -> Features:
-    ids, masks = encode_conversations(lm, convs)
-    return hidden_states(lm, ids, [layer], masks, progress, cancel).load()
-
-
-def _prompt_ids(lm, conv: list[dict]) -> list[int]:
-    """The first user turn of a held-out conversation, as the app would prompt it."""
-    from engine.chat import conversation, encode
-
-    return encode(lm.tokenizer, conversation(conv[0]["content"]))
+    return train_module(heads, batches, loss_fn, train_config, progress, cancel,
+                        eval_fn if h_pos.numel() else None)

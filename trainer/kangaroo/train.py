@@ -1,7 +1,7 @@
 """Kangaroo training: the adapter learns the frozen model's own next-token distribution from
 the states after the first l layers (soft cross-entropy against the full model, Kangaroo
 §3.2), on cached features, for each exit layer tried; calibration then times real decoding
-and keeps the fastest exit layer, eta and gamma (trainer.kangaroo_calibrate).
+and keeps the fastest exit layer, eta and gamma (trainer.kangaroo.calibrate).
 
 Drafting and training can use a reduced vocabulary: the tokens the model emits most in its
 own self-distilled answers. Decoding stays lossless (verification reads the full
@@ -18,13 +18,16 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafters import kangaroo_layers as layers
-from engine.drafters.kangaroo import Adapter, KangarooSettings, draft_head, sequence_states
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import draft_head, sequence_states
 from engine.errors import QuickdraftError
-from trainer.features import Features, encode_conversations, hidden_states
-from trainer.kangaroo_calibrate import KangarooCalibration, calibrate, prompt_ids
+from engine.progress import Progress, ProgressFn, ignore
+from trainer.context import prompt_ids
+from trainer.features import Features, features_for
+from trainer.kangaroo.calibrate import KangarooCalibration, calibrate
 from trainer.losses import soft_cross_entropy
-from trainer.progress import Progress, ProgressFn, ignore
 from trainer.train import TrainConfig, train_module
+from trainer.vocab import coverage, draft_vocabulary
 
 
 @dataclass(frozen=True)
@@ -55,18 +58,6 @@ class Batch:
     index: torch.Tensor  # (B, S) long: rows of the flat feature tensors; padding repeats row 0
     pad: torch.Tensor  # (B, S) long: 1 on real tokens (the 2-D attention mask)
     loss: torch.Tensor  # (B, S) bool: the next token belongs to an answer
-
-
-def draft_vocabulary(feats: Features, size: int, eos_ids: tuple[int, ...],
-                     vocab_size: int) -> torch.Tensor | None:
-    """(Vd,) sorted ids of the `size` tokens the model emits most in its answers (plus EOS);
-    None when `size` is 0 or covers the whole vocabulary."""
-    if size <= 0 or size >= vocab_size:
-        return None
-    counts = torch.bincount(feats.ids[feats.mask], minlength=vocab_size).float()
-    counts[list(eos_ids)] = float("inf")  # the end of a reply must stay draftable
-    top = counts.topk(size).indices
-    return torch.sort(top[counts[top] > 0]).values
 
 
 def fitting_vocab(model, ffn: bool, wanted: int, share: float) -> int:
@@ -187,12 +178,22 @@ def fit_adapter(lm, adapter: Adapter, head: torch.Tensor, vocab, data: tuple[Fea
     return fit
 
 
-def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
+def check(lm) -> None:
+    """Refuse, before any data is spent, a model whose layers the engine cannot split."""
+    layers.check_supported(lm.model)
+
+
+def reserve_s(options) -> float:
+    """Seconds of the budget kept back from training for calibration."""
+    return options.kangaroo.calibration.seconds
+
+
+def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
                    progress: ProgressFn = ignore, cancel: threading.Event | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Features -> one adapter per exit layer -> calibrated (l, eta, gamma), within
     options.max_minutes. Returns (checkpoint tensors, drafter.json settings, metrics)."""
-    layers.check_supported(lm.model)
+    check(lm)
     config: KangarooTrainConfig = options.kangaroo
     start = time.perf_counter()
     final = layers.num_layers(lm.model)
@@ -201,8 +202,8 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
         raise QuickdraftError(
             f"no usable Kangaroo exit layer in {config.exit_layers} (the model has {final} layers)"
         )
-    train = _features(lm, train_convs, [*exits, final], progress, cancel)
-    heldout = _features(lm, heldout_convs, [*exits, final], progress, cancel)
+    train = features_for(lm, train_convs, [*exits, final], progress, cancel)
+    heldout = features_for(lm, heldout_convs, [*exits, final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
     vocab_size = lm.model.get_output_embeddings().weight.shape[0]
     rows = fitting_vocab(lm.model, config.ffn, config.draft_vocab, config.max_memory_share)
@@ -231,10 +232,8 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
                        cancel)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
     chosen: KangarooSettings = result.settings
-    weights = adapters[chosen.exit_layer].state_dict()
-    tensors = {f"adapter.{k}": v.to(lm.dtype) for k, v in weights.items()}
-    if vocab is not None:
-        tensors["draft_vocab"] = vocab
+    # The drafter's own checkpoint layout, with the adapter in the model's dtype.
+    tensors = KangarooDrafter(lm, adapters[chosen.exit_layer], chosen, vocab).tensors()
     settings = {**chosen.to_json(), "pays": result.pays,
                 # where calibration timed it: another dtype or device re-times at load
                 "quant": lm.quant, "device": lm.device.type,
@@ -244,24 +243,10 @@ def train_kangaroo(lm, train_convs: list[list[dict]], heldout_convs: list[list[d
         "agreement": {str(e): fit["agreement"] for e, fit in fits.items()},
         "train": {str(e): fit for e, fit in fits.items()}, "calibration": result.table,
         "ctar": result.ctar, "mean_accepted": result.mean_accepted,
-        "vocab_coverage": _coverage(lm, heldout, vocab),
+        "vocab_coverage": coverage(heldout, vocab),
         "train_tokens": train.tokens, "heldout_tokens": heldout.tokens, "times": times,
     }
     return tensors, settings, metrics
-
-
-def _coverage(lm, feats: Features, vocab: torch.Tensor | None) -> float:
-    """Share of held-out answer tokens inside the draft vocabulary."""
-    if vocab is None:
-        return 1.0
-    answer = feats.ids[feats.mask]
-    return round(float(torch.isin(answer, vocab).float().mean()), 4) if answer.numel() else 0.0
-
-
-def _features(lm, convs: list[list[dict]], which: list[int], progress: ProgressFn,
-              cancel) -> Features:
-    ids, masks = encode_conversations(lm, convs)
-    return hidden_states(lm, ids, which, masks, progress, cancel).load()
 
 
 def summary_lines(metrics: dict, settings: dict) -> list[str]:
