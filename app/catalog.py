@@ -19,6 +19,7 @@ from engine import devices, gguf
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 from engine.loading import HUB_PATTERNS, bundled_folder
+from engine.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
 
@@ -216,3 +217,21 @@ def _size(n: float) -> str:
     if n < 1024**3:
         return f"{n / 1024**2:.0f} MB"
     return f"{n / 1024**3:.1f} GB"
+
+
+def fetch_if_needed(spec: ModelSpec, report: ProgressFn) -> None:
+    """Download a hub model not yet in the cache, with byte progress. A failure is left to
+    load_model, which turns it into a one-line reason (offline, unknown id, gated)."""
+    source = spec.source.strip()
+    if source.count("/") != 1 or Path(source).expanduser().exists():
+        return
+    if local_folder(spec) is not None:
+        return
+
+    def on_bytes(message: str, fraction: float | None) -> None:
+        report(Progress("download", fraction or 0.0, 1.0 if fraction is not None else 0, message))
+
+    try:
+        download(source, spec.revision, on_bytes)
+    except Exception as exc:  # the hub client raises many types; see the docstring
+        log.info("download of %s failed: %s", source, exc)

@@ -124,7 +124,7 @@ class Service:
             raise QuickdraftError("an accelerator is training for the current model: "
                                   "cancel it (Train tab) before loading another model")
         report = report or (lambda _p: None)
-        _fetch_if_needed(spec, report)
+        catalog.fetch_if_needed(spec, report)
         report(Progress("load", 0, 0, f"loading {spec.source} ({spec.quant})"))
         lm = load_model(spec, lambda message: report(Progress("convert", 0, 0, message)))
         with self._lock:  # waits for the reply in progress
@@ -357,24 +357,6 @@ class Service:
 def model_name(lm: LoadedModel) -> str:
     """The short name people know a model by (repo name or folder name)."""
     return Path(lm.model_id).name or lm.model_id
-
-
-def _fetch_if_needed(spec: ModelSpec, report: ProgressFn) -> None:
-    """Download a hub model not yet in the cache, with byte progress. A failure is left to
-    load_model, which turns it into a one-line reason (offline, unknown id, gated)."""
-    source = spec.source.strip()
-    if source.count("/") != 1 or Path(source).expanduser().exists():
-        return
-    if catalog.local_folder(spec) is not None:
-        return
-
-    def on_bytes(message: str, fraction: float | None) -> None:
-        report(Progress("download", fraction or 0.0, 1.0 if fraction is not None else 0, message))
-
-    try:
-        catalog.download(source, spec.revision, on_bytes)
-    except Exception as exc:  # the hub client raises many types; see the docstring
-        log.info("download of %s failed: %s", source, exc)
 
 
 def _add_prompt(conv: Conversation, prompt: str | None) -> None:
