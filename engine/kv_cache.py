@@ -128,3 +128,76 @@ def _layer_mask(past: int, tree_mask: torch.Tensor, nodes: torch.Tensor, kv_len:
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+# Batched sampling (the trainer's data stage) keeps many independent rows in one cache,
+# left-padded to a shared width, and swaps finished rows for new ones. That needs only
+# plain full-attention layers: a sliding-window layer's tensors do not keep padded
+# positions apart from real ones.
+
+
+def rows_editable(cache: DynamicCache) -> bool:
+    """Whether regroup() can rebuild this cache's rows (every layer plain full attention)."""
+    return all(type(layer) in (DynamicLayer, _RoomyLayer) for layer in cache.layers)
+
+
+def regroup(model, parts: Sequence[tuple[DynamicCache, torch.Tensor]], width: int,
+            room: int) -> DynamicCache:
+    """A new cache holding, in order, the rows `rows` of each (cache, rows) part, every row
+    aligned to the right edge of `width` positions: shorter parts are padded on the left
+    with zeros (the caller's attention mask hides them), longer ones lose their leading
+    positions (which the caller knows are padding for the rows kept). `room` positions
+    are reserved after `width` so the next steps append without copying."""
+    layers = []
+    for i in range(len(parts[0][0].layers)):
+        keys, values = [], []
+        for cache, rows in parts:
+            layer = cache.layers[i]
+            keys.append(_to_width(layer.keys[rows], width))
+            values.append(_to_width(layer.values[rows], width))
+        layers.append(_RoomyLayer(torch.cat(keys), torch.cat(values), room))
+    out = DynamicCache(config=model.config)
+    out.layers = layers
+    return out
+
+
+def _to_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    have = t.shape[-2]
+    if have >= width:
+        return t[..., have - width:, :]
+    pad = t.new_zeros(*t.shape[:-2], width - have, t.shape[-1])
+    return torch.cat([pad, t], dim=-2)
+
+
+class _RoomyLayer(DynamicLayer):
+    """A full-attention layer whose tensors are views into buffers with spare room.
+
+    DynamicLayer concatenates on every append, copying the whole layer: at batch 64 and a
+    few hundred positions that copy costs more than the step's attention. Here an append
+    writes only the new entries; the buffer doubles when full."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self._k = _with_room(keys, keys.shape[-2] + room)
+        self._v = _with_room(values, values.shape[-2] + room)
+        self._set(keys.shape[-2])
+
+    def _set(self, n: int) -> None:
+        self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, add = self.keys.shape[-2], key_states.shape[-2]
+        if n + add > self._k.shape[-2]:
+            self._k = _with_room(self.keys, max(n + add, 2 * n))
+            self._v = _with_room(self.values, max(n + add, 2 * n))
+        self._k[..., n:n + add, :] = key_states
+        self._v[..., n:n + add, :] = value_states
+        self._set(n + add)
+        return self.keys, self.values
+
+
+def _with_room(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    buf = t.new_empty(*t.shape[:-2], capacity, t.shape[-1])
+    buf[..., :t.shape[-2], :] = t
+    return buf

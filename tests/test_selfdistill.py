@@ -3,6 +3,7 @@ duplicates after an interruption, and the held-out split by seed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -135,10 +136,16 @@ def test_an_interrupted_run_resumes_without_duplicates(lm, tmp_path):
 
 def test_the_time_budget_counts_every_run_on_the_file(lm, tmp_path):
     out = tmp_path / "conversations.jsonl"
-    budget = DataBudget(max_conversations=50, batch_size=2, max_new_tokens=4, max_seconds=1e-6)
-    first = generate_data(lm, out, None, budget, lambda p: None)
-    assert first["new"] == 2  # one batch, then the budget is spent
-    assert generate_data(lm, out, None, budget, lambda p: None)["new"] == 0
+    cancel = threading.Event()
+    big = DataBudget(max_conversations=10**6, batch_size=2, max_new_tokens=4, max_seconds=600)
+    first = generate_data(lm, out, None, big, lambda p: p.done and cancel.set(), cancel)
+    spent = json.loads(out.with_suffix(".meta.json").read_text())["seconds"]
+    assert first["new"] >= 1 and spent > 0
+    # A budget this file has already used up adds nothing; a larger one carries on.
+    used_up = dataclasses.replace(big, max_seconds=spent)
+    assert generate_data(lm, out, None, used_up, lambda p: None)["new"] == 0
+    more = dataclasses.replace(big, max_conversations=first["new"] + 2)
+    assert generate_data(lm, out, None, more, lambda p: None)["new"] == 2
 
 
 def test_user_prompts_join_the_seeds(lm, tmp_path):

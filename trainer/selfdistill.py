@@ -13,18 +13,13 @@ import hashlib
 import json
 import random
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from engine.chat import encode
-from engine.config import ChatMessage, Conversation
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
 from engine.progress import Eta, Progress, ProgressFn
-from trainer.context import answer_room, fit_prompt
+from trainer.answering import Run, answer_seeds
 
 SEED_FILE = Path(__file__).resolve().parent.parent / "assets" / "seed_prompts.jsonl"
 
@@ -180,17 +175,12 @@ def generate_data(
     target = min(budget.max_conversations, len(done) + len(todo))
     count, eta = len(done), Eta(max(1, target - len(done)))
     _report(progress, count, target, spent, budget, None)
+    run = Run(count, target, spent, meta_path)
     with out_path.open("a", encoding="utf-8") as fh:
-        while todo and count < target and spent < budget.max_seconds:
-            if cancel is not None and cancel.is_set():
-                break
-            size = min(budget.batch_size, target - count)
-            size = sum(1 for s in todo[:size] if s.sample == todo[0].sample)  # one pass per batch
-            batch, todo = todo[:size], todo[size:]
-            spent += _write_batch(lm, fh, batch, budget)
-            meta_path.write_text(json.dumps({"seconds": round(spent, 2)}))
-            count += len(batch)
-            _report(progress, count, target, spent, budget, eta.left(count - len(done)))
+        answer_seeds(lm, fh, todo, budget, run, lambda: _report(
+            progress, run.count, target, run.spent, budget, eta.left(run.count - len(done))),
+            cancel)
+    count, spent = run.count, run.spent
     total_tokens = sum(int(rec.get("tokens", 0)) for rec in _records(out_path))
     return {
         "conversations": count,
@@ -198,18 +188,6 @@ def generate_data(
         "seconds": round(spent, 1),
         "new": count - len(done),
     }
-
-
-def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> float:
-    """Answer one batch and append its conversations; returns the seconds it took."""
-    start = time.perf_counter()
-    digest = hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()
-    torch.manual_seed(int(digest[:8], 16))  # the same batch samples the same answers
-    for seed, messages, n_tokens in _answer_batch(lm, batch, budget):
-        rec = {"key": seed.key, "category": seed.category, "tokens": n_tokens, "messages": messages}
-        fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    fh.flush()
-    return time.perf_counter() - start
 
 
 def _report(
@@ -244,64 +222,3 @@ def _read_meta(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed, list[dict], int]]:
-    """Answer every seed of the batch turn by turn; returns (seed, messages, answer tokens)."""
-    history: list[list[dict]] = [[] for _ in batch]
-    counts = [0] * len(batch)
-    for turn in range(max(len(s.turns) for s in batch)):
-        active = [i for i, s in enumerate(batch) if turn < len(s.turns)]
-        prompts = []
-        for i in active:
-            history[i].append({"role": "user", "content": batch[i].turns[turn]})
-            conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in history[i]))
-            prompts.append(encode(lm.tokenizer, conv))
-        for i, answer in zip(active, _sample(lm, prompts, batch, budget), strict=True):
-            history[i].append(
-                {
-                    "role": "assistant",
-                    "content": lm.tokenizer.decode(answer, skip_special_tokens=True),
-                }
-            )
-            counts[i] += len(answer)
-    return [(s, h, c) for s, h, c in zip(batch, history, counts, strict=True)]
-
-
-def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:
-    """Batched sampling with left padding: one answer (token ids, EOS cut) per prompt.
-    Prompt + answer fit the model's context (later turns of long conversations lose their
-    oldest tokens)."""
-    answer_tokens = answer_room(lm, budget.max_new_tokens)
-    prompts = [fit_prompt(lm, p, answer_tokens) for p in prompts]
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_ids[0]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    greedy = budget.temperature <= 0 or (budget.greedy_first_pass and batch[0].sample == 0)
-    with torch.inference_mode():
-        out = lm.model.generate(
-            input_ids=ids.to(lm.device),
-            attention_mask=mask.to(lm.device),
-            **(
-                {"do_sample": False}
-                if greedy
-                else {
-                    "do_sample": True,
-                    "temperature": budget.temperature,
-                    "top_p": 1.0,
-                    "top_k": 0,
-                }
-            ),
-            max_new_tokens=answer_tokens,
-            pad_token_id=pad,
-            eos_token_id=list(lm.eos_ids),
-        )
-    answers = []
-    for row in out[:, width:].tolist():
-        cut = next((i for i, t in enumerate(row) if t in lm.eos_ids), len(row))
-        answers.append(row[:cut])
-    return answers

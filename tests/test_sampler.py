@@ -1,0 +1,114 @@
+"""The data stage's continuous batching: rows swapped as answers finish must answer each
+prompt exactly as it would be answered alone, on every family whose cache allows it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import pytest
+import torch
+from test_family_matrix import family_model
+
+from stats_util import chi_square_pvalue
+
+from trainer.sampler import Job, SamplerConfig, answers, supports_refill
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def alone(lm, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy answer of one prompt with no padding and no neighbours."""
+    out = lm.model.generate(input_ids=torch.tensor([prompt], device=lm.device),
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                      device=lm.device),
+                            do_sample=False, max_new_tokens=max_new,
+                            eos_token_id=list(lm.eos_ids) or None, pad_token_id=0)
+    answer = out[0, len(prompt):].tolist()
+    return next((answer[:i] for i, t in enumerate(answer) if t in lm.eos_ids), answer)
+
+
+def jobs(n: int, greedy: bool = True) -> list[Job]:
+    """Prompts of different lengths and answer caps, so rows finish at different steps
+    and refills join rows of different widths."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(5, 95, (3 + (i * 7) % 23,), generator=g).tolist()
+        out.append(Job(prompt, greedy, 4 + (i * 5) % 13, tag=i))
+    return out
+
+
+def run_all(lm, todo: list[Job], batch: int, temperature: float = 0.7, seed: int = 0):
+    gen = torch.Generator(device=lm.device).manual_seed(seed)
+    config = SamplerConfig(batch_size=batch, temperature=temperature)
+    return {job.tag: answer for job, answer in answers(lm, deque(todo), config, gen,
+                                                       lambda: True)}
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-untied", "gpt2-absolute", "qwen3-qknorm"])
+def test_greedy_rows_answer_as_each_prompt_alone(name, bundled_tokenizer):
+    lm = family_model(name, bundled_tokenizer)
+    assert supports_refill(lm)
+    todo = jobs(11)
+    got = run_all(lm, todo, batch=4)  # 11 jobs through 4 rows: every refill path runs
+    assert sorted(got) == list(range(11))
+    for job in todo:
+        assert got[job.tag] == alone(lm, job.prompt, job.max_new), job.tag
+
+
+def test_rows_end_at_eos_and_the_answer_leaves_it_out(bundled_tokenizer):
+    lm = family_model("llama-gqa", bundled_tokenizer)
+    todo = jobs(6)
+    free = run_all(lm, todo, batch=3)
+    eos = free[2][1]  # make the third answer's second token an end of turn
+    lm = dataclasses.replace(lm, eos_ids=(eos,))
+    got = run_all(lm, todo, batch=3)
+    assert got[2] == free[2][:1]
+    for job in todo:
+        assert got[job.tag] == alone(lm, job.prompt, job.max_new)
+
+
+def test_sliding_window_models_are_answered_another_way(bundled_tokenizer):
+    assert not supports_refill(family_model("mistral-sliding", bundled_tokenizer))
+    assert not supports_refill(family_model("gemma2-alternating", bundled_tokenizer))
+
+
+def test_sampled_rows_draw_from_the_model_distribution(bundled_tokenizer):
+    """Many copies of one prompt beside greedy rows of other lengths: the first token drawn
+    follows softmax(logits / T) of the model run alone."""
+    lm = family_model("llama-gqa", bundled_tokenizer)
+    temperature = 1.5  # flatter than the random model's own peaks: many outcomes
+    prompt = [11, 12, 13, 14, 15]
+    n = 600
+    todo = [Job(prompt, False, 2, tag=("s", i)) for i in range(n)]
+    todo += [Job(j.prompt, True, j.max_new, tag=("g", j.tag)) for j in jobs(30)]
+    order = [todo[i] for i in torch.randperm(len(todo), generator=torch.Generator().manual_seed(0))]
+    got = run_all(lm, order, batch=16, temperature=temperature)
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([prompt])).logits[0, -1]
+    want = torch.softmax(logits / temperature, -1)
+    counts = torch.bincount(torch.tensor([got[("s", i)][0] for i in range(n)]),
+                            minlength=want.numel())
+    # A sampler reading another row's logits, or the padding's, fails this at once.
+    assert chi_square_pvalue(counts, want) > 1e-3
+    for tag, answer in got.items():
+        if tag[0] == "g":
+            job = next(j for j in todo if j.tag == tag)
+            assert answer == alone(lm, job.prompt, job.max_new)
+
+
+def test_stopping_drops_unfinished_answers(bundled_tokenizer):
+    lm = family_model("llama-gqa", bundled_tokenizer)
+    calls = {"n": 0}
+
+    def keep_going() -> bool:
+        calls["n"] += 1
+        return calls["n"] < 6
+
+    gen = torch.Generator().manual_seed(0)
+    done = list(answers(lm, deque(jobs(8)), SamplerConfig(batch_size=4), gen, keep_going))
+    assert all(len(a) == job.max_new or a == alone(lm, job.prompt, job.max_new)
+               for job, a in done)
+    assert len(done) < 8
+

@@ -1,0 +1,217 @@
+"""How the data stage answers seeds: continuous batching where the model's cache allows
+it (trainer/sampler.py), generate() on fixed batches otherwise. Each conversation is
+appended to the data file when its last turn is answered."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.chat import encode
+from engine.config import ChatMessage, Conversation
+from trainer.context import answer_room, fit_prompt
+from trainer.sampler import Job, SamplerConfig, answers, supports_refill
+
+if TYPE_CHECKING:
+    from trainer.selfdistill import DataBudget, Seed
+
+# Past its time budget a streamed run lets the answers under way end for at most this
+# share of the budget (and at most GRACE_MAX_S): the stage ends within its budget + 3%.
+GRACE_SHARE = 0.03
+GRACE_MAX_S = 30.0
+
+
+def answer_seeds(lm, fh, todo: list[Seed], budget: DataBudget, run: Run, report,
+                 cancel: threading.Event | None) -> None:
+    """Answer `todo` in order until the run's target or time budget, appending to `fh`."""
+    answer = _answer_streamed if supports_refill(lm) else _answer_in_batches
+    answer(lm, fh, todo, budget, run, report, cancel)
+
+
+@dataclass
+class Run:
+    """Where a data run stands: conversations in the file, the target, seconds spent."""
+
+    count: int
+    target: int
+    spent: float
+    meta_path: Path
+
+    def wrote(self, n: int, seconds: float) -> None:
+        self.count += n
+        self.spent += seconds
+        self.meta_path.write_text(json.dumps({"seconds": round(self.spent, 2)}))
+
+
+def _answer_in_batches(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
+                       report, cancel: threading.Event | None) -> None:
+    """generate() on fixed batches: for models whose cache rows cannot be swapped."""
+    while todo and run.count < run.target and run.spent < budget.max_seconds:
+        if cancel is not None and cancel.is_set():
+            break
+        size = min(budget.batch_size, run.target - run.count)
+        size = sum(1 for s in todo[:size] if s.sample == todo[0].sample)  # one pass per batch
+        batch, todo = todo[:size], todo[size:]
+        run.wrote(len(batch), _write_batch(lm, fh, batch, budget))
+        report()
+
+
+def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
+                     report, cancel: threading.Event | None) -> None:
+    """Continuous batching (trainer/sampler.py): each conversation's next turn joins the
+    batch as soon as its last answer ends; a conversation is written when it is whole."""
+    answer_tokens = answer_room(lm, budget.max_new_tokens)
+    seeds, queue, open_convs, closing = iter(todo), deque(), 0, False
+    grace = min(GRACE_SHARE * budget.max_seconds, GRACE_MAX_S)
+    clock = time.perf_counter()
+
+    def job(conv: _Conversation) -> Job:
+        prompt = fit_prompt(lm, conv.prompt(lm.tokenizer), answer_tokens)
+        greedy = budget.temperature <= 0 or (budget.greedy_first_pass and conv.seed.sample == 0)
+        return Job(prompt, greedy, answer_tokens, conv)
+
+    def admit() -> None:
+        nonlocal open_convs
+        while (len(queue) < budget.batch_size and run.count + open_convs < run.target
+               and not closing):
+            seed = next(seeds, None)
+            if seed is None:
+                return
+            open_convs += 1
+            queue.append(job(_Conversation(seed)))
+
+    def keep_going() -> bool:
+        # At the budget no new turn starts, and the answers under way get a short grace to
+        # end (dropping them would waste up to a batch of half-written answers).
+        nonlocal closing
+        used = run.spent + time.perf_counter() - clock
+        if used >= budget.max_seconds:
+            closing = True
+            queue.clear()
+        cancelled = cancel is not None and cancel.is_set()
+        return not cancelled and used < budget.max_seconds + grace
+
+    config = SamplerConfig(budget.batch_size, budget.temperature)
+    generator = torch.Generator(device=lm.device).manual_seed(budget.seed * 7919 + run.count)
+    admit()
+    for done, answer in answers(lm, queue, config, generator, keep_going):
+        conv = done.tag
+        conv.answered(lm.tokenizer.decode(answer, skip_special_tokens=True), len(answer))
+        if conv.turns_left():
+            queue.appendleft(job(conv))
+            continue
+        _write(fh, conv.seed, conv.messages, conv.tokens)
+        open_convs -= 1
+        now = time.perf_counter()
+        run.wrote(1, now - clock)
+        clock = now
+        report()
+        admit()
+    run.spent += time.perf_counter() - clock  # the unfinished answers' time counts too
+    run.meta_path.write_text(json.dumps({"seconds": round(run.spent, 2)}))
+
+
+@dataclass
+class _Conversation:
+    """A seed being answered turn by turn."""
+
+    seed: Seed
+    messages: list[dict] = field(default_factory=list)
+    tokens: int = 0
+
+    def prompt(self, tokenizer) -> list[int]:
+        self.messages.append({"role": "user", "content": self.seed.turns[len(self.messages) // 2]})
+        conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in self.messages))
+        return encode(tokenizer, conv)
+
+    def answered(self, text: str, tokens: int) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self.tokens += tokens
+
+    def turns_left(self) -> bool:
+        return len(self.messages) // 2 < len(self.seed.turns)
+
+
+def _write(fh, seed: Seed, messages: list[dict], tokens: int) -> None:
+    rec = {"key": seed.key, "category": seed.category, "tokens": tokens, "messages": messages}
+    fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    fh.flush()
+
+
+def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> float:
+    """Answer one batch and append its conversations; returns the seconds it took."""
+    start = time.perf_counter()
+    digest = hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()
+    torch.manual_seed(int(digest[:8], 16))  # the same batch samples the same answers
+    for seed, messages, n_tokens in _answer_batch(lm, batch, budget):
+        _write(fh, seed, messages, n_tokens)
+    return time.perf_counter() - start
+
+
+def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed, list[dict], int]]:
+    """Answer every seed of the batch turn by turn; returns (seed, messages, answer tokens)."""
+    history: list[list[dict]] = [[] for _ in batch]
+    counts = [0] * len(batch)
+    for turn in range(max(len(s.turns) for s in batch)):
+        active = [i for i, s in enumerate(batch) if turn < len(s.turns)]
+        prompts = []
+        for i in active:
+            history[i].append({"role": "user", "content": batch[i].turns[turn]})
+            conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in history[i]))
+            prompts.append(encode(lm.tokenizer, conv))
+        for i, answer in zip(active, _sample(lm, prompts, batch, budget), strict=True):
+            history[i].append(
+                {
+                    "role": "assistant",
+                    "content": lm.tokenizer.decode(answer, skip_special_tokens=True),
+                }
+            )
+            counts[i] += len(answer)
+    return [(s, h, c) for s, h, c in zip(batch, history, counts, strict=True)]
+
+
+def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:
+    """Batched sampling with left padding: one answer (token ids, EOS cut) per prompt.
+    Prompt + answer fit the model's context (later turns of long conversations lose their
+    oldest tokens)."""
+    answer_tokens = answer_room(lm, budget.max_new_tokens)
+    prompts = [fit_prompt(lm, p, answer_tokens) for p in prompts]
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_ids[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    greedy = budget.temperature <= 0 or (budget.greedy_first_pass and batch[0].sample == 0)
+    with torch.inference_mode():
+        out = lm.model.generate(
+            input_ids=ids.to(lm.device),
+            attention_mask=mask.to(lm.device),
+            **(
+                {"do_sample": False}
+                if greedy
+                else {
+                    "do_sample": True,
+                    "temperature": budget.temperature,
+                    "top_p": 1.0,
+                    "top_k": 0,
+                }
+            ),
+            max_new_tokens=answer_tokens,
+            pad_token_id=pad,
+            eos_token_id=list(lm.eos_ids),
+        )
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in lm.eos_ids), len(row))
+        answers.append(row[:cut])
+    return answers
