@@ -8,9 +8,8 @@ from collections import deque
 
 import pytest
 import torch
-from test_family_matrix import family_model
-
 from stats_util import chi_square_pvalue
+from test_family_matrix import family_model
 
 from trainer.sampler import Job, SamplerConfig, answers, supports_refill
 
