@@ -20,7 +20,7 @@ from engine.chat import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.kangaroo import KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import Adapter
-from engine.drafters.medusa import MedusaSettings, heads_from_tensors
+from engine.drafters.medusa import MedusaHeads, MedusaSettings, heads_from_tensors
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
@@ -350,3 +350,17 @@ def test_the_train_tab_says_chats_are_used_and_retrain_continues(lm, monkeypatch
     (fresh, fresh_chats), (again, again_chats) = asked
     assert not fresh.continue_training and not fresh_chats
     assert again.continue_training and again_chats and again.method == "kangaroo"
+
+
+def test_medusa_heads_continue_with_the_draft_vocabulary_of_the_new_data():
+    old = MedusaHeads(8, MedusaSettings(2), torch.arange(10, 20))
+    with torch.no_grad():
+        old.weight.add_(1.0)
+    resume = Resume(checkpoint_dir("fp", "medusa"), old.tensors(), {})
+    options = TrainOptions("medusa", resume=resume)
+    new = MedusaHeads(8, MedusaSettings(2), torch.arange(30, 40))
+    assert start_from(new, options, prefix="heads.", fresh=("vocab_ids",))
+    assert torch.equal(new.weight, old.weight) and torch.equal(new.vocab_ids, torch.arange(30, 40))
+    aligned = MedusaHeads(8, MedusaSettings(2), torch.arange(30, 40))  # nothing kept fresh:
+    assert start_from(aligned, options, prefix="heads.")  # the stored vocabulary comes along
+    assert torch.equal(aligned.vocab_ids, torch.arange(10, 20))

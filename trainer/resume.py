@@ -45,15 +45,17 @@ def load_resume(lm, method: str) -> tuple[Resume | None, str]:
 
 
 def start_from(module: torch.nn.Module, options, progress: ProgressFn = ignore,
-               prefix: str = "", **settings) -> bool:
+               prefix: str = "", fresh: tuple[str, ...] = (), **settings) -> bool:
     """Load options.resume's tensors named `prefix` + a state_dict key into `module`.
 
     Every parameter must be stored with its shape, and the checkpoint's settings must equal
     `settings` (e.g. exit_layer=2: an adapter trained for another exit reads other states);
     otherwise the module keeps its fresh start and a one-line notice says why. Buffers (e.g.
     a draft vocabulary) are loaded where their shape matches and kept fresh where it does
-    not, so tensors indexed by a stored buffer stay aligned with it. Returns True when the
-    module continues from the stored weights; False (silently) when nothing is resumed.
+    not, so tensors indexed by a stored buffer stay aligned with it; `fresh` names buffers
+    the module keeps from its fresh start (e.g. a draft vocabulary chosen from the new data
+    that no parameter is aligned to). Returns True when the module continues from the
+    stored weights; False (silently) when nothing is resumed.
     """
     resume: Resume | None = options.resume
     if resume is None:
@@ -67,7 +69,7 @@ def start_from(module: torch.nn.Module, options, progress: ProgressFn = ignore,
     state = module.state_dict()
     with torch.no_grad():
         for name, value in state.items():
-            stored = resume.tensors.get(prefix + name)
+            stored = None if name in fresh else resume.tensors.get(prefix + name)
             if stored is not None and stored.shape == value.shape:
                 value.copy_(stored.to(value.dtype))  # state_dict values share the storage
     resume.outcomes.append(f"continued {prefix.rstrip('.') or 'module'} from {resume.folder}")
