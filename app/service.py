@@ -208,7 +208,9 @@ class Service:
             turns = conv.turns()
             ids = encode(lm.tokenizer, conversation(turns[-1]["content"], turns[:-1],
                                                     conv.system or None))
-            reply = {"role": "assistant", "content": "", "accel": used}
+            # the model and acceptance rule: what its accelerator may learn from (app.store)
+            reply = {"role": "assistant", "content": "", "accel": used,
+                     "model": lm.fingerprint, "acceptance": request.params.acceptance}
             conv.messages.append(reply)
             accepted: list[int] = []  # per model step
             ttft = 0.0
@@ -294,9 +296,10 @@ class Service:
             yield result
 
     # -- training -----------------------------------------------------------------
-    def start_training(self, options: TrainOptions) -> Job:
-        """Train an accelerator for the current model in the background. A cancelled run
-        keeps its data, and the next run with the same model resumes from it."""
+    def start_training(self, options: TrainOptions, learn_from_chats: bool = True) -> Job:
+        """Train an accelerator for the current model in the background, learning from the
+        user's chats with it unless told not to. A cancelled run keeps its data, and the
+        next run with the same model resumes from it."""
         from trainer.pipeline import train_accelerator
 
         method = options.method
@@ -305,6 +308,9 @@ class Service:
         if self.loading is not None and self.loading.running:
             raise QuickdraftError("a model is loading: train once it is ready")
         lm = self.lm
+        if learn_from_chats:
+            chats = tuple(self.store.chats_with(lm.fingerprint))
+            options = dataclasses.replace(options, chats=chats)
         job = Job("train", f"{accel_label(method)} for {model_name(lm)}", method)
         self.training = job
 
@@ -317,26 +323,6 @@ class Service:
             return result
 
         return job.start(work)
-
-    def training_summary(self) -> str:
-        """One line per trainable method for the current model, and the data kept."""
-        from trainer.selfdistill import data_path
-
-        lm = self.lm
-        lines = []
-        for method in TRAINED:
-            info = describe(lm, method)
-            state = f"trained {info.get('created', '')[:16]}" if info else "not trained yet"
-            lines.append(f"{accel_label(method)}: {state}")
-        try:
-            with open(data_path(lm), encoding="utf-8") as f:
-                kept = sum(1 for _ in f)
-        except OSError:
-            kept = 0
-        if kept:
-            lines.append(f"{kept} self-distilled conversations kept from earlier runs "
-                         "(the next run continues from them)")
-        return " · ".join(lines)
 
     def cancel_training(self) -> None:
         if self.training is not None:

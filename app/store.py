@@ -59,12 +59,28 @@ class Conversation:
     updated: float  # unix time of the last change; the list shows the newest first
     system: str = ""  # system prompt of this chat ("" = the model's own default)
     # {"role": "user" | "assistant", "content": str}; replies also keep "stats" (the
-    # engine's stats JSON) and "accel" (the method that produced them)
+    # engine's stats JSON), "accel" (the method that produced them), "model" (the
+    # fingerprint of the model that wrote them) and "acceptance" (the rule drafts met)
     messages: list[dict] = field(default_factory=list)
 
     def turns(self) -> list[dict]:
         """The messages as plain {"role", "content"} dicts (chat template, Chatbot)."""
         return [{"role": m["role"], "content": m["content"]} for m in self.messages]
+
+    def model_turns(self, fingerprint: str) -> list[dict]:
+        """The conversation as {"role", "content"} messages (the system prompt first) up to
+        its last reply that model `fingerprint` wrote itself, for training its accelerator;
+        [] when it has none. It stops before the first reply that is not such a reply:
+        what follows was conditioned on it."""
+        turns = [{"role": "system", "content": self.system}] if self.system else []
+        kept = []
+        for m in self.messages:
+            if m["role"] == "assistant" and not own_reply(m, fingerprint):
+                break
+            turns.append({"role": m["role"], "content": m["content"]})
+            if m["role"] == "assistant":
+                kept = list(turns)
+        return kept
 
     def to_markdown(self) -> str:
         lines = [f"# {self.title}", ""]
@@ -84,6 +100,19 @@ class Conversation:
         ):
             raise ValueError("messages must be a list of {role, content} objects")
         return conv
+
+
+def own_reply(message: dict, fingerprint: str) -> bool:
+    """A reply the model `fingerprint` generated in full (plain or drafted decoding, greedy
+    or sampled): not empty, not stopped part-way (a stopped or interrupted reply has no
+    "stats" or stop reason "cancelled"), and not drafted with typical acceptance, which
+    keeps draft tokens the model might not have chosen. Replies saved before the model was
+    recorded cannot be attributed and are never used."""
+    stats = message.get("stats")
+    typical = message.get("acceptance") == "typical" and message.get("accel") != "off"
+    return (message.get("model") == fingerprint and bool(str(message["content"]).strip())
+            and isinstance(stats, dict) and stats.get("stop_reason") != "cancelled"
+            and not typical)
 
 
 @dataclass
@@ -149,6 +178,12 @@ class Store:
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("skipping unreadable conversation %s: %s", path.name, exc)
         return sorted(convs, key=lambda c: c.updated, reverse=True)
+
+    def chats_with(self, fingerprint: str) -> list[list[dict]]:
+        """Every stored conversation's replies by model `fingerprint` with their prompts
+        (Conversation.model_turns), newest first: self-distillation data on the prompts the
+        user really asks. They are read here and never leave this computer."""
+        return [turns for conv in self.list() if (turns := conv.model_turns(fingerprint))]
 
     def get(self, conv_id: str) -> Conversation:
         path = self._path(conv_id)

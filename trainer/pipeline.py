@@ -18,6 +18,7 @@ from engine.progress import Progress, ProgressFn, ignore
 from trainer.kangaroo import KangarooTrainConfig
 from trainer.medusa import MedusaTrainConfig
 from trainer.medusa.calibrate import CalibrationConfig
+from trainer.resume import Resume, load_resume
 from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
 from trainer.train import TrainConfig
 
@@ -43,6 +44,12 @@ class TrainOptions:
     )  # adapter, exits, sweep
     train: TrainConfig = field(default_factory=TrainConfig)  # optimiser and schedule
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # tree search
+    # the user's own chats with this model as {"role", "content"} lists (app/ reads them from
+    # its store): merged into the training split only, so held-out figures stay comparable
+    chats: tuple[list[dict], ...] = ()
+    continue_training: bool = False  # start from the stored accelerator (Retrain, --continue)
+    resume: Resume | None = None  # what train_accelerator loaded for continue_training; the
+    # method's trainer reads it through trainer.resume.start_from (callers leave it None)
 
     def __post_init__(self) -> None:
         if self.method not in TRAINED:
@@ -55,7 +62,9 @@ class TrainOptions:
             raise QuickdraftError(f"prompts file not found: {self.prompts_file}")
 
 
-def options_for(method: str, max_minutes: float, prompts_file: Path | None = None) -> TrainOptions:
+def options_for(method: str, max_minutes: float, prompts_file: Path | None = None,
+                chats: tuple[list[dict], ...] = (), continue_training: bool = False
+                ) -> TrainOptions:
     """Default options whose calibration reserves fit the budget: short runs keep at most
     15% of their time for calibration instead of the full reserve."""
     cap = max_minutes * 60 * 0.15
@@ -64,7 +73,8 @@ def options_for(method: str, max_minutes: float, prompts_file: Path | None = Non
         kangaroo.calibration, seconds=min(kangaroo.calibration.seconds, cap)))
     return TrainOptions(method=method, max_minutes=max_minutes, prompts_file=prompts_file,
                         calibration_seconds=min(TrainOptions.calibration_seconds, cap),
-                        kangaroo=kangaroo)
+                        kangaroo=kangaroo, chats=tuple(chats),
+                        continue_training=continue_training)
 
 
 @dataclass
@@ -88,12 +98,16 @@ def train_accelerator(
     start = time.perf_counter()
     total_s = options.max_minutes * 60
     report = _with_eta(progress, start, total_s, trainer.reserve_s(options))
+    resume = _resume(lm, options, report)
     budget = dataclasses.replace(options.data, max_seconds=total_s * options.data_share)
     prompt_files = [Path(options.prompts_file)] if options.prompts_file else None
     data = generate_data(lm, data_path(lm), prompt_files, budget, report, cancel)
     if _cancelled(cancel):
         return TrainResult(options.method, None, {}, {}, data, cancelled=True)
     train_convs, heldout_convs = split_heldout(data_path(lm), options.heldout_fraction)
+    train_convs += list(options.chats)  # never held out: held-out figures stay comparable
+    if options.chats:
+        report(Progress("data", 1, 1, f"{len(options.chats)} conversations from your chats"))
     if len(train_convs) < 2 or not heldout_convs:
         raise QuickdraftError(
             f"too little training data ({len(train_convs)} conversations, "
@@ -101,7 +115,7 @@ def train_accelerator(
             "give training more time with --max-minutes"
         )
     left_min = max(1.0, total_s - (time.perf_counter() - start)) / 60
-    stage_options = dataclasses.replace(options, max_minutes=left_min)
+    stage_options = dataclasses.replace(options, max_minutes=left_min, resume=resume)
     try:
         tensors, settings, metrics = trainer.train(
             lm, train_convs, heldout_convs, stage_options, report, cancel)
@@ -113,15 +127,30 @@ def train_accelerator(
         return TrainResult(options.method, None, settings, metrics, data, cancelled=True)
     metrics.setdefault("times", {})["data_s"] = data["seconds"]
     metrics["times"]["total_s"] = round(time.perf_counter() - start, 1)
+    metrics["chat_conversations"] = len(options.chats)
+    if resume is not None:
+        metrics["continued"] = {"from": str(resume.folder), "modules": resume.outcomes}
     summary = {
         **data,
         "train_conversations": len(train_convs),
         "heldout_conversations": len(heldout_convs),
+        "chat_conversations": len(options.chats),
+        "continued": resume is not None and resume.continued > 0,
     }
     report(Progress("save", 0, 1, "saving the checkpoint"))
     folder = save_checkpoint(lm, options.method, tensors, settings, metrics, summary)
     report(Progress("done", 1, 1, f"saved to {folder}", 0.0))
     return TrainResult(options.method, folder, settings, metrics, summary)
+
+
+def _resume(lm, options: TrainOptions, report: ProgressFn) -> Resume | None:
+    """The stored checkpoint to continue from, when asked; None (with a notice saying why)
+    when there is none that fits: the run then trains from scratch."""
+    if not options.continue_training:
+        return None
+    resume, notice = load_resume(lm, options.method)
+    report(Progress("data", 0, 1, notice or f"continuing from {resume.folder}"))
+    return resume
 
 
 def _cancelled(cancel: threading.Event | None) -> bool:

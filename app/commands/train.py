@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from app.commands.common import add_model_args, load
 from app.jobs import one_line
+from app.store import Store
 from engine.drafters.registry import TRAINED
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
@@ -35,14 +37,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=20.0,
         help="time budget for the whole job, data generation included (default 20)",
     )
+    parser.add_argument(
+        "--no-chats",
+        action="store_true",
+        help="do not learn from your stored chats with this model (by default the model's "
+        "own replies there are training data; they never leave this computer)",
+    )
+    parser.add_argument(
+        "--continue",
+        dest="continue_training",
+        action="store_true",
+        help="start from the accelerator already trained for this model instead of from "
+        "nothing (a fresh start, with a notice, when there is none that fits)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from trainer.pipeline import options_for, train_accelerator
 
     # Check the options before the model loads, so a typo fails at once.
-    options = options_for(args.method, args.max_minutes, args.prompts)
+    options = options_for(args.method, args.max_minutes, args.prompts,
+                          continue_training=args.continue_training)
     lm = load(args)
+    if not args.no_chats:
+        options = dataclasses.replace(options, chats=tuple(Store().chats_with(lm.fingerprint)))
     bar = ProgressBar(sys.stderr)
     try:
         result = train_accelerator(lm, options, bar.update)
@@ -118,13 +136,20 @@ def _clock(seconds: float) -> str:
 def summary(result) -> str:
     """What was built and whether it pays, for people."""
     if result.cancelled:
-        return "cancelled: run the same command again to resume"
+        return ("cancelled: run the same command again to resume (the accelerator trained "
+                "before is unchanged)")
     m, s = result.metrics, result.settings
     lines = [
         f"{result.method} accelerator saved to {result.folder}",
         f"data: {result.data.get('conversations')} conversations, "
         f"{result.data.get('tokens')} answer tokens",
+        f"{result.data.get('chat_conversations', 0)} conversations from your chats "
+        "(learned from, never held out)",
     ]
+    continued = result.metrics.get("continued")
+    if continued:
+        lines += [f"continued from {continued['from']}:",
+                  *(f"  {line}" for line in continued["modules"])]
     times = m.get("times", {})
     if times:
         lines.append(

@@ -9,6 +9,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.service import Service, accel_label, model_name
+from app.training import training_summary
 from app.ui import readout
 from engine.drafters.registry import TRAINED
 from engine.errors import QuickdraftError
@@ -17,7 +18,11 @@ INTRO = """The loaded model answers a set of seed prompts (self-distillation); t
 then trained to predict the model's own next tokens, calibrated on this machine, and stored
 next to this model's fingerprint. **Cancel** keeps the answers generated so far: the next run
 resumes from them. When a run finishes, the new accelerator is switched on in the Chat tab
-and a Compare runs."""
+and a Compare runs. **Retrain** starts from the accelerator already trained for this model
+(with the data gathered so far plus anything new) instead of starting from nothing."""
+CHATS_LABEL = "Learn from my chats with this model (they stay on this computer)"
+CHATS_INFO = ("The model's own replies in your conversations with it are training data on "
+              "exactly the prompts you ask. Stopped replies are left out.")
 CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are slower "
             "while a run is going.")
 TICK_S = 1.0  # how often the page polls a running job
@@ -38,9 +43,13 @@ class TrainTab:
         self.prompts = gr.File(label="Extra prompts (optional): JSONL with one "
                                      '{"prompt": ...} per line, or one prompt per line',
                                file_types=[".jsonl", ".txt"], type="filepath", height=120)
+        self.chats = gr.Checkbox(True, label=CHATS_LABEL, info=CHATS_INFO,
+                                 elem_id="qd-train-chats")
         with gr.Row():
             self.start_btn = gr.Button("Start training", variant="primary",
                                        elem_id="qd-train-start")
+            self.retrain_btn = gr.Button("Retrain (continue from the current accelerator)",
+                                         elem_id="qd-train-retrain")
             self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="qd-train-cancel")
         self.status = gr.HTML(elem_id="qd-train-status")
         with gr.Row():
@@ -54,8 +63,9 @@ class TrainTab:
 
     def wire(self) -> None:
         fast = dict(concurrency_limit=None, show_progress="hidden")
-        self.start_btn.click(self.start, [self.method, self.minutes, self.prompts],
-                             [self.status, self.timer], **fast)
+        inputs = [self.method, self.minutes, self.prompts, self.chats]
+        self.start_btn.click(self.start, inputs, [self.status, self.timer], **fast)
+        self.retrain_btn.click(self.retrain, inputs, [self.status, self.timer], **fast)
         self.cancel_btn.click(self.cancel, None, [self.status], **fast)
         self.timer.tick(self.tick, None, self.tick_outputs, **fast)
 
@@ -70,7 +80,7 @@ class TrainTab:
             target = f"Trains for **{model_name(lm)}** ({lm.quant} on {lm.device})."
             if lm.device.type == "cpu":
                 target += " " + CPU_NOTE
-            target += "\n\n" + self.service.training_summary()
+            target += "\n\n" + training_summary(lm, self.service.store)
         except QuickdraftError as exc:
             target = str(exc)
         job = self.service.training
@@ -80,15 +90,21 @@ class TrainTab:
         out[self.timer] = gr.Timer(active=job is not None and job.running)
         return out
 
-    def start(self, method, minutes, prompts):
+    def start(self, method, minutes, prompts, chats, continue_training: bool = False):
         from trainer.pipeline import options_for
 
         try:
-            options = options_for(method, float(minutes), Path(prompts) if prompts else None)
-            job = self.service.start_training(options)
+            options = options_for(method, float(minutes), Path(prompts) if prompts else None,
+                                  continue_training=continue_training)
+            job = self.service.start_training(options, learn_from_chats=bool(chats))
         except QuickdraftError as exc:
             return readout.error_html(str(exc)), gr.Timer(active=False)
         return readout.job_html(job), gr.Timer(active=True)
+
+    def retrain(self, method, minutes, prompts, chats):
+        """Start a run that continues from the stored accelerator (a fresh start, with a
+        notice, when there is none that fits)."""
+        return self.start(method, minutes, prompts, chats, continue_training=True)
 
     def cancel(self):
         job = self.service.training
@@ -112,5 +128,6 @@ class TrainTab:
             out[self.status] += f'<div class="qd-note">{html.escape(ready)}</div>'
         elif job.state == "cancelled":
             out[self.status] += ('<div class="qd-note">Cancelled. The answers generated so far '
-                                 "are kept: the next run continues from them.</div>")
+                                 "are kept: the next run continues from them. The accelerator "
+                                 "trained before is unchanged.</div>")
         return out

@@ -26,6 +26,7 @@ from trainer.context import prompt_ids
 from trainer.features import Features, features_for
 from trainer.kangaroo.calibrate import KangarooCalibration, calibrate
 from trainer.losses import soft_cross_entropy
+from trainer.resume import start_from
 from trainer.train import TrainConfig, train_module
 from trainer.vocab import coverage, draft_vocabulary
 
@@ -218,6 +219,7 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
                                            max_seconds=max(10.0, left / (len(exits) - i)))
         progress(Progress("train", 0, 1, f"exit layer {exit_layer}: training the adapter"))
         adapter = Adapter.from_model(lm.model, config.ffn, torch.float32)
+        start_from(adapter, options, progress, "adapter.", exit_layer=exit_layer)  # Retrain
         fits[exit_layer] = fit_adapter(lm, adapter, head, vocab, (train, heldout), exit_layer,
                                        config, train_config, progress, cancel)
         adapters[exit_layer] = adapter.requires_grad_(False)

@@ -23,6 +23,7 @@ from trainer.context import prompt_ids
 from trainer.features import Features, features_for
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
 from trainer.medusa.calibrate import calibrate
+from trainer.resume import start_from
 from trainer.train import TrainConfig, train_module
 from trainer.vocab import coverage, draft_vocabulary
 
@@ -173,6 +174,8 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     h_teacher = teacher_topk(lm, heldout.states[final], config.teacher_topk)
     times["teacher_s"] = round(time.perf_counter() - mark, 1)
     heads = _new_heads(lm, config, train, t_teacher)
+    # Retrain: the stored heads, if they fit; shared-LM-head heads keep the new vocabulary
+    start_from(heads, options, progress, "heads.", fresh=() if config.own_vocab else ("vocab_ids",))
     left = options.max_minutes * 60 - (time.perf_counter() - start)
     budget = max(10.0, left - options.calibration_seconds)
     train_config = dataclasses.replace(options.train, epochs=config.epochs, max_seconds=budget)
