@@ -194,6 +194,24 @@ def test_cancel_keeps_the_best_weights_seen():
     assert torch.equal(module.weight, snapshots[1])  # evaluation 2 scored best
 
 
+def test_held_out_figures_are_reported_as_training_proceeds():
+    module, batches = _regression()
+    seen = []
+    evals = iter(range(100))
+
+    def eval_fn(m):
+        n = next(evals)
+        return -n, {"head-1 top-1": n / 100}
+
+    figures = train_module(module, lambda e: batches, _mse,
+                           TrainConfig(lr=0.05, epochs=3, report_every=4), seen.append,
+                           eval_fn=eval_fn)
+    assert [row["head-1 top-1"] for row in figures["heldout_curve"]] == [0.0, 0.01, 0.02]
+    assert [row["step"] for row in figures["heldout_curve"]] == [8, 16, 24]
+    assert "held-out head-1 top-1 2.0%" in seen[-1].message
+    assert "held-out" not in seen[0].message  # nothing evaluated before the first epoch ends
+
+
 def test_the_time_budget_stops_the_loop():
     module, batches = _regression()
     figures = train_module(

@@ -18,8 +18,10 @@ from engine.progress import Progress, ProgressFn, ignore
 BatchesFn = Callable[[int], Sequence]
 # loss_fn(module, batch) -> (scalar loss to minimise, {name: float} metrics to report).
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
-# eval_fn(module) -> held-out loss (lower is better) used to keep the best weights.
-EvalFn = Callable[[torch.nn.Module], float]
+# eval_fn(module) -> held-out loss (lower is better) used to keep the best weights, or
+# (loss, {name: float}) whose figures are reported as training proceeds (held-out accuracy
+# per head, agreement), so a user sees what the run is buying.
+EvalFn = Callable[[torch.nn.Module], float | tuple[float, dict]]
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def train_module(
         for i in range(config.evals_per_epoch)
     }
     start, step, stopped, evaluated = time.perf_counter(), 0, "", -1
-    best = {"loss": math.inf, "state": None, "step": 0}
+    best = {"loss": math.inf, "state": None, "step": 0, "curve": [], "shown": ""}
     smoothed, metrics = None, {}
     module.train()
     for epoch in range(config.epochs):
@@ -88,11 +90,12 @@ def train_module(
             value, metrics = _optimizer_step(module, opt, params, loss_fn, batch, lr, config)
             step += 1
             smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
-            if step % config.report_every == 0 or step == total:
-                _report(progress, step, total, start, config, smoothed, metrics)
             if eval_fn is not None and (i + 1) in eval_at:
                 _evaluate(module, eval_fn, best, step)
                 evaluated = step
+            if step % config.report_every == 0 or step == total:
+                _report(progress, step, total, start, config, smoothed, metrics,
+                        best["shown"])
         if stopped:
             break
     if eval_fn is not None and evaluated != step:  # the last weights were not evaluated yet
@@ -107,6 +110,7 @@ def train_module(
         "train_loss": smoothed,
         "best_eval_loss": None if best["state"] is None else best["loss"],
         "best_step": best["step"],
+        "heldout_curve": best["curve"],
         "stopped": stopped or "done",
         **{f"last_{k}": v for k, v in metrics.items()},
     }
@@ -142,11 +146,18 @@ def _stop_reason(start: float, config: TrainConfig, cancel: threading.Event | No
 
 
 def _evaluate(module: torch.nn.Module, eval_fn: EvalFn, best: dict, step: int) -> None:
-    """Run the held-out evaluation and keep a copy of the weights when they are the best."""
+    """Run the held-out evaluation, keep its figures for the progress line and the run's
+    curve, and keep a copy of the weights when they are the best."""
     module.eval()
     with torch.no_grad():
-        loss = float(eval_fn(module))
+        result = eval_fn(module)
     module.train()
+    loss, figures = result if isinstance(result, tuple) else (result, {})
+    loss = float(loss)
+    if figures:
+        best["curve"].append({"step": step, **figures})
+        # shown with every step's report from now on
+        best["shown"] = ", ".join(f"{k} {v:.1%}" for k, v in figures.items())
     if loss < best["loss"]:
         best.update(loss=loss, state=copy.deepcopy(module.state_dict()), step=step)
 
@@ -159,6 +170,7 @@ def _report(
     config: TrainConfig,
     loss: float | None,
     metrics: dict,
+    heldout: str,
 ) -> None:
     elapsed = time.perf_counter() - start
     left = elapsed / step * (total - step)
@@ -169,7 +181,7 @@ def _report(
             "train",
             step,
             total,
-            f"step {step}/{total}, loss {loss:.3f}",
+            f"step {step}/{total}, loss {loss:.3f}" + (f"; held-out {heldout}" if heldout else ""),
             left,
             {"loss": loss, **metrics},
         )
