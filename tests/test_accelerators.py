@@ -27,8 +27,7 @@ def _save(lm, tree=TREE, num_heads: int = 4, vocab_ids=None, **extra_settings):
     with torch.no_grad():
         heads.weight.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
     settings = {
-        "num_heads": num_heads,
-        "own_vocab": False,
+        **heads.settings.to_json(),
         "tree": tree,
         "pays": bool(tree),
         **extra_settings,

@@ -12,7 +12,7 @@ from engine import kv_cache, verify
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.base import Draft, forward_nodes
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings, pending_inputs
 from engine.generate import DecodeState, run
 from engine.sampling import make_generator, sample_from
 from engine.tree import build_tree, greedy_tree
@@ -27,14 +27,15 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
 TREE = greedy_tree([[0.5, 0.3, 0.2], [0.4, 0.2, 0.1], [0.3, 0.1], [0.2, 0.1]], 16)
 
 
-def random_heads(lm, scale: float = 0.3, seed: int = 1) -> MedusaHeads:
-    """Heads with random residual weights: their guesses differ from the model's."""
-    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(4))
+def random_heads(lm, scale: float = 0.3, seed: int = 1, pending: bool = True) -> MedusaHeads:
+    """Heads with random residual weights: their guesses differ from the model's (and,
+    reading the pending token, from one step to the next)."""
+    rank = 16 if pending else 0
+    heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(4, pending_rank=rank))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        heads.weight.copy_(
-            torch.randn(heads.weight.shape, generator=gen) * scale / heads.weight.shape[-1] ** 0.5
-        )
+        for w in (heads.weight, *([heads.token_up] if pending else [])):
+            w.copy_(torch.randn(w.shape, generator=gen) * scale / w.shape[-1] ** 0.5)
         heads.bias.copy_(torch.randn(heads.bias.shape, generator=gen) * scale)
     return heads
 
@@ -50,8 +51,9 @@ def small_vocab_model(tokenizer, name: str, vocab: int, seed: int = 0):
     return dataclasses.replace(lm, eos_ids=())
 
 
-def test_random_heads_match_plain_greedy(tiny_lm):
-    drafter = medusa(tiny_lm, random_heads(tiny_lm))
+@pytest.mark.parametrize("pending", [True, False])
+def test_random_heads_match_plain_greedy(tiny_lm, pending):
+    drafter = medusa(tiny_lm, random_heads(tiny_lm, pending=pending))
     for prompt in PROMPTS:
         params = SamplingParams(max_new_tokens=40)
         assert run(tiny_lm, prompt, params, drafter)[1] == run(tiny_lm, prompt, params)[1]
@@ -76,7 +78,7 @@ def test_trained_heads_match_plain_greedy(tiny_lm, tmp_path, monkeypatch):
     heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(4))
     cfg = MedusaTrainConfig(teacher_topk=4, negatives=64, batch_positions=32)
     fit_heads(lm, heads, (feats, teacher), (feats, teacher), cfg, TrainConfig(lr=0.03, epochs=20))
-    assert heads.weight.abs().sum() > 0  # training moved the heads
+    assert heads.weight.abs().sum() > 0 and heads.token_up.abs().sum() > 0  # trained
     drafter = medusa(lm, heads)
     params = SamplingParams(max_new_tokens=40)
     for prompt in [*ids, *PROMPTS]:
@@ -104,26 +106,29 @@ def test_typical_acceptance_at_zero_temperature_is_greedy(bundled_tokenizer):
 
 
 def test_untrained_heads_repeat_the_models_next_token_guess(tiny_lm):
-    """W = 0 and b = 0: every head starts as the model's own LM head (Medusa §2.1.1)."""
+    """W = U = 0 and b = 0: every head starts as the model's own LM head (Medusa §2.1.1),
+    whatever the pending token."""
     heads = MedusaHeads(int(tiny_lm.model.config.hidden_size), MedusaSettings(3))
     hidden = torch.randn(5, heads.weight.shape[-1])
+    pending = pending_inputs(tiny_lm.model.get_input_embeddings().weight, torch.arange(5))
     lm_head = tiny_lm.model.get_output_embeddings()
-    logits = heads.logits(hidden, heads.project(lm_head.weight))  # (5, K, V), one matmul
+    logits = heads.logits(hidden, pending, heads.project(lm_head.weight))  # (5, K, V)
     assert logits.shape == (5, 3, lm_head.weight.shape[0])
     for k in range(3):
         assert torch.allclose(logits[:, k], lm_head(hidden), atol=1e-5)
     own = MedusaHeads(
         heads.weight.shape[-1], MedusaSettings(3, own_vocab=True), None, lm_head.weight
     )
-    assert torch.allclose(own.logits(hidden, lm_head.weight), logits, atol=1e-5)
+    assert torch.allclose(own.logits(hidden, pending, lm_head.weight), logits, atol=1e-5)
 
 
 def test_a_draft_vocabulary_limits_what_heads_propose(tiny_lm):
     ids = torch.tensor([3, 17, 200, 4000])
-    heads = MedusaHeads(int(tiny_lm.model.config.hidden_size), MedusaSettings(2), ids)
+    heads = MedusaHeads(int(tiny_lm.model.config.hidden_size), MedusaSettings(2, pending_rank=0),
+                        ids)
     weight = tiny_lm.model.get_output_embeddings().weight
     hidden = torch.randn(6, weight.shape[1])
-    logits = heads.logits(hidden, heads.project(weight))  # (6, K, 4) over the draft vocabulary
+    logits = heads.logits(hidden, None, heads.project(weight))  # (6, K, 4): draft vocabulary
     assert logits.shape == (6, 2, 4)
     assert torch.allclose(logits[:, 0], hidden @ weight[ids].T, atol=1e-5)
     assert set(heads.tokens(logits.argmax(-1)).flatten().tolist()) <= set(ids.tolist())

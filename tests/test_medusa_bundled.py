@@ -23,6 +23,8 @@ def _random_heads(hidden: int) -> MedusaHeads:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # small residual changes: guesses near the model's own next token
         heads.weight.copy_(torch.randn(heads.weight.shape, generator=gen) * 0.5 / hidden**0.5)
+        rank = heads.token_up.shape[-1]  # and on the pending token
+        heads.token_up.copy_(torch.randn(heads.token_up.shape, generator=gen) * 0.5 / rank**0.5)
     return heads
 
 

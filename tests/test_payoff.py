@@ -86,7 +86,7 @@ def test_kangaroo_timed_in_this_dtype_is_not_re_timed(lm, monkeypatch):
 
 def _medusa_checkpoint(lm, estimate_ratio: float = 1.0):
     heads = md.MedusaHeads(int(lm.model.config.hidden_size), md.MedusaSettings(4))
-    settings = {"num_heads": 4, "own_vocab": False, "tree": [[0], [0, 0]], "pays": True,
+    settings = {**heads.settings.to_json(), "tree": [[0], [0, 0]], "pays": True,
                 "quant": "bf16", "device": "cpu", "estimate_ratio": estimate_ratio,
                 "accuracies": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4], [0.2, 0.3]]}
     save_checkpoint(lm, "medusa", heads.tensors(), settings, {"speedup": 1.4})

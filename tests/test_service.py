@@ -248,7 +248,7 @@ def _untrained_medusa(lm, num_heads: int = 2) -> None:
 
     heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(num_heads))
     save_checkpoint(lm, "medusa", heads.tensors(),
-                    {"num_heads": num_heads, "tree": [[0], [1], [0, 0]]},
+                    {**heads.settings.to_json(), "tree": [[0], [1], [0, 0]]},
                     {"speedup": 1.25, "pays": True})
 
 

@@ -24,6 +24,7 @@ from trainer.medusa.train import (
     MedusaTrainConfig,
     fit_heads,
     head_accuracies,
+    head_inputs,
     positions,
     teacher_topk,
 )
@@ -253,10 +254,10 @@ def test_training_teaches_heads_the_models_continuations(lm):
     teacher = teacher_topk(lm, feats.states[2], 4)
     pos, valid = positions(feats, 2)
     heads = MedusaHeads(64, MedusaSettings(2))
-    before = head_accuracies(lm, heads, feats.states[2], teacher, pos, valid, 1)
+    before = head_accuracies(lm, heads, head_inputs(lm, feats, heads), teacher, pos, valid, 1)
     cfg = MedusaTrainConfig(num_heads=2, teacher_topk=4, negatives=64, batch_positions=32)
     fit_heads(lm, heads, (feats, teacher), (feats, teacher), cfg, TrainConfig(lr=0.05, epochs=60))
-    after = head_accuracies(lm, heads, feats.states[2], teacher, pos, valid, 1)
+    after = head_accuracies(lm, heads, head_inputs(lm, feats, heads), teacher, pos, valid, 1)
     assert after[0][0] >= before[0][0] + 0.3
 
 

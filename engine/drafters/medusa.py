@@ -1,10 +1,16 @@
 """Medusa-1: K heads on the final hidden state guess the tokens 2..K+1 ahead; their top-k
 guesses fill a calibrated sparse tree that the full model verifies in one forward pass.
 
-Head k is the residual block h + SiLU(W_k h + b_k) (W_k, b_k zero-initialised, so an
-untrained head repeats the model's own next-token prediction) read through the model's
-frozen LM head, or optionally through a head-owned vocabulary projection initialised from
-it. Verification, acceptance and the cache update are the decode loop's shared code.
+Head k is the residual block h + SiLU(W_k h + A_k B e + b_k) read through the model's frozen
+LM head, or optionally through a head-owned vocabulary projection initialised from it.
+h is the final state that predicted the pending token (the tree's root, already chosen
+when the heads run) and e that token's input embedding (unit RMS), so head 1 guesses the
+token after a known token instead of averaging over every token the model might pick.
+B (r x H, shared) and A_k (H x r) keep the token path low-rank: full (H x H) maps per head
+would double the heads' memory. Heads with r = 0 read h alone. W_k, A_k, b_k start at
+zero (B at random, or nothing would train it): an untrained head repeats the model's own
+next-token prediction.
+Verification, acceptance and the cache update are the decode loop's shared code.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from engine.tree import (
 )
 
 WEIGHT, BIAS, VOCAB, VOCAB_IDS = "heads.weight", "heads.bias", "heads.vocab", "heads.vocab_ids"
+TOKEN_DOWN, TOKEN_UP = "heads.token_down", "heads.token_up"
 FIX = "run: python launcher.py train --method medusa"
+# Checkpoint layout of the heads (settings["format"]); 2: heads may read the pending token.
+FORMAT = 2
 # Loading in a dtype or on a device calibration did not time (e.g. trained in bf16, loaded
 # in fp32): the tree budgets re-timed at load (engine.drafters.payoff decides what pays).
 RETIME_BUDGETS = (1, 2, 4, 8, 16)
@@ -38,6 +47,19 @@ class MedusaSettings:
 
     num_heads: int = 4  # K: head k guesses the token k + 1 positions after the hidden state
     own_vocab: bool = False  # True: each head has its own (V', H) projection (large!)
+    pending_rank: int = 128  # r: rank of the pending token's path; 0 = hidden state only
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "num_heads": self.num_heads, "own_vocab": self.own_vocab,
+                "pending_rank": self.pending_rank}
+
+
+def pending_inputs(embedding: torch.Tensor, tokens) -> torch.Tensor:
+    """Input-embedding rows of the pending tokens, scaled to unit RMS: (V, H) table and
+    (...,) ids -> (..., H) float32. Families scale their tables differently (Gemma
+    multiplies by sqrt(H) in the forward), so the heads see one scale everywhere."""
+    rows = embedding[tokens].float()
+    return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 class MedusaHeads(nn.Module):
@@ -60,6 +82,13 @@ class MedusaHeads(nn.Module):
         self.settings = settings
         self.weight = nn.Parameter(torch.zeros(k, h, h))  # (K, H_out, H_in); 0: starts as h
         self.bias = nn.Parameter(torch.zeros(k, h))  # (K, H)
+        self.token_down = self.token_up = None
+        if (r := settings.pending_rank) > 0:
+            # (r, H_emb) shared, unit-variance outputs for a unit-RMS embedding; seeded so
+            # that two runs on the same data train the same heads.
+            down = torch.randn(r, h, generator=torch.Generator().manual_seed(0)) / h**0.5
+            self.token_down = nn.Parameter(down)
+            self.token_up = nn.Parameter(torch.zeros(k, h, r))  # (K, H_out, r); 0: starts as h
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long())
         self.vocab = None
         if settings.own_vocab:
@@ -71,19 +100,27 @@ class MedusaHeads(nn.Module):
             init = self.project(vocab_init.detach().float())
             self.vocab = nn.Parameter(init.unsqueeze(0).repeat(k, 1, 1))
 
-    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) final hidden states -> (..., K, H) per-head states h + SiLU(W_k h + b_k)."""
+    def transform(self, hidden: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """(..., H) final hidden states and (..., H) pending_inputs (None for heads that
+        do not read them) -> (..., K, H) per-head states h + SiLU(W_k h + A_k B e + b_k)."""
         z = torch.einsum("...i,koi->...ko", hidden, self.weight) + self.bias
+        if self.token_up is not None:
+            if pending is None:
+                raise AcceleratorError("these Medusa heads read the pending token's embedding")
+            low = pending.to(z.dtype) @ self.token_down.T  # (..., r)
+            z = z + torch.einsum("...r,kor->...ko", low, self.token_up)
         return hidden.unsqueeze(-2) + nn.functional.silu(z)
 
     def project(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The (V', H) rows of a (V, H) LM-head weight the heads read (no copy for all V)."""
         return lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
 
-    def logits(self, hidden: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., K, V') logits over the heads' vocabulary, all heads in one
-        batched matmul. projection: (V', H) shared LM-head rows (see project)."""
-        states = self.transform(hidden.to(self.weight.dtype))
+    def logits(self, hidden: torch.Tensor, pending: torch.Tensor | None,
+               projection: torch.Tensor) -> torch.Tensor:
+        """(..., H) states and pending_inputs -> (..., K, V') logits over the heads'
+        vocabulary, all heads in one batched matmul. projection: (V', H) shared LM-head
+        rows (see project)."""
+        states = self.transform(hidden.to(self.weight.dtype), pending)
         if self.vocab is None:
             return states.to(projection.dtype) @ projection.T
         return torch.einsum("...kh,kvh->...kv", states, self.vocab)
@@ -95,6 +132,8 @@ class MedusaHeads(nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         """Weights for the checkpoint (safetensors names)."""
         out = {WEIGHT: self.weight.detach(), BIAS: self.bias.detach()}
+        if self.token_up is not None:
+            out[TOKEN_DOWN], out[TOKEN_UP] = self.token_down.detach(), self.token_up.detach()
         if self.vocab is not None:
             out[VOCAB] = self.vocab.detach()
         if self.vocab_ids is not None:
@@ -112,6 +151,8 @@ def heads_from_tensors(
     if ids is not None and (ids.dim() != 1 or ids.numel() == 0 or int(ids.max()) >= vocab_size):
         raise AcceleratorError(f"the Medusa draft vocabulary does not fit this model; {fix}")
     expected = {WEIGHT: (k, h, h), BIAS: (k, h)}
+    if (r := settings.pending_rank) > 0:
+        expected[TOKEN_DOWN], expected[TOKEN_UP] = (r, h), (k, h, r)
     if settings.own_vocab:
         expected[VOCAB] = (k, vocab_size if ids is None else ids.numel(), h)
     for name, shape in expected.items():
@@ -145,6 +186,9 @@ class MedusaDrafter(Drafter):
         self.heads = heads.to(lm.device, lm.dtype).eval().requires_grad_(False)
         # (V', H) LM-head rows the heads read: a small copy for a draft vocabulary.
         self._projection = heads.project(lm.model.get_output_embeddings().weight.detach())
+        # The input embeddings the pending token is looked up in (no copy).
+        self._embedding = (lm.model.get_input_embeddings().weight.detach()
+                           if heads.settings.pending_rank else None)
         self.tree = tree
         # The best tree's estimate when it was re-timed at load (uncalibrated dtype or
         # device); None: the calibrated tree, as stored.
@@ -162,8 +206,10 @@ class MedusaDrafter(Drafter):
         The stored tree was timed in the dtype training ran in; loaded in another (bf16 heads
         on an fp32 or 4-bit model), the tree is re-timed here from the stored accuracies."""
         s = ckpt.info.get("settings", {})
+        check_format(s.get("format", 1), ckpt.folder)
         try:
-            settings = MedusaSettings(int(s["num_heads"]), bool(s.get("own_vocab", False)))
+            settings = MedusaSettings(int(s["num_heads"]), bool(s.get("own_vocab", False)),
+                                      int(s["pending_rank"]))
             choices = [tuple(c) for c in s["tree"]]
             accuracies = [[float(a) for a in row] for row in s.get("accuracies", [])]
         except (KeyError, TypeError, ValueError) as exc:
@@ -192,19 +238,34 @@ class MedusaDrafter(Drafter):
         return self.tree.size > 1
 
     def propose(self, state) -> Draft:
-        """Heads read state.hidden (the state that predicted the pending token) -> tree.
+        """Heads read state.hidden (the state that predicted the pending token) and that
+        token (the root) -> tree.
 
         Where fewer tokens than the tree's depth fit the budget or the context (the last
         steps of a reply), the heads' top-1 guesses for the room left, as a chain."""
         root, t = state.ids[-1], self.tree
         if t.size == 1:  # calibration found no tree that pays: plain decoding
             return Draft.chain(root, [])
-        logits = self.heads.logits(state.hidden, self._projection)  # (K, V')
+        pending = None if self._embedding is None else pending_inputs(self._embedding, root)
+        logits = self.heads.logits(state.hidden, pending, self._projection)  # (K, V')
         if state.room < t.depth:
             return Draft.chain(root, self.heads.tokens(logits[:state.room].argmax(-1)).tolist())
         top = torch.topk(logits, t.top_k, dim=-1).indices  # (K, top_k) columns
         drafted = self.heads.tokens(top[self._slots]).tolist()  # (n - 1,) node tokens
         return Draft([root, *drafted], t.children, t.depths, t.mask)
+
+
+def check_format(found, folder) -> None:
+    """Refuse, in one line, heads another trainer version stored: an older one's heads
+    do not read the pending token (retraining gives heads that do), a newer one's layout
+    is unknown here."""
+    if found == FORMAT:
+        return
+    age = "a newer" if isinstance(found, int) and found > FORMAT else "an older"
+    raise AcceleratorError(
+        f"the Medusa accelerator in {folder} was trained by {age} Quickdraft (format "
+        f"{found!r}, this one reads {FORMAT}); {FIX}"
+    )
 
 
 def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]],

@@ -1,10 +1,12 @@
 """Medusa-1 training on cached final hidden states (the backbone stays frozen).
 
-Head k at position t learns the base model's own distribution at position t + k (soft
-targets, Medusa §2.2.1 with self-distillation), loss weights 0.8^k. The full-vocabulary
-softmax would dominate the cost on a CPU, so each step scores a sampled softmax: the
-teacher's top-k tokens of every target in the batch plus random negatives. The teacher's
-top-k come once from the cached states through the frozen LM head.
+Head k at position t reads the state at t and the token at t + 1 (the pending token the
+state predicted, known when the drafter runs) and learns the base model's own distribution
+at position t + k, i.e. over token t + k + 1 (soft targets, Medusa §2.2.1 with
+self-distillation), loss weights 0.8^k. The full-vocabulary softmax would dominate the
+cost on a CPU, so each step scores a sampled softmax: the teacher's top-k tokens of every
+target in the batch plus random negatives. The teacher's top-k come once from the cached
+states through the frozen LM head.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from engine.drafters.medusa import MedusaHeads, MedusaSettings, pending_inputs
 from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import expected_tokens, marginal_accuracies
 from trainer.context import prompt_ids
@@ -35,6 +37,7 @@ class MedusaTrainConfig:
     """What the Medusa trainer builds and how it scores each step."""
 
     num_heads: int = 4  # K heads: head k guesses the token k + 1 positions ahead
+    pending_rank: int = 128  # rank of the heads' pending-token path (MedusaSettings); 0 = off
     own_vocab: bool = False  # a (V, H) projection per head instead of the shared LM head
     draft_vocab: int = 8192  # heads propose only the N most frequent answer tokens; 0 = all
     # (ignored with own_vocab, whose projections cover the whole vocabulary)
@@ -71,6 +74,32 @@ def teacher_topk(lm, states: torch.Tensor, k: int, progress: ProgressFn = ignore
     return Teacher(torch.cat(ids), torch.cat(logits))
 
 
+@dataclass
+class HeadInputs:
+    """What the heads read at cached positions: final states, and the pending tokens'
+    embeddings for heads that see them."""
+
+    states: torch.Tensor  # (T, H) final states
+    ids: torch.Tensor  # (T,) token ids
+    embedding: torch.Tensor | None  # (V, H) input embeddings; None: hidden state only
+
+    def at(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B,) positions -> (B, H) states and (B, H) pending_inputs of token t + 1, the
+        token state t predicted (positions() only yields t with t + 1 in the sequence)."""
+        states = self.states[pos].to(device)
+        if self.embedding is None:
+            return states, None
+        tokens = self.ids[pos + 1].to(self.embedding.device)
+        return states, pending_inputs(self.embedding, tokens).to(device)
+
+
+def head_inputs(lm, feats: Features, heads: MedusaHeads) -> HeadInputs:
+    """What `heads` read from these features (the model's own input embeddings)."""
+    final = int(lm.model.config.num_hidden_layers)
+    table = lm.model.get_input_embeddings().weight.detach() if heads.settings.pending_rank else None
+    return HeadInputs(feats.states[final], feats.ids, table)
+
+
 def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Training positions and their per-head validity.
 
@@ -92,12 +121,12 @@ def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.T
     return pos, valid
 
 
-def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, teacher: Teacher,
+def step_loss(heads: MedusaHeads, weight: torch.Tensor, inputs: HeadInputs, teacher: Teacher,
               pos: torch.Tensor, valid: torch.Tensor, config: MedusaTrainConfig,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """Weighted sampled-softmax soft cross-entropy of all heads for a batch of positions.
 
-    weight: (V, H) frozen vocabulary projection; states: (T, H); pos: (B,); valid: (B, K).
+    weight: (V, H) frozen vocabulary projection; pos: (B,); valid: (B, K).
     """
     k_heads = heads.settings.num_heads
     targets = pos.unsqueeze(-1) + torch.arange(1, k_heads + 1)  # (B, K) teacher positions
@@ -108,8 +137,9 @@ def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, te
     dev = heads.weight.device
     cols, where, t_logits, valid = cols.to(dev), where.to(dev), t_logits.to(dev), valid.to(dev)
     # bf16 matmuls (fp32 master weights, fp32 softmax): ~4x faster on CPUs with bf16 units.
+    states, pending = inputs.at(pos, dev)
     with torch.autocast(dev.type, dtype=torch.bfloat16):
-        hidden = heads.transform(states[pos].to(dev))  # (B, K, H)
+        hidden = heads.transform(states, pending)  # (B, K, H)
         if heads.vocab is None:
             student = (hidden.flatten(0, 1) @ weight[cols].T).unflatten(
                 0, hidden.shape[:2]
@@ -122,7 +152,7 @@ def step_loss(heads: MedusaHeads, weight: torch.Tensor, states: torch.Tensor, te
     return (lam * per_head).sum() / lam.sum()
 
 
-def head_accuracies(lm, heads: MedusaHeads, states: torch.Tensor, teacher: Teacher,
+def head_accuracies(lm, heads: MedusaHeads, inputs: HeadInputs, teacher: Teacher,
                     pos: torch.Tensor, valid: torch.Tensor, max_rank: int) -> list[list[float]]:
     """Per head, top-i accuracy (i = 1..max_rank) against the base model's greedy token at
     t + k, guessing from the heads' vocabulary as the drafter does. Returns K lists of
@@ -134,7 +164,8 @@ def head_accuracies(lm, heads: MedusaHeads, states: torch.Tensor, teacher: Teach
     for start in range(0, pos.numel(), CHUNK // k_heads):
         p, v = pos[start : start + CHUNK // k_heads], valid[start : start + CHUNK // k_heads]
         with torch.inference_mode():
-            logits = heads.logits(states[p].to(lm.device), projection).float()  # (B, K, V')
+            states, pending = inputs.at(p, lm.device)
+            logits = heads.logits(states, pending, projection).float()  # (B, K, V')
             guesses = heads.tokens(logits.topk(max_rank, dim=-1).indices).cpu()  # (B, K, R)
         for k in range(k_heads):
             # Head k + 1's target: the greedy token after t + k + 1 (clamped rows are masked).
@@ -147,7 +178,8 @@ def head_accuracies(lm, heads: MedusaHeads, states: torch.Tensor, teacher: Teach
 
 
 def check(lm) -> None:
-    """Refuse a model Medusa cannot train on: none (the heads read only the final state)."""
+    """Refuse a model Medusa cannot train on: none (the heads read only the final state
+    and the input embeddings)."""
 
 
 def reserve_s(options) -> float:
@@ -187,13 +219,12 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
         return heads.tensors(), {}, {"train": fit, "times": times}  # the pipeline saves nothing
     mark = time.perf_counter()
     h_pos, h_valid = positions(heldout, config.num_heads)
-    acc = head_accuracies(lm, heads, heldout.states[final], h_teacher, h_pos, h_valid,
-                          config.max_rank)
+    acc = head_accuracies(lm, heads, head_inputs(lm, heldout, heads), h_teacher, h_pos,
+                          h_valid, config.max_rank)
     prompts = [prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
     result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
-    settings = {"num_heads": config.num_heads, "own_vocab": config.own_vocab,
-                "tree": result.tree, "pays": result.pays,
+    settings = {**heads.settings.to_json(), "tree": result.tree, "pays": result.pays,
                 # the dtype and device the tree was timed in (another one re-times at load)
                 "quant": lm.quant, "device": lm.device.type,
                 "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
@@ -220,8 +251,8 @@ def _new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher)
     size = 0 if config.own_vocab else config.draft_vocab
     # The model's own top guesses at answer positions count as well as what it said.
     vocab = draft_vocabulary(train, size, (), len(weight), extra=teacher.ids[train.mask, 0])
-    return MedusaHeads(int(lm.model.config.hidden_size),
-                       MedusaSettings(config.num_heads, config.own_vocab), vocab,
+    settings = MedusaSettings(config.num_heads, config.own_vocab, config.pending_rank)
+    return MedusaHeads(int(lm.model.config.hidden_size), settings, vocab,
                        weight if config.own_vocab else None)
 
 
@@ -250,9 +281,8 @@ def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher],
               train_config: TrainConfig, progress: ProgressFn = ignore,
               cancel: threading.Event | None = None) -> dict:
     """Train the heads on cached features with the shared loop; returns its figures."""
-    final = int(lm.model.config.num_hidden_layers)
     feats, teacher = train
-    states = feats.states[final]
+    inputs = head_inputs(lm, feats, heads)
     pos, valid = positions(feats, config.num_heads)
     weight = lm.model.get_output_embeddings().weight.detach()
     gen = torch.Generator().manual_seed(config.seed)
@@ -262,17 +292,17 @@ def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher],
         return list(order.split(config.batch_positions))
 
     def loss_fn(module: MedusaHeads, idx: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return step_loss(module, weight, states, teacher, pos[idx], valid[idx], config, gen), {}
+        return step_loss(module, weight, inputs, teacher, pos[idx], valid[idx], config, gen), {}
 
     h_feats, h_teacher = heldout
+    h_inputs = head_inputs(lm, h_feats, heads)
     h_pos, h_valid = positions(h_feats, config.num_heads)
     pick = torch.randperm(h_pos.numel(), generator=torch.Generator().manual_seed(config.seed))
     pick = pick[: config.eval_positions]
 
     def eval_fn(module: MedusaHeads) -> float:
         """Minus the heads' weighted held-out top-1 accuracy (lower is better)."""
-        acc = head_accuracies(lm, module, h_feats.states[final], h_teacher, h_pos[pick],
-                              h_valid[pick], 1)
+        acc = head_accuracies(lm, module, h_inputs, h_teacher, h_pos[pick], h_valid[pick], 1)
         lam = head_weights(config.num_heads)
         return -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(lam)
 
