@@ -300,11 +300,13 @@ def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher],
     pick = torch.randperm(h_pos.numel(), generator=torch.Generator().manual_seed(config.seed))
     pick = pick[: config.eval_positions]
 
-    def eval_fn(module: MedusaHeads) -> float:
-        """Minus the heads' weighted held-out top-1 accuracy (lower is better)."""
+    def eval_fn(module: MedusaHeads) -> tuple[float, dict]:
+        """Minus the heads' weighted held-out top-1 accuracy (lower is better), and each
+        head's top-1 for the progress line."""
         acc = head_accuracies(lm, module, h_inputs, h_teacher, h_pos[pick], h_valid[pick], 1)
         lam = head_weights(config.num_heads)
-        return -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(lam)
+        loss = -sum(w * row[0] for w, row in zip(lam, acc, strict=True)) / sum(lam)
+        return loss, {f"head {k + 1} top-1": row[0] for k, row in enumerate(acc)}
 
     heads.to(lm.device, torch.float32).train()
     return train_module(heads, batches, loss_fn, train_config, progress, cancel,
