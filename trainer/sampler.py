@@ -25,6 +25,8 @@ from engine import kv_cache
 
 # Positions reserved in the cache beyond the current width, so steps append in place.
 ROOM = 64
+# A prefill group may hold this many padded positions per real one before it is split.
+PAD_SLACK = 1.3
 
 
 @dataclass(frozen=True)
@@ -154,13 +156,16 @@ def _join(lm, rows: _Rows | None, new: list[Job], config: SamplerConfig,
         masks.append(mask)
         pos.append(rows.pos[keep])
         last.append(rows.last[keep])
-    if new:
-        cache, mask, logits = _prefill(lm, new)
+    new = sorted(new, key=lambda job: len(job.prompt))
+    logits = []
+    for group in _length_groups(new):
+        cache, mask, group_logits = _prefill(lm, group)
         width = max(width, mask.shape[1])
-        parts.append((cache, torch.arange(len(new), device=lm.device)))
+        parts.append((cache, torch.arange(len(group), device=lm.device)))
         masks.append(mask)
         pos.append(mask.sum(-1))  # each prompt's length: its answer's first position
-        last.append(mask.new_zeros(len(new)))
+        last.append(mask.new_zeros(len(group)))
+        logits.append(group_logits)
     joined = _Rows(
         jobs=[rows.jobs[r] for r in kept] + new,
         answers=[rows.answers[r] for r in kept] + [[] for _ in new],
@@ -171,8 +176,22 @@ def _join(lm, rows: _Rows | None, new: list[Job], config: SamplerConfig,
         last=torch.cat(last),
     )
     if new:
-        _take(lm, joined, logits, len(kept), config, generator)
+        _take(lm, joined, torch.cat(logits), len(kept), config, generator)
     return joined
+
+
+def _length_groups(jobs: list[Job]) -> list[list[Job]]:
+    """Length-sorted jobs cut into prefill groups that pad little: a later turn of a long
+    conversation would otherwise pad every short new prompt to its length."""
+    groups: list[list[Job]] = []
+    for job in jobs:
+        group = groups[-1] if groups else None
+        if group and len(job.prompt) * (len(group) + 1) <= PAD_SLACK * (
+                sum(len(j.prompt) for j in group) + len(job.prompt)):
+            group.append(job)
+        else:
+            groups.append([job])
+    return groups
 
 
 def _prefill(lm, jobs: list[Job]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:

@@ -205,7 +205,7 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     t_teacher = teacher_topk(lm, train.states[final], config.teacher_topk, progress)
     h_teacher = teacher_topk(lm, heldout.states[final], config.teacher_topk)
     times["teacher_s"] = round(time.perf_counter() - mark, 1)
-    heads = _new_heads(lm, config, train, t_teacher)
+    heads = new_heads(lm, config, train, t_teacher)
     # Retrain: the stored heads, if they fit; shared-LM-head heads keep the new vocabulary
     start_from(heads, options, progress, "heads.", fresh=() if config.own_vocab else ("vocab_ids",))
     left = options.max_minutes * 60 - (time.perf_counter() - start)
@@ -244,7 +244,7 @@ def estimate_ratio(acc, result) -> float:
     return round(min(1.5, max(0.2, (measured - 1.0) / (expected - 1.0))), 3)
 
 
-def _new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher) -> MedusaHeads:
+def new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher) -> MedusaHeads:
     """Untrained heads (W = 0) over the draft vocabulary chosen from the training data.
     Own projections are trained over the whole vocabulary, so they get all of it."""
     weight = lm.model.get_output_embeddings().weight.detach()
