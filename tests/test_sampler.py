@@ -111,3 +111,17 @@ def test_stopping_drops_unfinished_answers(bundled_tokenizer):
                for job, a in done)
     assert len(done) < 8
 
+
+
+def test_rows_are_capped_by_free_accelerator_memory(bundled_tokenizer, monkeypatch):
+    from types import SimpleNamespace
+
+    from trainer import sampler
+
+    lm = family_model("llama-gqa", bundled_tokenizer)  # 4 layers, 2 KV heads of 16
+    assert sampler.rows_that_fit(lm, 64, 1000) == 64  # the CPU: no cap here
+    gpu = SimpleNamespace(model=lm.model, device=torch.device("cuda"), dtype=torch.bfloat16)
+    per_row = 2 * 4 * 2 * 16 * 1000 * 2  # K and V, layers, heads, dims, positions, bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (per_row * 20, 10**12))
+    assert sampler.rows_that_fit(gpu, 64, 1000) == 10  # half the free memory
+    assert sampler.rows_that_fit(gpu, 8, 1000) == 8

@@ -18,7 +18,7 @@ import torch
 from engine.chat import encode
 from engine.config import ChatMessage, Conversation
 from trainer.context import answer_room, fit_prompt
-from trainer.sampler import Job, SamplerConfig, answers, supports_refill
+from trainer.sampler import Job, SamplerConfig, answers, rows_that_fit, supports_refill
 
 if TYPE_CHECKING:
     from trainer.selfdistill import DataBudget, Seed
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 # share of the budget (and at most GRACE_MAX_S): the stage ends within its budget + 3%.
 GRACE_SHARE = 0.03
 GRACE_MAX_S = 30.0
+# Prompt tokens a row is sized for when memory limits the rows (seed prompts and later turns
+# of the bundled seeds stay well under it).
+TYPICAL_PROMPT = 512
 
 
 def answer_seeds(lm, fh, todo: list[Seed], budget: DataBudget, run: Run, report,
@@ -80,7 +83,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
 
     def admit() -> None:
         nonlocal open_convs
-        while (len(queue) < budget.batch_size and run.count + open_convs < run.target
+        while (len(queue) < config.batch_size and run.count + open_convs < run.target
                and not closing):
             seed = next(seeds, None)
             if seed is None:
@@ -99,7 +102,8 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         cancelled = cancel is not None and cancel.is_set()
         return not cancelled and used < budget.max_seconds + grace
 
-    config = SamplerConfig(budget.batch_size, budget.temperature)
+    rows = rows_that_fit(lm, budget.batch_size, min(lm.context_len, TYPICAL_PROMPT + answer_tokens))
+    config = SamplerConfig(rows, budget.temperature)
     generator = torch.Generator(device=lm.device).manual_seed(budget.seed * 7919 + run.count)
     admit()
     for done, answer in answers(lm, queue, config, generator, keep_going):

@@ -25,6 +25,9 @@ from engine import kv_cache
 
 # Positions reserved in the cache beyond the current width, so steps append in place.
 ROOM = 64
+# Share of the free accelerator memory the rows' caches may take (activations, the
+# prefill and the LM head's logits need the rest).
+KV_SHARE = 0.5
 # A prefill group may hold this many padded positions per real one before it is split.
 PAD_SLACK = 1.3
 
@@ -48,6 +51,20 @@ class SamplerConfig:
     # Refill once this share of the rows is finished: a prefill costs a few steps, so
     # refilling after every finished row would spend more than the idle rows waste.
     refill_fraction: float = 0.25
+
+
+def rows_that_fit(lm, wanted: int, positions: int) -> int:
+    """At most `wanted` rows, fewer where their cache of `positions` each would take more
+    than KV_SHARE of the accelerator's free memory (a 7B model's rows are large; on the
+    CPU the model's own memory check at load is the limit)."""
+    if lm.device.type != "cuda":
+        return wanted
+    config = lm.model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_row = 2 * config.num_hidden_layers * heads * head_dim * positions * lm.dtype.itemsize
+    free, _total = torch.cuda.mem_get_info(lm.device)
+    return max(1, min(wanted, int(free * KV_SHARE // per_row)))
 
 
 def supports_refill(lm) -> bool:
