@@ -1,8 +1,9 @@
 """Time the trainer's data stage alone: answer tokens per second of self-distillation.
 
-    python scripts/bench_data.py [--seconds 120] [--quant bf16] [--batch 32,64]
+    python scripts/bench_data.py [--conversations 128] [--quant bf16] [--batch 64]
 
-Runs the stage for a fixed time per variant into throw-away files and prints one table:
+Answers the same first seed conversations (the stage's first, greedy pass) with each
+variant into throw-away files, to the end, and prints one table:
 `generate()` on fixed batches (how every model whose cache rows cannot be swapped is
 answered) against continuous batching (trainer/sampler.py) at each batch size. Run it
 alone: another torch process on the same cores distorts every figure.
@@ -36,21 +37,23 @@ def one_run(lm, budget: DataBudget, streamed: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=120.0, help="time per variant")
+    parser.add_argument("--conversations", type=int, default=128, help="per variant")
     parser.add_argument("--quant", default="auto", help="bf16 | fp32 | auto ...")
     parser.add_argument("--model", default="default")
-    parser.add_argument("--batch", default="32,64", help="batch sizes for continuous batching")
+    parser.add_argument("--batch", default="64", help="batch sizes for continuous batching")
     parser.add_argument("--generate-batch", type=int, default=32,
                         help="batch size of the generate() variant (0: skip it)")
     args = parser.parse_args()
     lm = load_model(ModelSpec(source=args.model, quant=args.quant))
-    print(f"model {lm.model_id} ({lm.quant}, {lm.device}), {args.seconds:.0f} s per variant")
+    print(f"model {lm.model_id} ({lm.quant}, {lm.device}), {args.conversations} conversations"
+          " per variant")
     variants = [(f"generate() batches of {args.generate_batch}", args.generate_batch, False)]
     variants = variants if args.generate_batch else []
     variants += [(f"continuous batching, {b} rows", int(b), True) for b in args.batch.split(",")]
     rows = []
     for name, batch, streamed in variants:
-        budget = DataBudget(max_seconds=args.seconds, batch_size=batch)
+        budget = DataBudget(max_conversations=args.conversations, max_seconds=1e9,
+                            batch_size=batch)
         s = one_run(lm, budget, streamed)
         rows.append((name, s["conversations"], s["tokens"], s["wall"], s["tokens"] / s["wall"]))
         print(f"  {name}: {s['tokens']} tokens, {s['conversations']} conversations in "
