@@ -6,9 +6,10 @@ chosen by a cost model so that a second run on the same data picks the same sett
    position, whether its first choice is the model's next token and how sure it is. From
    these, for every (eta, gamma), the expected drafts and tokens of a round starting at any
    position (expected_round): no decoding, no timing noise.
-3. Per-step costs, each timed several times interleaved with the others (median kept): a
-   plain decoding step, a draft step at each exit layer, and a verification of k + 1 nodes
-   at each exit layer for a few k (a straight line fitted through them).
+3. Per-step costs from a few pieces, each timed several times interleaved with the others
+   (fastest kept): the layer stack and the LM head over 1..k + 1 nodes and one adapter step.
+   An exit layer's draft and verification costs follow from its share of the alike layers;
+   a verification's cost is a straight line in its nodes.
 4. Estimated speedup = tokens per round x plain step / expected round cost. Settings
    within `tolerance` of the best tie, and the one with the most tokens per round (which
    depends on the data only) wins. When none beats plain decoding, gamma is 0: Kangaroo then
@@ -45,7 +46,7 @@ class KangarooCalibration:
     prompts: int = 6  # held-out prompts replied to (acceptance is measured on the replies)
     max_new_tokens: int = 96  # tokens per reply
     verify_sizes: tuple[int, ...] = (1, 2, 4, 8)  # drafted tokens per timed verification
-    repeats: int = 7  # rounds of interleaved timings (fewer when the budget runs out)
+    repeats: int = 9  # rounds of interleaved timings (fewer when the budget runs out)
     context: int = 128  # cached positions behind each timed step
     tolerance: float = 0.03  # estimates this close to the best tie (timing noise)
     seconds: float = 120.0  # kept back from training for all of the above
@@ -203,56 +204,71 @@ def _answer_part(trace: tuple[list[bool], list[float]], start: int):
 def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
                config: KangarooCalibration, deadline: float,
                cancel: threading.Event | None = None) -> Costs:
-    """Median milliseconds of each step kind, every kind timed once per round of timings
-    (interleaved, so a slow moment of a shared machine hits them all alike), rounds repeated
-    until `config.repeats` or the deadline."""
-    model = lm.model
+    """Per-step costs from a few timed pieces: the whole layer stack over m nodes, the norm
+    + LM head over m nodes, and one adapter step + draft head. The decoder layers are alike,
+    so an exit layer's shallow and deep parts cost l/L and (L - l)/L of the stack: exits are
+    compared by structure, not by separate noisy timings.
+
+    Every piece is timed once per round (interleaved, each round starting one piece later),
+    rounds repeated until `config.repeats` or the deadline; the fastest timing is kept, since
+    other work on a shared machine only ever adds time (medians of a few timings swung
+    several-fold between step kinds on a busy machine)."""
+    model, total = lm.model, layers.num_layers(lm.model)
     n = min(len(seq) - 1, config.context)
+    drafter = next(iter(drafters.values()))  # adapters and draft heads are alike in cost
     with torch.inference_mode():
         cache = kv_cache.new_cache(model)
         hidden = model(input_ids=torch.tensor([seq[:n]], device=lm.device), cache=cache,
                        use_cache=True, output_hidden_states=True).hidden_states
-        adapter_caches = {}
-        for e, d in drafters.items():
-            adapter_caches[e] = DynamicCache()
-            adapt(model, d.adapter, hidden[e], 0, adapter_caches[e])
-    token = seq[n]
-    ops = {"plain": lambda c, _a: model(input_ids=torch.tensor([[token]], device=lm.device),
-                                        cache=c, use_cache=True)}
-    for e, d in drafters.items():
-        ops[("draft", e)] = _draft_op(lm, d, e, token, n)
-        for k in config.verify_sizes:
-            ops[("verify", e, k)] = _verify_op(lm, e, seq[n:n + k + 1] or [token] * (k + 1), n)
+        adapter_cache = DynamicCache()
+        adapt(model, drafter.adapter, hidden[drafter.settings.exit_layer], 0, adapter_cache)
+    nodes = sorted({1, *(k + 1 for k in config.verify_sizes)})
+    tokens = (seq[n:] + [seq[n]] * nodes[-1])[:nodes[-1]]
+    ops = {"adapter": _adapter_op(lm, drafter, tokens[0], n)}
+    for m in nodes:
+        ops[("layers", m)] = _stack_op(lm, tokens[:m], n)
+        ops[("head", m)] = _head_op(lm, tokens[:m], n)
     samples = {name: [] for name in ops}
+    names = list(ops)
     for r in range(config.repeats):
         if r and (time.perf_counter() > deadline or (cancel is not None and cancel.is_set())):
             break
-        for name, op in ops.items():
-            samples[name].append(_timed(op, (cache, adapter_caches)))
-    ms = {name: 1e3 * statistics.median(s) for name, s in samples.items()}
-    verify = {e: _line([(k + 1, ms[("verify", e, k)]) for k in config.verify_sizes])
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(_timed(ops[name], (cache, adapter_cache)))
+    ms = {name: 1e3 * min(s) for name, s in samples.items()}
+    stack = {m: ms[("layers", m)] for m in nodes}
+    head = {m: ms[("head", m)] for m in nodes}
+    draft = {e: round(e / total * stack[1] + ms["adapter"], 4) for e in drafters}
+    verify = {e: _line([(m, (total - e) / total * stack[m] + head[m]) for m in nodes[1:]])
               for e in drafters}
-    return Costs(ms["plain"], {e: ms[("draft", e)] for e in drafters}, verify)
+    return Costs(round(stack[1] + head[1], 4), draft, verify)
 
 
-def _draft_op(lm, drafter: KangarooDrafter, exit_layer: int, token: int, n: int):
-    """One draft token: shallow layers, the adapter (on its own cache) and the head."""
-    def op(cache, adapter_caches):
-        h = layers.run_layers(lm.model, layers.embed(lm.model, [token], n), range(exit_layer),
-                              cache, n)
-        drafter.guesses(adapt(lm.model, drafter.adapter, h, n, adapter_caches[exit_layer])[0])
+def _adapter_op(lm, drafter: KangarooDrafter, token: int, n: int):
+    """One adapter step on its cache and the draft head (the shallow layers are timed with
+    the stack)."""
+    x = layers.embed(lm.model, [token], n)
+
+    def op(_cache, adapter_cache):
+        drafter.guesses(adapt(lm.model, drafter.adapter, x, n, adapter_cache)[0])
     return op
 
 
-def _verify_op(lm, exit_layer: int, tokens: list[int], n: int):
-    """The deep layers over len(tokens) nodes (embeddings stand in for layer-l states: the
-    cost is the same), the final norm and the full LM head."""
-    deep = range(exit_layer, layers.num_layers(lm.model))
+def _stack_op(lm, tokens: list[int], n: int):
+    """Every decoder layer over len(tokens) nodes after n cached positions."""
     x = layers.embed(lm.model, tokens, n)
 
-    def op(cache, _adapter_caches):
-        h = layers.run_layers(lm.model, x, deep, cache, n)
-        layers.logits(lm.model, layers.parts(lm.model).norm(h))
+    def op(cache, _adapter_cache):
+        layers.run_layers(lm.model, x, range(layers.num_layers(lm.model)), cache, n)
+    return op
+
+
+def _head_op(lm, tokens: list[int], n: int):
+    """The final norm and the full LM head over len(tokens) states."""
+    x = layers.embed(lm.model, tokens, n)
+
+    def op(_cache, _adapter_cache):
+        layers.logits(lm.model, layers.parts(lm.model).norm(x))
     return op
 
 
