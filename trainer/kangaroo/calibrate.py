@@ -214,7 +214,9 @@ def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
     other work on a shared machine only ever adds time (medians of a few timings swung
     several-fold between step kinds on a busy machine)."""
     model, total = lm.model, layers.num_layers(lm.model)
-    n = min(len(seq) - 1, config.context)
+    nodes = sorted({1, *(k + 1 for k in config.verify_sizes)})
+    # n cached positions and the timed nodes after them stay inside the context window.
+    n = max(1, min(len(seq) - 1, config.context, lm.context_len - nodes[-1]))
     drafter = next(iter(drafters.values()))  # adapters and draft heads are alike in cost
     with torch.inference_mode():
         cache = kv_cache.new_cache(model)
@@ -222,7 +224,6 @@ def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
                        use_cache=True, output_hidden_states=True).hidden_states
         adapter_cache = DynamicCache()
         adapt(model, drafter.adapter, hidden[drafter.settings.exit_layer], 0, adapter_cache)
-    nodes = sorted({1, *(k + 1 for k in config.verify_sizes)})
     tokens = (seq[n:] + [seq[n]] * nodes[-1])[:nodes[-1]]
     ops = {"adapter": _adapter_op(lm, drafter, tokens[0], n)}
     for m in nodes:
