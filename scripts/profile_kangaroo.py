@@ -27,9 +27,8 @@ import torch  # noqa: E402
 from engine import generate as loop  # noqa: E402
 from engine.chat import conversation, encode  # noqa: E402
 from engine.config import ModelSpec, SamplingParams  # noqa: E402
-from engine.drafters import kangaroo_layers as layers  # noqa: E402
 from engine.drafters.kangaroo import Adapter, KangarooDrafter  # noqa: E402
-from engine.drafters.kangaroo_adapter import draft_head  # noqa: E402
+from engine.drafters.kangaroo_adapter import adapt, draft_head  # noqa: E402
 from engine.drafters.registry import load_drafter  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 
@@ -103,16 +102,13 @@ def median_ms(fn, repeats: int = 30) -> float:
 
 
 def lever_timings(lm, drafter: KangarooDrafter) -> dict:
-    """One draft step's adapter with and without FFN, and the head at full vs reduced size."""
+    """One draft step's adapter (a decoder layer), and the head at full vs reduced size."""
     model = lm.model
     x = torch.randn(1, 1, model.config.hidden_size, dtype=lm.dtype)
-    pos = layers.positions(0, 1, x.device)
-    rope = model.model.rotary_emb(x, pos)
     out = {}
     with torch.inference_mode():
-        for ffn in (False, True):
-            adapter = Adapter(model, ffn).to(lm.dtype).eval()
-            out[f"adapter_ms ffn={ffn}"] = median_ms(lambda a=adapter: a(x, rope, None))
+        adapter = Adapter(model).to(lm.dtype).eval()
+        out["adapter_ms"] = median_ms(lambda: adapt(model, adapter, x, 0))
         full = draft_head(model, None).to(lm.dtype)
         h = x[0]
         out[f"head_ms full ({full.shape[0]} rows)"] = median_ms(

@@ -14,6 +14,7 @@ from engine.chat import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters import kangaroo_layers as layers
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo_adapter import adapt
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
 from engine.generate import run
@@ -37,11 +38,12 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
-def drafter(lm, exit_layer=2, eta=0.0, gamma=4, ffn=False, initialised=False, vocab=None, seed=0):
-    """A Kangaroo drafter with a random (or last-layer-initialised) adapter."""
+def drafter(lm, exit_layer=2, eta=0.0, gamma=4, source=-1, initialised=False, vocab=None,
+            seed=0):
+    """A Kangaroo drafter with a random (or layer-`source`-initialised) adapter."""
     torch.manual_seed(seed)
-    adapter = Adapter.from_model(lm.model, ffn) if initialised else Adapter(lm.model, ffn)
-    return KangarooDrafter(lm, adapter, KangarooSettings(exit_layer, eta, gamma, ffn), vocab)
+    adapter = Adapter.from_model(lm.model, source) if initialised else Adapter(lm.model, source)
+    return KangarooDrafter(lm, adapter, KangarooSettings(exit_layer, eta, gamma, source), vocab)
 
 
 @pytest.mark.parametrize("exit_layer", [1, 2, 3])
@@ -49,7 +51,7 @@ def test_greedy_matches_plain_decoding_on_tiny_configs(tiny_lm, exit_layer):
     ids = encode(tiny_lm.tokenizer, conversation(PROMPT))
     params = SamplingParams(max_new_tokens=40)
     _t, plain, _s = run(tiny_lm, ids, params)
-    for d in (drafter(tiny_lm, exit_layer), drafter(tiny_lm, exit_layer, 0.3, 6, True, True)):
+    for d in (drafter(tiny_lm, exit_layer), drafter(tiny_lm, exit_layer, 0.3, 6, exit_layer, True)):
         _t, got, stats = run(tiny_lm, ids, params, d)
         assert got == plain
         assert stats.steps < stats.tokens  # something was drafted and checked each step
@@ -64,6 +66,13 @@ FAMILIES = {
     ),
     "qwen3": ("qwen3", dict(head_dim=16)),
     "gemma": ("gemma", dict(head_dim=16)),
+    # alternating sliding / full layers, attention and final logit soft-capping
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16,
+                              final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
+    "phi3": ("phi3", dict(pad_token_id=0)),  # fused qkv / gate-up projections
+    "olmo2": ("olmo2", dict(pad_token_id=0)),  # norms after attention and FFN
+    "smollm3": ("smollm3", dict(pad_token_id=0)),  # every 4th layer without rotary
+    "gpt2": ("gpt2", {}),  # learned absolute positions, no rotary
 }
 
 
@@ -93,7 +102,7 @@ def test_greedy_matches_plain_decoding_on_other_families(bundled_tokenizer, fami
     ids = list(range(5, 40))  # prompt + reply run past the 16-token windows
     params = SamplingParams(max_new_tokens=40)
     _t, plain, _s = run(lm, ids, params)
-    for d in (drafter(lm, 1), drafter(lm, 3, 0.0, 4, True, True)):
+    for d in (drafter(lm, 1), drafter(lm, 2, 0.0, 4, 2, True), drafter(lm, 3, 0.0, 4, 3, True)):
         assert run(lm, ids, params, d)[1] == plain
 
 
@@ -103,7 +112,7 @@ def test_self_copy_adapter_accepts_every_draft(bundled_tokenizer):
     lm = make_tiny_model("llama-gqa", bundled_tokenizer)
     ids = encode(lm.tokenizer, conversation(PROMPT))
     lm.eos_ids = ()
-    d = drafter(lm, exit_layer=3, gamma=5, ffn=True, initialised=True)
+    d = drafter(lm, exit_layer=3, gamma=5, initialised=True)
     _t, got, stats = run(lm, ids, SamplingParams(max_new_tokens=61), d)
     assert stats.accepted == [5] * 10
     assert got == run(lm, ids, SamplingParams(max_new_tokens=61))[1]
@@ -238,9 +247,7 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
         hidden = lm.model(input_ids=torch.tensor([final]), output_hidden_states=True).hidden_states
         exit_states = layers.exit_states(hidden, exit_layer)
         ad_ref = DynamicCache()
-        pos = layers.positions(0, len(final), exit_states.device)
-        rope = lm.model.model.rotary_emb(exit_states, pos)
-        d.adapter(exit_states, rope, None, ad_ref)
+        adapt(lm.model, d.adapter, exit_states, 0, ad_ref)
     kept = set()
     for committed, caches, ad_k, ad_v, lag in d.snapshots:
         n = len(committed)
@@ -290,6 +297,10 @@ def test_checkpoint_round_trip_and_bad_input(bundled_tokenizer):
     ckpt = load_checkpoint(lm, "kangaroo")
     with pytest.raises(AcceleratorError, match="does not match this model's layout"):
         KangarooDrafter.from_checkpoint(qwen, ckpt)
+    ckpt.info["settings"]["format"] = 1  # the hand-built attention block of earlier versions
+    with pytest.raises(AcceleratorError, match="adapter format 1, not 2; retrain it"):
+        KangarooDrafter.from_checkpoint(lm, ckpt)
+    ckpt.info["settings"]["format"] = 2
     ckpt.info["settings"]["exit_layer"] = 9
     with pytest.raises(AcceleratorError, match="exit layer 9 is outside"):
         KangarooDrafter.from_checkpoint(lm, ckpt)
@@ -304,22 +315,18 @@ def loaded_folder(lm):
     return checkpoint_dir(lm.fingerprint, "kangaroo")
 
 
-def test_unsupported_architecture_is_refused(bundled_tokenizer):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def test_unsupported_architecture_is_refused():
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from engine.config import ModelSpec
-    from engine.loading import wrap_model
-
-    config = AutoConfig.for_model("gpt2", vocab_size=100, n_embd=32, n_layer=2, n_head=2)
-    lm = wrap_model(
-        AutoModelForCausalLM.from_config(config),
-        bundled_tokenizer,
-        ModelSpec(source="tiny-gpt2"),
-        "tiny-gpt2",
-        "fp32",
-    )
+    config = AutoConfig.for_model("t5", vocab_size=100, d_model=32, d_ff=64, num_layers=1,
+                                  num_heads=2, d_kv=16)
     with pytest.raises(AcceleratorError, match="not supported for this architecture"):
-        layers.check_supported(lm.model)
+        layers.check_supported(AutoModelForSeq2SeqLM.from_config(config))
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=2,
+                                                                 n_head=2, vocab_size=100))
+    del gpt2.transformer.wpe  # a layout neither of the known two
+    with pytest.raises(AcceleratorError, match="not supported for this architecture"):
+        layers.check_supported(gpt2)
 
 
 def test_a_drafter_that_does_not_pay_says_so_and_decodes_plainly(bundled_tokenizer, caplog):
@@ -343,11 +350,10 @@ def test_adapter_adds_under_five_percent_of_the_bundled_model(bundled_lm):
     from trainer.kangaroo.train import fitting_vocab
 
     model_bytes = sum(p.numel() * p.element_size() for p in bundled_lm.model.parameters())
-    for ffn in (False, True):
-        rows = fitting_vocab(bundled_lm.model, ffn, 8192, 0.05)
-        assert rows >= 4096  # room for a useful draft vocabulary
-        d = drafter(bundled_lm, ffn=ffn, initialised=True, vocab=torch.arange(rows))
-        assert d.extra_bytes() <= 0.05 * model_bytes
+    rows = fitting_vocab(bundled_lm.model, 8192, 0.05)
+    assert rows >= 4096  # room for a useful draft vocabulary
+    d = drafter(bundled_lm, initialised=True, vocab=torch.arange(rows))
+    assert d.extra_bytes() <= 0.05 * model_bytes
 
 
 @pytest.mark.slow

@@ -14,7 +14,16 @@ from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
 from trainer.features import Features, encode_conversations, hidden_states
-from trainer.kangaroo.calibrate import KangarooCalibration, simulate
+from trainer.kangaroo.calibrate import (
+    Costs,
+    KangarooCalibration,
+    calibrate,
+    choose,
+    ctar,
+    estimates,
+    expected_round,
+    one_round,
+)
 from trainer.kangaroo.train import (
     KangarooTrainConfig,
     batch_loss,
@@ -27,17 +36,60 @@ from trainer.vocab import draft_vocabulary
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_simulate_follows_the_drafting_rule():
-    # Pending token at position 0; match[t]: the draft from position t is right.
+def test_one_round_follows_the_drafting_rule():
+    # match[t]: the draft predicting position t is right; conf[t]: its top-1 probability.
     match = [True, True, False, True, True, True, True]
     conf = [0.9, 0.9, 0.9, 0.9, 0.2, 0.9, 0.9]
-    # gamma 3, eta 0: [T T F] -> 2 accepted, t=3; [T T T] -> 3, t=7: 2 steps, 6 drafts.
-    assert simulate(match, conf, 0, 0.0, 3) == (2, 6)
-    # eta 0.5 stops after the draft at position 4 (confidence 0.2): t=3 drafts [T T] -> t=6;
-    # then one draft from t=6 -> t=8.
-    assert simulate(match, conf, 0, 0.5, 3) == (3, 6)
-    # gamma 1: one draft per step, every position visited once unless accepted.
-    assert simulate([False] * 5, [0.9] * 5, 0, 0.0, 1) == (5, 5)
+    assert one_round(match, conf, 0, 0.0, 3) == (3, 2)  # [T T F]: 3 drafted, 2 accepted
+    assert one_round(match, conf, 3, 0.5, 5) == (2, 2)  # stops after conf 0.2 <= eta
+    assert one_round(match, conf, 5, 0.0, 4) == (2, 2)  # the reply ends
+    assert one_round([False] * 3, [0.9] * 3, 0, 0.0, 3) == (3, 0)  # all drafted, none kept
+
+
+def test_expected_tokens_per_round():
+    # Every draft right, sure: a round from t drafts min(gamma, 4 - t) and keeps them all.
+    sure = ([True] * 4, [0.9] * 4)
+    assert expected_round([sure], 0.5, 2) == (7 / 4, 11 / 4)  # drafts 2 2 2 1, tokens +1
+    # Unsure (0.3 <= eta 0.5): one draft per round, kept when right (half the time).
+    half = ([True, False, True, False], [0.3] * 4)
+    assert expected_round([half], 0.5, 8) == (1.0, 1.5)
+    # Positions of all replies pool: the mean over 8 positions.
+    assert expected_round([sure, half], 0.5, 2) == ((7 + 4) / 8, (11 + 6) / 8)
+    assert ctar([sure, half], 2)[:2] == [6 / 8, round(3 / 6, 4)]
+
+
+def test_the_cost_model_trades_drafts_for_tokens():
+    costs = Costs(plain=10.0, draft={1: 1.0, 2: 2.0}, verify={1: (9.0, 1.0), 2: (6.0, 0.5)})
+    assert costs.round_ms(1, 3) == 4 * 1.0 + 9.0 + 4 * 1.0
+    traces = {1: [([True] * 8, [0.9] * 8)], 2: [([True, False] * 4, [0.9] * 8)]}
+    config = KangarooCalibration(etas=(0.0, 0.95), gammas=(1, 4))
+    table = estimates(traces, costs, config)
+    best = choose(table, 0.0)
+    assert (best["exit_layer"], best["gamma"]) == (1, 4)  # always right: draft long
+    # A near tie goes to the setting with more tokens per round, whatever the timing noise.
+    close = [{"exit_layer": 1, "eta": 0.0, "gamma": 2, "estimated_speedup": 1.30,
+              "tokens_per_round": 1.6},
+             {"exit_layer": 2, "eta": 0.2, "gamma": 4, "estimated_speedup": 1.28,
+              "tokens_per_round": 1.9}]
+    assert choose(close, 0.03)["exit_layer"] == 2
+    assert choose(close, 0.0)["exit_layer"] == 1
+
+
+def test_two_calibrations_on_the_same_data_and_costs_choose_alike(bundled_tokenizer):
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+    adapters = {e: Adapter.from_model(lm.model, e) for e in (1, 2, 3)}
+    prompts = [encode(lm.tokenizer, conversation(f"Question {i}: rivers?")) for i in range(2)]
+    config = KangarooCalibration(prompts=2, max_new_tokens=16)
+    costs = Costs(plain=10.0, draft={1: 1.0, 2: 2.0, 3: 3.0},
+                  verify={1: (8.0, 0.5), 2: (6.0, 0.4), 3: (3.0, 0.3)})
+    first, second = (calibrate(lm, adapters, None, prompts, config, costs=costs)
+                     for _ in range(2))
+    assert first.settings == second.settings and first.speedup == second.speedup
+    assert first.settings.source_layer == first.settings.exit_layer  # the copied layer
+    timed = calibrate(lm, adapters, None, prompts,
+                      KangarooCalibration(prompts=2, max_new_tokens=16, repeats=2))
+    costs_ms = timed.table["costs_ms"]
+    assert set(costs_ms["draft"]) == {1, 2, 3} and costs_ms["plain"] > 0
 
 
 def _features(ids: list[list[int]], masks: list[list[bool]]) -> Features:
@@ -113,7 +165,8 @@ def test_each_trained_exit_layer_lowers_the_loss_and_stays_exact(bundled_tokeniz
         )
         with torch.no_grad():
             after = float(batch_loss(lm.model, adapter, head, feats, exit_layer, batch))
-        assert after < before - 0.05, exit_layer
+        # At l = L - 1 the copy of the last layer is the model itself: nothing to lower.
+        assert after < before - (0.05 if exit_layer < 3 else -0.01), exit_layer
         d = KangarooDrafter(lm, adapter, KangarooSettings(exit_layer, 0.0, 4), vocab)
         assert run(lm, prompt, params, d)[1] == plain
 
@@ -133,7 +186,7 @@ def test_pipeline_trains_calibrates_and_saves_a_loadable_drafter(bundled_tokeniz
             exit_layers=(1, 2),
             epochs=2,
             draft_vocab=1000,
-            calibration=KangarooCalibration(prompts=2, max_new_tokens=16, finalists=2),
+            calibration=KangarooCalibration(prompts=2, max_new_tokens=16, repeats=2),
         ),
     )
     result = train_accelerator(lm, options)
@@ -170,7 +223,7 @@ def test_train_summary_says_plainly_whether_it_pays():
     metrics = {"agreement": {"1": 0.25, "2": 0.3}, "vocab_coverage": 0.9, "pays": True,
                "speedup": 1.12, "mean_accepted": 1.4, "ctar": [0.3, 0.1, 0, 0, 0, 0]}
     text = "\n".join(summary_lines(metrics, settings))
-    assert "l=2 30.0%" in text and "measured 1.12x plain decoding" in text
+    assert "l=2 30.0%" in text and "estimated 1.12x plain decoding" in text
     text = "\n".join(summary_lines({**metrics, "pays": False, "speedup": 0.93}, settings))
     assert "does not pay on this machine" in text and "0.93x" in text
     assert "never slower" in text

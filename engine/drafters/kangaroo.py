@@ -1,8 +1,9 @@
 """Kangaroo: the model drafts for itself from an early exit (Liu et al., 2024).
 
-Draft model = the model's first `l` decoder layers (frozen, shared) + a small adapter
-(RMSNorm -> one attention block in the model's own layout -> RMSNorm) + the model's frozen
-LM head. Drafting stops once the draft's top-1 probability is <= eta or after gamma tokens.
+Draft model = the model's first `l` decoder layers (frozen, shared) + an adapter (one
+decoder layer of the model's own class, initialised from a copy of one of its layers, and the
+final norm) + the model's frozen LM head. Drafting stops once the draft's top-1 probability
+is <= eta or after gamma tokens.
 Verification runs only layers l..L on the layer-l states saved while drafting, so the shallow
 layers never run twice for a token; the verifier's own next token starts the next round.
 """
@@ -15,14 +16,12 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
-from torch import nn
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
 
 from engine import kv_cache
 from engine.drafters import kangaroo_layers as layers
 from engine.drafters.base import Draft, Drafter
-from engine.drafters.kangaroo_adapter import Adapter, draft_head
+from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
 from engine.drafters.payoff import (
     Payoff,
     not_paying_notice,
@@ -35,6 +34,10 @@ from engine.sampling import logits_to_probs, sample_from
 
 log = logging.getLogger(__name__)
 
+# Checkpoint layout of the adapter: 2 = one decoder layer of the model's class + final norm
+# (1 was a hand-built attention block). Other layouts are refused at load.
+FORMAT = 2
+
 
 @dataclass(frozen=True)
 class KangarooSettings:
@@ -43,10 +46,11 @@ class KangarooSettings:
     exit_layer: int = 2  # l: the adapter reads the output of the first l decoder layers
     eta: float = 0.6  # stop drafting once the draft's top-1 probability is <= eta
     gamma: int = 6  # at most this many draft tokens per step; 0 = off (nothing paid here)
-    ffn: bool = False  # the adapter adds a feed-forward block (initialised from the last layer's)
+    source_layer: int = -1  # the decoder layer the adapter's layer was copied from (its kind:
+    # sliding or full attention, rotary or not); negative counts from the end
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "format": FORMAT}
 
     @classmethod
     def from_json(cls, data: dict) -> KangarooSettings:
@@ -109,13 +113,19 @@ class KangarooDrafter(Drafter):
     def from_checkpoint(cls, lm, ckpt) -> KangarooDrafter:
         """Rebuild the drafter stored in `ckpt` (engine.accelerators.Checkpoint) for `lm`."""
         layers.check_supported(lm.model)
-        settings = KangarooSettings.from_json(ckpt.info.get("settings", {}))
-        adapter = Adapter(lm.model, settings.ffn)
+        stored = ckpt.info.get("settings", {})
+        if stored.get("format") != FORMAT:
+            raise AcceleratorError(
+                f"the Kangaroo accelerator in {ckpt.folder} has adapter format "
+                f"{stored.get('format', 1)!r}, not {FORMAT}; retrain it: "
+                "python launcher.py train --method kangaroo")
+        settings = KangarooSettings.from_json(stored)
         state = {k.removeprefix("adapter."): v for k, v in ckpt.tensors.items()
                  if k.startswith("adapter.")}
         try:
+            adapter = Adapter(lm.model, settings.source_layer)
             adapter.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
+        except (RuntimeError, IndexError) as exc:
             raise AcceleratorError(
                 f"the Kangaroo accelerator in {ckpt.folder} does not match this model's layout; "
                 "run: python launcher.py train --method kangaroo"
@@ -240,7 +250,7 @@ class KangarooDrafter(Drafter):
         top-1 token ids and their (n,) probabilities. Drafting goes on after a guess while
         `sure` says so (one rule for drafting, Auto's counting and calibration)."""
         # (n, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
-        logits = nn.functional.linear(states, self.head).float()
+        logits = layers.logits(self.lm.model, states, self.head).float()
         top, idx = torch.softmax(logits, -1).max(-1)
         return logits, idx if self.vocab is None else self.vocab[idx], top
 
@@ -255,7 +265,7 @@ class KangarooDrafter(Drafter):
         if self.off:
             return Draft.chain(state.ids[-1], tokens)
         model, run = self.lm.model, self.run
-        h = layers.embed(model, [state.ids[-1], *tokens])
+        h = layers.embed(model, [state.ids[-1], *tokens], state.cached)
         run.drafted = layers.run_layers(model, h, range(self.settings.exit_layer), state.cache,
                                         state.cached)
         run.external = True
@@ -274,8 +284,9 @@ class KangarooDrafter(Drafter):
             last = self._shallow(state, draft.tokens[-1], start + k)
             run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
         deep = range(self.settings.exit_layer, layers.num_layers(model))
-        h = model.model.norm(layers.run_layers(model, run.scored, deep, state.cache, start))
-        return model.lm_head(h)[0], h[0]
+        h = layers.run_layers(model, run.scored, deep, state.cache, start)
+        h = layers.parts(model).norm(h)
+        return layers.logits(model, h)[0], h[0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
@@ -298,19 +309,12 @@ class KangarooDrafter(Drafter):
     def _shallow(self, state, token: int, position: int) -> torch.Tensor:
         """(1, 1, H): `token` at `position` through the first l layers (cached)."""
         model = self.lm.model
-        h = layers.embed(model, [token])
+        h = layers.embed(model, [token], position)
         return layers.run_layers(model, h, range(self.settings.exit_layer), state.cache, position)
 
     def _adapt(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Adapter over x (1, n, H) at positions start..; returns its (n, H) states."""
-        model, cache = self.lm.model, self.run.cache
-        pos = layers.positions(start, x.shape[1], x.device)
-        rope = model.model.rotary_emb(x, pos)
-        mask = None
-        if x.shape[1] > 1:
-            mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None,
-                                      cache=cache, position_ids=pos, layer_idx=0)
-        return self.adapter(x, rope, mask, cache)[0]
+        return adapt(self.lm.model, self.adapter, x, start, self.run.cache)[0]
 
     def _choose(self, out: torch.Tensor, state) -> tuple[int, torch.Tensor | None, bool]:
         """Draft token, its q row (V,) for speculative sampling (else None), and whether

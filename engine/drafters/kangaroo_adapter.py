@@ -1,72 +1,79 @@
-"""The Kangaroo adapter (RMSNorm -> one attention block in the model's own layout
-[-> FFN] -> RMSNorm) that turns the early exit's states into drafts, and the frozen LM-head
-rows it drafts over. Training builds it from the model's last layer; the drafter loads it
-from a checkpoint."""
+"""The Kangaroo adapter: one decoder layer of the model's own class, then the norm the
+family applies before its LM head, turning the early exit's states into drafts over the
+frozen LM head. Training initialises it from a copy of one of the model's layers; the drafter
+loads it from a checkpoint."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
 
 from engine.drafters import kangaroo_layers as layers
 
 
-class Adapter(nn.Module):
-    """RMSNorm -> attention (+ residual) [-> RMSNorm -> FFN (+ residual)] -> RMSNorm.
+def source_index(model, source: int) -> int:
+    """The decoder layer the adapter copies: `source`, counted from the end when negative."""
+    return source % layers.num_layers(model)
 
-    Built from the model's own classes, so it has the model's head count, grouped-query
-    layout, q/k norms and biases; its output goes through the model's frozen LM head.
+
+class Adapter(nn.Module):
+    """decoder layer (the model's class, built from its config) -> final norm.
+
+    Being the model's own layer, it has the family's head layout, q/k norms, biases, extra
+    norms (Gemma-2, OLMo-2), rotary-free layers (SmolLM3) and sliding window of the layer it
+    copies; its output goes through the model's frozen LM head.
     """
 
-    def __init__(self, model, ffn: bool = False):
+    def __init__(self, model, source: int = -1):
         super().__init__()
-        layers.check_supported(model)
-        config = model.config
-        last = model.model.layers[-1]
-        eps = config.rms_norm_eps
-        self.norm_in = type(last.input_layernorm)(config.hidden_size, eps=eps)
-        self.attn = type(last.self_attn)(config, layer_idx=0)  # layer 0 of the adapter's cache
-        self.ffn_norm = self.mlp = None
-        if ffn:
-            self.ffn_norm = type(last.post_attention_layernorm)(config.hidden_size, eps=eps)
-            self.mlp = type(last.mlp)(config)
-        self.norm_out = type(model.model.norm)(config.hidden_size, eps=eps)
+        p = layers.parts(model)
+        index = source_index(model, source)
+        self.source = index  # rebuilds the same kind of layer at load (KangarooSettings)
+        self.sliding = layers.is_sliding(model.config, index)
+        self.layer = type(p.blocks[index])(model.config, layer_idx=index)
+        # Index 0 of the adapter's own one-layer cache (the layer's kind was fixed above).
+        for module in self.layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = 0
+        self.norm = copy.deepcopy(p.norm)
 
     @classmethod
-    def from_model(cls, model, ffn: bool = False, dtype: torch.dtype = torch.float32) -> Adapter:
-        """An adapter initialised from the model's last layer (attention, norms, FFN) and
-        final norm, in `dtype` (quantized source weights are dequantized)."""
-        adapter = cls(model, ffn)
-        last = model.model.layers[-1]
-        pairs = [(adapter.norm_in, last.input_layernorm), (adapter.attn, last.self_attn),
-                 (adapter.norm_out, model.model.norm)]
-        if ffn:
-            pairs += [(adapter.ffn_norm, last.post_attention_layernorm), (adapter.mlp, last.mlp)]
+    def from_model(cls, model, source: int = -1, dtype: torch.dtype = torch.float32) -> Adapter:
+        """An adapter initialised from a copy of decoder layer `source` and the final norm,
+        in `dtype` (quantized source weights are dequantized)."""
+        adapter = cls(model, source)
+        p = layers.parts(model)
         with torch.no_grad():
-            for dst, src in pairs:
-                _copy_dense(src, dst)
-        return adapter.to(device=model.model.embed_tokens.weight.device, dtype=dtype)
+            _copy_dense(p.blocks[source_index(model, source)], adapter.layer)
+            _copy_dense(p.norm, adapter.norm)
+        return adapter.to(device=p.embed_tokens.weight.device, dtype=dtype)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
-        """h: (B, S, H) layer-l states -> (B, S, H) states for the LM head."""
-        x = h + self.attn(self.norm_in(h), rope, mask, cache)[0]
-        if self.mlp is not None:
-            x = x + self.mlp(self.ffn_norm(x))
-        return self.norm_out(x)
+    def forward(self, h: torch.Tensor, rotary, mask, pos: torch.Tensor,
+                cache: DynamicCache | None = None) -> torch.Tensor:
+        """h: (B, S, H) layer-l states -> (B, S, H) final-normed states for the LM head."""
+        return self.norm(layers.call_layer(self.layer, h, rotary, mask, pos, cache))
+
+
+def adapt(model, adapter: Adapter, x: torch.Tensor, start: int,
+          cache: DynamicCache | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
+    """The adapter over x (B, n, H) at positions start.. (appending to its own `cache`, or
+    whole sequences from position 0 without one); pad: (B, n) 1 on real tokens, or None."""
+    pos = layers.positions(start, x.shape[1], x.device).expand(x.shape[0], -1)
+    rotary = layers.rope(model, x, pos)
+    mask = None  # one query attends to everything cached (SDPA's fast path)
+    if x.shape[1] > 1 or cache is None:
+        mask = layers.mask(model, x, cache, pos, adapter.sliding, 0, pad)
+    return adapter(x, rotary, mask, pos, cache)
 
 
 def sequence_states(model, adapter: Adapter, x: torch.Tensor,
                     pad: torch.Tensor | None = None) -> torch.Tensor:
     """Adapter over whole sequences x (B, S, H) from position 0, causally, without a cache
     (training and teacher-forced evaluation); pad: (B, S) 1 on real tokens, or None."""
-    pos = layers.positions(0, x.shape[1], x.device).expand(x.shape[0], -1)
-    rope = model.model.rotary_emb(x, pos)
-    mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=pad,
-                              cache=None, position_ids=pos)
-    return adapter(x, rope, mask)
+    return adapt(model, adapter, x, 0, None, pad)
 
 
 def _dense_weight(module: nn.Module) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""Kangaroo training: the adapter learns the frozen model's own next-token distribution from
-the states after the first l layers (soft cross-entropy against the full model, Kangaroo
-§3.2), on cached features, for each exit layer tried; calibration then times real decoding
-and keeps the fastest exit layer, eta and gamma (trainer.kangaroo.calibrate).
+"""Kangaroo training: the adapter (one decoder layer of the model's class, initialised from a
+copy of one of its layers, and the final norm) learns the frozen model's own next-token
+distribution from the states after the first l layers (soft cross-entropy against the full
+model, Kangaroo §3.2), on cached features, for each exit layer tried; calibration then keeps
+the exit layer, eta and gamma its cost model finds fastest here (trainer.kangaroo.calibrate).
 
 Drafting and training can use a reduced vocabulary: the tokens the model emits most in its
 own self-distilled answers. Decoding stays lossless (verification reads the full
@@ -36,9 +37,9 @@ class KangarooTrainConfig:
     """What the Kangaroo trainer builds and how it batches."""
 
     exit_layers: tuple[int, ...] = (1, 2, 3)  # exits tried, one adapter each; calibration picks
-    # adapter with a feed-forward block after its attention (bundled model, same data and
-    # budget: held-out agreement 30.5% with it, 24.8% without)
-    ffn: bool = True
+    # the adapter starts as a copy of the model's last layer ("last") or of the layer right
+    # after the exit ("next")
+    init: str = "last"
     draft_vocab: int = 8192  # draft over the most frequent answer tokens; 0 = full vocabulary
     max_memory_share: float = 0.05  # adapter + copied head rows, as a share of the model's
     # weights; the draft vocabulary shrinks to fit
@@ -61,7 +62,14 @@ class Batch:
     loss: torch.Tensor  # (B, S) bool: the next token belongs to an answer
 
 
-def fitting_vocab(model, ffn: bool, wanted: int, share: float) -> int:
+def source_layer(model, exit_layer: int, init: str) -> int:
+    """The decoder layer an adapter for `exit_layer` is initialised from."""
+    if init not in ("last", "next"):
+        raise QuickdraftError(f"unknown Kangaroo adapter init {init!r} (last or next)")
+    return layers.num_layers(model) - 1 if init == "last" else exit_layer
+
+
+def fitting_vocab(model, wanted: int, share: float) -> int:
     """The largest draft vocabulary (<= wanted) whose copied LM-head rows, with the adapter,
     stay within `share` of the model's weight memory; 0 = the full vocabulary (no copy)."""
     if wanted <= 0:
@@ -69,7 +77,7 @@ def fitting_vocab(model, ffn: bool, wanted: int, share: float) -> int:
     head = model.get_output_embeddings().weight
     vocab_size, row_bytes = head.shape[0], head.shape[1] * head.element_size()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    adapter = Adapter(model, ffn)
+    adapter = Adapter(model)  # every decoder layer has the same size
     adapter_bytes = sum(p.numel() for p in adapter.parameters()) * head.element_size()
     room = max(0, int((share * model_bytes - adapter_bytes) // row_bytes))
     return min(wanted, room, vocab_size)
@@ -112,9 +120,9 @@ def batch_loss(model, adapter: Adapter, head: torch.Tensor, feats: Features, exi
     final = layers.num_layers(model)
     x = feats.states[exit_layer][batch.index].float()  # (B, S, H)
     out = sequence_states(model, adapter, x, batch.pad)[batch.loss]  # (N, H)
-    with torch.no_grad():
-        teacher = feats.states[final][batch.index[batch.loss]].float() @ head.T  # (N, Vd)
-    return soft_cross_entropy(out @ head.T, teacher)
+    with torch.no_grad():  # the last state is final-normed: the LM head reads it as it is
+        teacher = layers.logits(model, feats.states[final][batch.index[batch.loss]].float(), head)
+    return soft_cross_entropy(layers.logits(model, out, head), teacher)  # (N, Vd) each
 
 
 def model_choices(model, feats: Features, batches: list[Batch]) -> list[torch.Tensor]:
@@ -169,13 +177,15 @@ def fit_adapter(lm, adapter: Adapter, head: torch.Tensor, vocab, data: tuple[Fea
     def loss_fn(module: Adapter, batch: Batch) -> tuple[torch.Tensor, dict]:
         return batch_loss(lm.model, module, head, train, exit_layer, batch), {}
 
-    def eval_fn(module: Adapter) -> float:
-        return -agreement(lm.model, module, head, vocab, heldout, exit_layer, held, targets)
+    def eval_fn(module: Adapter) -> tuple[float, dict]:
+        """Minus held-out agreement (lower is better), and agreement for the progress line."""
+        share = agreement(lm.model, module, head, vocab, heldout, exit_layer, held, targets)
+        return -share, {f"exit {exit_layer} agreement": share}
 
     adapter.to(torch.float32).train()
     fit = train_module(adapter, batches_fn, loss_fn, train_config, progress, cancel,
                        eval_fn if held else None)
-    fit["agreement"] = round(-eval_fn(adapter), 4) if held else 0.0
+    fit["agreement"] = round(-eval_fn(adapter)[0], 4) if held else 0.0
     return fit
 
 
@@ -207,7 +217,7 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     heldout = features_for(lm, heldout_convs, [*exits, final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
     vocab_size = lm.model.get_output_embeddings().weight.shape[0]
-    rows = fitting_vocab(lm.model, config.ffn, config.draft_vocab, config.max_memory_share)
+    rows = fitting_vocab(lm.model, config.draft_vocab, config.max_memory_share)
     vocab = draft_vocabulary(train, rows, lm.eos_ids, vocab_size)
     head = draft_head(lm.model, vocab).float()
     adapters, fits = {}, {}
@@ -218,7 +228,8 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
         train_config = dataclasses.replace(options.train, lr=config.lr, epochs=config.epochs,
                                            max_seconds=max(10.0, left / (len(exits) - i)))
         progress(Progress("train", 0, 1, f"exit layer {exit_layer}: training the adapter"))
-        adapter = Adapter.from_model(lm.model, config.ffn, torch.float32)
+        adapter = Adapter.from_model(lm.model, source_layer(lm.model, exit_layer, config.init),
+                                     torch.float32)
         start_from(adapter, options, progress, "adapter.", exit_layer=exit_layer)  # Retrain
         fits[exit_layer] = fit_adapter(lm, adapter, head, vocab, (train, heldout), exit_layer,
                                        config, train_config, progress, cancel)
@@ -230,8 +241,7 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
         return {}, {}, {"times": times}  # the pipeline saves nothing after a cancel
     mark = time.perf_counter()
     prompts = [prompt_ids(lm, conv) for conv in heldout_convs]
-    result = calibrate(lm, adapters, config.ffn, vocab, prompts, config.calibration, progress,
-                       cancel)
+    result = calibrate(lm, adapters, vocab, prompts, config.calibration, progress, cancel)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
     chosen: KangarooSettings = result.settings
     # The drafter's own checkpoint layout, with the adapter in the model's dtype.
@@ -262,11 +272,11 @@ def summary_lines(metrics: dict, settings: dict) -> list[str]:
         ctar = " ".join(f"{c:.2f}" for c in metrics.get("ctar", []))
         lines.append(
             f"chosen: exit layer {settings['exit_layer']}, eta {settings['eta']}, gamma "
-            f"{settings['gamma']}: measured {speedup:.2f}x plain decoding, "
-            f"{metrics.get('mean_accepted', 0):.2f} tokens per step, CTAR(1..6) {ctar}")
+            f"{settings['gamma']}: estimated {speedup:.2f}x plain decoding, "
+            f"{metrics.get('mean_accepted', 0):.2f} tokens per round, CTAR(1..6) {ctar}")
     else:
         lines.append(
-            f"Kangaroo does not pay on this machine (the best setting measured {speedup:.2f}x "
-            "plain decoding): --accel kangaroo will decode exactly like plain decoding, "
-            "never slower.")
+            "Kangaroo does not pay on this machine (the best setting is estimated at "
+            f"{speedup:.2f}x plain decoding): --accel kangaroo will decode exactly like plain "
+            "decoding, never slower.")
     return lines
