@@ -152,28 +152,28 @@ def test_the_command_learns_from_chats_unless_no_chats(lm, monkeypatch):
 
 # -- continuation -----------------------------------------------------------------------
 def test_start_from_loads_fitting_tensors_and_refuses_others_in_one_line(lm):
-    stored = Adapter.from_model(lm.model, True, torch.float32)
+    stored = Adapter.from_model(lm.model, -1, torch.float32)
     with torch.no_grad():
         for p in stored.parameters():
             p.add_(0.5)
-    tensors = KangarooDrafter(lm, stored, KangarooSettings(exit_layer=1, ffn=True)).tensors()
+    tensors = KangarooDrafter(lm, stored, KangarooSettings(exit_layer=1)).tensors()
     resume = Resume(checkpoint_dir(lm.fingerprint, "kangaroo"), tensors, {"exit_layer": 1})
     options = TrainOptions("kangaroo", resume=resume)
     lines = []
 
-    fresh = Adapter.from_model(lm.model, True, torch.float32)
+    fresh = Adapter.from_model(lm.model, -1, torch.float32)
     assert start_from(fresh, options, lambda p: lines.append(p.message), "adapter.",
                       exit_layer=1)
     for mine, theirs in zip(fresh.parameters(), stored.parameters(), strict=True):
         assert torch.equal(mine, theirs)
 
-    other_exit = Adapter.from_model(lm.model, True, torch.float32)
+    other_exit = Adapter.from_model(lm.model, -1, torch.float32)
     before = [p.clone() for p in other_exit.parameters()]
     assert not start_from(other_exit, options, lambda p: lines.append(p.message), "adapter.",
                           exit_layer=2)
-    no_ffn = Adapter.from_model(lm.model, False, torch.float32)  # another layout: fewer
-    no_ffn.mlp = torch.nn.Linear(3, 3)  # ... and a parameter the checkpoint has not
-    assert not start_from(no_ffn, options, lambda p: lines.append(p.message), "adapter.")
+    other_layout = Adapter.from_model(lm.model, -1, torch.float32)
+    other_layout.extra = torch.nn.Linear(3, 3)  # a parameter the checkpoint has not
+    assert not start_from(other_layout, options, lambda p: lines.append(p.message), "adapter.")
     assert all(torch.equal(a, b) for a, b in zip(other_exit.parameters(), before, strict=True))
     assert len(lines) == 2 and all("starts fresh" in line for line in lines)
     assert "exit_layer 1" in lines[0] and resume.continued == 1
@@ -305,8 +305,7 @@ def test_a_continued_kangaroo_run_starts_from_the_stored_adapter(lm, monkeypatch
     options = dataclasses.replace(
         _pattern_data(lm, 16), method="kangaroo",
         kangaroo=KangarooTrainConfig(exit_layers=(1,), epochs=2, draft_vocab=1000, calibration=(
-            KangarooCalibration(prompts=1, fit_prompts=1, max_new_tokens=8, finalists=1,
-                                seconds=2.0))))
+            KangarooCalibration(prompts=1, max_new_tokens=8, repeats=1, seconds=2.0))))
     train_accelerator(lm, options)
     stored = load_checkpoint(lm, "kangaroo").tensors
     starts = []
