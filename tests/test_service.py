@@ -299,7 +299,9 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     first = service.start_training(_fast_training(24))
     with pytest.raises(QuickdraftError, match="already in progress"):
         service.start_training(_fast_training(24))
-    while first.running and not (first.progress and first.progress.stage == "data"):
+    # Cancel once the first conversation is written (answers under way are dropped).
+    while first.running and not (first.progress and first.progress.stage == "data"
+                                 and first.progress.done > 0):
         first.wait(0.05)
     service.cancel_training()
     assert first.wait(120) and first.state == "cancelled" and first.result.cancelled
