@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import time
@@ -27,10 +28,11 @@ from matplotlib.figure import Figure  # noqa: E402
 from engine.config import ModelSpec  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from trainer.medusa import MedusaTrainConfig  # noqa: E402
-from trainer.medusa import train as medusa  # noqa: E402
 from trainer.selfdistill import data_path, split_heldout  # noqa: E402
 from trainer.train import TrainConfig  # noqa: E402
 
+# the module (trainer.medusa re-exports its train() function under the same name)
+medusa = importlib.import_module("trainer.medusa.train")
 HELDOUT_FRACTION = 0.06  # the pipeline's own split, so figures compare with `train`'s
 
 
