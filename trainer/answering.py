@@ -77,7 +77,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
     clock = time.perf_counter()
 
     def job(conv: _Conversation) -> Job:
-        prompt = fit_prompt(lm, conv.prompt(lm.tokenizer), answer_tokens)
+        prompt = fit_prompt(lm, conv.ask_next(lm.tokenizer), answer_tokens)
         greedy = budget.temperature <= 0 or (budget.greedy_first_pass and conv.seed.sample == 0)
         return Job(prompt, greedy, answer_tokens, conv)
 
@@ -131,7 +131,8 @@ class _Conversation:
     messages: list[dict] = field(default_factory=list)
     tokens: int = 0
 
-    def prompt(self, tokenizer) -> list[int]:
+    def ask_next(self, tokenizer) -> list[int]:
+        """Add the seed's next user turn; the conversation so far as the model's prompt."""
         self.messages.append({"role": "user", "content": self.seed.turns[len(self.messages) // 2]})
         conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in self.messages))
         return encode(tokenizer, conv)

@@ -46,7 +46,7 @@ class Job:
 class SamplerConfig:
     """How many rows run together and how answers are drawn."""
 
-    batch_size: int = 64  # rows decoded together
+    batch_size: int  # rows decoded together (the data budget's, memory permitting)
     temperature: float = 0.7  # for rows that sample
     # Refill once this share of the rows is finished: a prefill costs a few steps, so
     # refilling after every finished row would spend more than the idle rows waste.
