@@ -22,7 +22,7 @@ from app.jobs import Job
 from app.replies import CompareResult, ReplyRequest, ReplyUpdate
 from app.store import Conversation, Settings, Store, StoreError, title_from_prompt
 from engine import neartie
-from engine.accelerators import describe, measured_speedup
+from engine.accelerators import describe, is_shipped, measured_speedup
 from engine.chat import conversation, encode, fit_to_context
 from engine.config import ChatMessage, ModelSpec, SamplingParams
 from engine.config import Conversation as Prompt
@@ -379,8 +379,10 @@ def _ready_line(label: str, info: dict) -> str:
     metrics = info.get("metrics", {})
     line = f"{label} is ready."
     speedup = measured_speedup(metrics)
+    where = ("on the machine it was built on" if is_shipped(info["folder"])
+             else "when it was trained")
     if speedup is not None:
-        line += f" Measured {speedup:.2f}× over plain decoding when it was trained."
+        line += f" Measured {speedup:.2f}× over plain decoding {where}."
     pays = info.get("settings", {}).get("pays", metrics.get("pays"))
     if pays is False:
         line += " It did not beat plain decoding on this machine: Off may be faster."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from app.service import accel_label
 from app.store import Store
-from engine.accelerators import describe
+from engine.accelerators import describe, is_shipped
 from engine.drafters.registry import TRAINED
 
 
@@ -16,7 +16,12 @@ def training_summary(lm, store: Store) -> str:
     lines = []
     for method in TRAINED:
         info = describe(lm, method)
-        state = f"trained {info.get('created', '')[:16]}" if info else "not trained yet"
+        if info is None:
+            state = "not trained yet"
+        elif is_shipped(info["folder"]):
+            state = "shipped with Quickdraft (Retrain fits it to this machine and your chats)"
+        else:
+            state = f"trained {info.get('created', '')[:16]}"
         lines.append(f"{accel_label(method)}: {state}")
     try:
         with open(data_path(lm), encoding="utf-8") as f:

@@ -5,6 +5,10 @@
         drafter.json          kind, format version, base model, fingerprint, settings
         metrics.json          training and calibration figures
 
+Quickdraft ships accelerators for its bundled model in assets/accelerators/ (same layout):
+they load until the user trains their own, which then takes precedence; Retrain continues
+from whichever loads.
+
 Loading refuses a checkpoint built for another model, a newer format or a corrupt file.
 """
 
@@ -26,6 +30,7 @@ from engine.paths import data_dir
 
 FORMAT_VERSION = 1
 WEIGHTS, INFO, METRICS = "drafter.safetensors", "drafter.json", "metrics.json"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "accelerators"
 
 
 @dataclass
@@ -39,7 +44,23 @@ class Checkpoint:
 
 
 def checkpoint_dir(fingerprint: str, method: str) -> Path:
+    """Where training saves the user's own accelerator."""
     return data_dir() / "accelerators" / f"{fingerprint}-{method}"
+
+
+def stored_dir(fingerprint: str, method: str) -> Path:
+    """The accelerator that loads: the user's own when one is trained, else the one shipped
+    for this model, else the user's (empty) folder, so messages name where training saves."""
+    own = checkpoint_dir(fingerprint, method)
+    shipped = SHIPPED_DIR / own.name
+    if (own / INFO).is_file() or not (shipped / INFO).is_file():
+        return own
+    return shipped
+
+
+def is_shipped(folder: Path) -> bool:
+    """True for an accelerator that came with Quickdraft rather than one trained here."""
+    return Path(folder).parent == SHIPPED_DIR
 
 
 def save_checkpoint(lm, method: str, tensors: dict[str, torch.Tensor], settings: dict,
@@ -78,19 +99,20 @@ def save_checkpoint(lm, method: str, tensors: dict[str, torch.Tensor], settings:
 
 
 def describe(lm, method: str) -> dict | None:
-    """drafter.json + metrics.json of the stored accelerator, or None when there is none."""
-    folder = checkpoint_dir(lm.fingerprint, method)
+    """drafter.json + metrics.json of the accelerator that loads, or None when there is none;
+    "folder" says where it is."""
+    folder = stored_dir(lm.fingerprint, method)
     try:
         info = json.loads((folder / INFO).read_text())
         metrics = json.loads((folder / METRICS).read_text()) if (folder / METRICS).exists() else {}
     except (OSError, ValueError):
         return None
-    return {**info, "metrics": metrics}
+    return {**info, "metrics": metrics, "folder": str(folder)}
 
 
 def load_checkpoint(lm, method: str, folder: Path | None = None) -> Checkpoint:
     """Load and validate the `method` accelerator for `lm` (or the one in `folder`)."""
-    folder = folder or checkpoint_dir(lm.fingerprint, method)
+    folder = folder or stored_dir(lm.fingerprint, method)
     fix = f"run: python launcher.py train --method {method}"
     if not (folder / INFO).is_file():
         raise AcceleratorError(f"no {method} accelerator is trained for this model; {fix}")

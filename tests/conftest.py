@@ -35,6 +35,8 @@ def _isolated_data_dir(tmp_path_factory, monkeypatch):
     """Accelerators, conversations and settings written by a test go to its own temp
     folder, so no test sees another's checkpoints."""
     monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path_factory.mktemp("quickdraft-data")))
+    # the accelerators shipped for the bundled model stay out of sight unless a test asks
+    monkeypatch.setattr("engine.accelerators.SHIPPED_DIR", tmp_path_factory.mktemp("shipped"))
 
 
 @pytest.fixture(scope="session")

@@ -334,3 +334,21 @@ def test_registry_builds_auto_from_what_is_trained(bundled_tokenizer):
         load_drafter(lm, "medusa+lookup")
     with pytest.raises(AcceleratorError, match="train --method kangaroo"):
         load_drafter(lm, "kangaroo+lookup")
+
+
+# -- the simple rule Auto is measured against ----------------------------------------------
+
+
+@pytest.mark.parametrize("fastest", ["kangaroo", "medusa+lookup", "off"])
+def test_the_simple_rule_copies_or_takes_calibrations_fastest_and_counts_nothing(
+        tiny, fastest):
+    speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2, "kangaroo": 1.15}
+    speedups[fastest] = 1.4
+    a = make_auto(tiny, speedups, cls=Counting, adaptive=False)
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in (repetitive_prompt(64), [9, 8, 7, 6]):
+        assert run(tiny, prompt, params, a)[1] == run(tiny, prompt, params)[1]
+    assert set(a.all_steps) - {COPY} == {fastest}  # never explores, never switches
+    # no counting for the arms that did not run
+    assert all(arm == fastest for _kind, arm, _root, _draft in a._reply.pending)
+    assert not a._reply.roots

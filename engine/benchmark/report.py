@@ -78,6 +78,7 @@ def figures(rows: list[Measurement], ref: dict[int, Measurement],
         "tokens": sum(len(m.ids) for m in rows),
         "tokens_per_s": _r(statistics.median(m.tokens_per_s for m in rows)),
         "speedup_vs_hf": _median_ratio(rows, ref),
+        "speedup_vs_hf_passes": _pass_ratios(rows, ref),
         "speedup_vs_hf_lookup": _median_ratio(rows, lookup) if lookup else None,
         "mean_accepted": _r(pooled.mean_accepted) if pooled else None,
         "ctar": [_r(c) for c in pooled.ctar()] if pooled else None,
@@ -105,7 +106,8 @@ def same_text(rows: list[Measurement], ref: dict[int, Measurement]) -> dict:
         return {"prompts": 0, "tokens_per_s": None, "speedup_vs_hf": None}
     return {"prompts": len(same),
             "tokens_per_s": _r(statistics.median(m.tokens_per_s for m in same)),
-            "speedup_vs_hf": _median_ratio(same, ref)}
+            "speedup_vs_hf": _median_ratio(same, ref),
+            "speedup_vs_hf_passes": _pass_ratios(same, ref)}
 
 
 def _by_prompt(results: list[Measurement], method: str) -> dict[int, Measurement]:
@@ -114,6 +116,16 @@ def _by_prompt(results: list[Measurement], method: str) -> dict[int, Measurement
 
 def _median_ratio(rows: list[Measurement], ref: dict[int, Measurement]) -> float:
     return _r(statistics.median(m.tokens_per_s / ref[m.prompt_index].tokens_per_s for m in rows))
+
+
+def _pass_ratios(rows: list[Measurement], ref: dict[int, Measurement]) -> list[float] | None:
+    """The speedup each pass measured on its own (None after one pass): how far the figure
+    moves from pass to pass is the noise any difference between methods must beat."""
+    if not rows or not rows[0].passes or not ref[rows[0].prompt_index].passes:
+        return None
+    count = len(rows[0].passes)
+    return [_r(statistics.median(m.passes[i] / ref[m.prompt_index].passes[i] for m in rows))
+            for i in range(count)]
 
 
 def _prefix(ids: list[int], ref: list[int]) -> float:
@@ -232,7 +244,7 @@ def to_markdown(report: dict, images: list[str] = ()) -> str:
 
 def _passes(n: int) -> str:
     return (f"; {n} passes, each with freshly built methods, a prompt's tokens/s the median "
-            "over them" if n > 1 else "")
+            "over them (±: half the range of a speedup measured pass by pass)" if n > 1 else "")
 
 
 def overall_table(report: dict) -> list[str]:
@@ -258,7 +270,8 @@ def category_table(report: dict, key: str | Callable[[dict], str]) -> list[str]:
     method's figures that writes the cell), plus the pooled column."""
     methods = report["methods"]
     categories = list(next(iter(methods.values()))["by_category"])
-    cell = key if callable(key) else (lambda f: _fmt(f[key], "x"))
+    cell = key if callable(key) else (
+        lambda f: _fmt(f[key], "x") + _spread(f.get(key + "_passes")))
     rows = ["| method | " + " | ".join([*categories, OVERALL]) + " |",
             "| --- |" + " ---: |" * (len(categories) + 1)]
     for name, f in methods.items():
@@ -270,7 +283,15 @@ def category_table(report: dict, key: str | Callable[[dict], str]) -> list[str]:
 def _same_text_cell(f: dict) -> str:
     """The same-text speedup and, in brackets, over how many prompts."""
     same = f.get("same_text") or {}
-    return f"{_fmt(same.get('speedup_vs_hf'), 'x')} ({same.get('prompts', 0)})"
+    return (f"{_fmt(same.get('speedup_vs_hf'), 'x')}{_spread(same.get('speedup_vs_hf_passes'))}"
+            f" ({same.get('prompts', 0)})")
+
+
+def _spread(per_pass: list[float] | None) -> str:
+    """' ±s': half the range of a figure over the passes (nothing after one pass)."""
+    if not per_pass or len(per_pass) < 2:
+        return ""
+    return f" ±{(max(per_pass) - min(per_pass)) / 2:.2f}"
 
 
 def notes(report: dict) -> list[str]:

@@ -123,6 +123,8 @@ class AutoDrafter(Drafter):
         self.merge = TreeWithChain(medusa.tree) if medusa is not None else None
         self.path = path  # where measured figures persist; None = this process only
         self.policy = policy or AutoPolicy()
+        # the simple rule's arm: the fastest by the figures Auto starts from (calibration's)
+        self.fixed = max(self.arms[NO_MATCH], key=lambda a: figures[NO_MATCH][a].long_tok_s)
         self.pace = Pace()
         self.wants_hidden = medusa is not None or kangaroo is not None
         self.steps = Counter()  # steps of each kind so far
@@ -171,16 +173,20 @@ class AutoDrafter(Drafter):
             kind = match_kind(n) if chain else NO_MATCH
             arm = self._choose(kind)
         r = self._round = _Round(kind, arm, began, 0 if arm in ("off", KANGAROO) else len(chain))
-        if chain and kind != COPY:  # the continuation is counted whichever arm runs
+        counting = self.policy.adaptive
+        if counting and chain and kind != COPY:  # counted whichever arm runs
             self._reply.pending.append((kind, "lookup", state.cached, Draft.chain(root, chain)))
         if arm == KANGAROO:
-            self._count_adapter(state, round_follows=True)
+            if counting:
+                self._count_adapter(state, round_follows=True)
             return self.kangaroo.propose(state)
         if kind == COPY:
             return Draft.chain(root, chain)
-        if self.kangaroo is not None and len(self._reply.roots) >= self.policy.adapter_every:
+        if counting and self.kangaroo is not None \
+                and len(self._reply.roots) >= self.policy.adapter_every:
             self._count_adapter(state, round_follows=False)
-        self._reply.roots[state.cached] = kind
+        if counting:
+            self._reply.roots[state.cached] = kind
         merged = self._tree(state, kind, chain, arm == MEDUSA)
         return merged if arm == MEDUSA else Draft.chain(root, chain if r.chain else [])
 
@@ -235,7 +241,8 @@ class AutoDrafter(Drafter):
             return None
         reply = self._reply
         reply.shadows += 1
-        if not needed and reply.shadows < self.policy.shadow_every:
+        if not needed and (reply.shadows < self.policy.shadow_every
+                           or not self.policy.adaptive):
             return None
         began = time.perf_counter()
         reply.shadows = 0
@@ -286,6 +293,8 @@ class AutoDrafter(Drafter):
 
     def _choose(self, kind: str) -> str:
         """The best arm for this kind of step, unless one is due to be timed again."""
+        if not self.policy.adaptive:
+            return self.fixed if self.fixed in self.arms[kind] else "off"
         step = self.steps[kind]
         self.steps[kind] += 1
         arms = self.arms[kind]

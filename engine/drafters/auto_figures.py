@@ -44,6 +44,10 @@ class AutoPolicy:
     adapter_every: int = 12  # ... and the adapter's guesses every n-th step
     switch_margin: float = 0.10  # a reply's best arm replaces the long-run best only when
     # its estimate is ahead by more than this share
+    # False: the simple rule Auto is measured against: copy while a 3-gram match holds,
+    # otherwise always the arm calibration estimated fastest (Off when none pays); no
+    # counting for arms that did not run, no re-timing
+    adaptive: bool = True
 
 
 @dataclass

@@ -88,10 +88,10 @@ def auto_figures_path(lm) -> Path:
     return data_dir() / "auto" / lm.fingerprint / f"{lm.device.type}-{lm.quant}.json"
 
 
-def load_auto(lm, remember: bool = True, load=None):
+def load_auto(lm, remember: bool = True, load=None, policy=None):
     """Auto over plain decoding, lookup and each trained accelerator (one that is unusable or
     measured no faster than plain decoding is left out). `load` (lm, method) -> drafter lets
-    a caller share the drafters it already holds."""
+    a caller share the drafters it already holds; `policy` (AutoPolicy) how it chooses."""
     from engine.accelerators import describe, measured_speedup
     from engine.drafters.auto import AutoDrafter
     from engine.drafters.auto_figures import ARM_OF, load_figures, priors
@@ -113,4 +113,4 @@ def load_auto(lm, remember: bool = True, load=None):
                                       or 1.0)
     path = auto_figures_path(lm) if remember else None
     figures = load_figures(path, priors(plain_step_seconds(lm), speedups))
-    return AutoDrafter(figures, trained.get("medusa"), trained.get("kangaroo"), path)
+    return AutoDrafter(figures, trained.get("medusa"), trained.get("kangaroo"), path, policy)
