@@ -33,6 +33,12 @@ WEIGHTS, INFO, METRICS = "drafter.safetensors", "drafter.json", "metrics.json"
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "accelerators"
 
 
+def shipped_root() -> Path:
+    """Where the shipped accelerators are (QUICKDRAFT_SHIPPED_DIR overrides, for packagers
+    who install the assets elsewhere)."""
+    return Path(os.environ.get("QUICKDRAFT_SHIPPED_DIR") or SHIPPED_DIR)
+
+
 @dataclass
 class Checkpoint:
     """A stored accelerator: weights, description and measured figures."""
@@ -52,7 +58,7 @@ def stored_dir(fingerprint: str, method: str) -> Path:
     """The accelerator that loads: the user's own when one is trained, else the one shipped
     for this model, else the user's (empty) folder, so messages name where training saves."""
     own = checkpoint_dir(fingerprint, method)
-    shipped = SHIPPED_DIR / own.name
+    shipped = shipped_root() / own.name
     if (own / INFO).is_file() or not (shipped / INFO).is_file():
         return own
     return shipped
@@ -60,7 +66,7 @@ def stored_dir(fingerprint: str, method: str) -> Path:
 
 def is_shipped(folder: Path) -> bool:
     """True for an accelerator that came with Quickdraft rather than one trained here."""
-    return Path(folder).parent == SHIPPED_DIR
+    return Path(folder).parent == shipped_root()
 
 
 def save_checkpoint(lm, method: str, tensors: dict[str, torch.Tensor], settings: dict,

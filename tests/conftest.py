@@ -36,7 +36,7 @@ def _isolated_data_dir(tmp_path_factory, monkeypatch):
     folder, so no test sees another's checkpoints."""
     monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path_factory.mktemp("quickdraft-data")))
     # the accelerators shipped for the bundled model stay out of sight unless a test asks
-    monkeypatch.setattr("engine.accelerators.SHIPPED_DIR", tmp_path_factory.mktemp("shipped"))
+    monkeypatch.setenv("QUICKDRAFT_SHIPPED_DIR", str(tmp_path_factory.mktemp("shipped")))
 
 
 @pytest.fixture(scope="session")

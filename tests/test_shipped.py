@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from tests.conftest import make_tiny_model
 from tests.test_accelerators import _save
 from trainer.resume import load_resume
 
-REPO_SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "accelerators"
+REPO_SHIPPED = accelerators.SHIPPED_DIR
 MAX_SHIPPED_BYTES = 30 * 1024 * 1024  # what the repository may carry for them, together
 
 
@@ -44,7 +43,7 @@ def shipped(lm, tmp_path, monkeypatch):
     target = tmp_path / "shipped"
     target.mkdir()
     shutil.move(folder, target / folder.name)
-    monkeypatch.setattr(accelerators, "SHIPPED_DIR", target)
+    monkeypatch.setenv("QUICKDRAFT_SHIPPED_DIR", str(target))
     return heads, target / folder.name
 
 
@@ -118,7 +117,7 @@ def test_the_repository_ships_both_accelerators_for_the_bundled_model(bundled_lm
 def test_a_fresh_install_chats_with_auto_over_them_exactly(bundled_lm, monkeypatch):
     from engine.chat import conversation, encode
 
-    monkeypatch.setattr(accelerators, "SHIPPED_DIR", REPO_SHIPPED)
+    monkeypatch.setenv("QUICKDRAFT_SHIPPED_DIR", str(REPO_SHIPPED))
     for method in TRAINED:
         assert is_shipped(load_checkpoint(bundled_lm, method).folder)
     auto = load_auto(bundled_lm, remember=False)  # over those that pay in fp32 here
