@@ -111,6 +111,10 @@ def test_the_repository_ships_both_accelerators_for_the_bundled_model(bundled_lm
     assert not any(t.shape[-1] == bundled_lm.model.config.vocab_size or
                    (t.dim() == 2 and t.shape[0] == heads["heads.vocab_ids"].numel())
                    for name, t in heads.items() if name != "heads.vocab_ids")
+    adapter = load_checkpoint(bundled_lm, "kangaroo", folders["kangaroo"]).tensors
+    assert adapter["draft_vocab"].dtype == torch.int64
+    assert not any(t.shape[0] == adapter["draft_vocab"].numel()
+                   for name, t in adapter.items() if name != "draft_vocab")
 
 
 @pytest.mark.slow
