@@ -164,19 +164,16 @@ class Service:
 
     def _auto_status(self) -> AccelStatus:
         auto = self._drafter("auto")
-        names = ", ".join(accel_label(m) for m in auto.methods)
         untrained = not any(describe(self.lm, m) for m in TRAINED)
         hint = " Train an accelerator to give it more to choose from." if untrained else ""
-        return AccelStatus("auto", True, False,
-                           f"Auto drafts each step with the fastest of {names} on this "
-                           f"machine. {auto.reason()}.{hint}")
+        return AccelStatus("auto", True, False, f"{auto.reason()}.{hint}")
 
     def _drafter(self, method: str) -> Drafter:
         if method == "off":
             return Drafter()
         if method not in self._drafters:
             # Auto shares the Medusa and Kangaroo drafters this service holds.
-            self._drafters[method] = (load_auto(self.lm, True, lambda _lm, m: self._drafter(m))
+            self._drafters[method] = (load_auto(self.lm, lambda _lm, m: self._drafter(m))
                                       if method == "auto" else load_drafter(self.lm, method))
         return self._drafters[method]
 
@@ -224,7 +221,7 @@ class Service:
                     else:
                         accepted.append(event.accepted)  # one event per model step
                     if event.done and isinstance(drafter, AutoDrafter):
-                        used = reply["accel"] = f"auto:{drafter.current}"  # its main arm
+                        used = reply["accel"] = f"auto:{drafter.current}"  # its arm
                         notices.append(drafter.reason())
                     if event.done:  # saved before the last update goes out
                         reply["stats"] = event.stats.to_json()
@@ -239,7 +236,7 @@ class Service:
                  method: str, cancel: threading.Event) -> Iterator[tuple[StepEvent, str]]:
         """A reply for another tool (the HTTP API), kept out of the stored conversations.
         Takes the same lock as the page's replies: generations never interleave. Yields each
-        step's event with the method in use (Auto's main arm on the last one)."""
+        step's event with the method in use (Auto's arm on the last one)."""
         with self._lock:
             lm = self.lm
             drafter, used, _notices = self._drafter_or_off(method)

@@ -117,8 +117,8 @@ def test_stop_and_seed_are_honoured(client):
     stopped = client.chat.completions.create(temperature=0, stop=[cut], **ask).choices[0]
     assert stopped.finish_reason == "stop" and cut not in stopped.message.content
     assert full.startswith(stopped.message.content)
-    # A seed repeats a sampled reply for a given acceleration; Auto picks its drafter per
-    # step from timings, and each drafter draws from the seeded stream differently.
+    # A seed repeats a sampled reply for a given acceleration (each drafter draws from the
+    # seeded stream differently).
     sampled = [client.chat.completions.create(temperature=1.2, top_p=0.9, seed=7,
                                               extra_body={"accel": "lookup"}, **ask)
                .choices[0].message.content for _ in range(2)]

@@ -3,7 +3,7 @@
 
 Kangaroo runs at exits l = 1, 2, 3 with a random adapter and with one trained on the model's
 own replies (briefly: enough to draft what the model says, which exercises long accepted
-runs); the hybrids and Auto run with random heads / adapters."""
+runs); the hybrids and Auto (with each trained arm) run with random heads / adapters."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import torch
 
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.auto import AutoDrafter
-from engine.drafters.auto_figures import AutoPolicy, priors
+from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head
@@ -108,17 +107,15 @@ def test_medusa_lookup(bundled_lm, prompts, plain):
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 
-def test_auto(bundled_lm, prompts, plain, trained_adapters):
+@pytest.mark.parametrize("arm", [KANGAROO, MEDUSA])
+def test_auto(bundled_lm, prompts, plain, trained_adapters, arm):
     adapter, vocab = trained_adapters[2]
     kangaroo = KangarooDrafter(bundled_lm, adapter, KangarooSettings(2, 0.2, 4), vocab)
     medusa = MedusaDrafter(bundled_lm, _random_heads(int(bundled_lm.model.config.hidden_size)),
                            build_tree(TREE, 4))
-    figures = priors(0.03, {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.2,
-                            "kangaroo": 1.3})
-    # Arms are re-measured every few steps of a kind: every switch between them occurs.
-    d = AutoDrafter(figures, medusa, kangaroo, policy=AutoPolicy(explore_every=3))
+    d = AutoDrafter(arm, medusa, kangaroo)
     steps = Counter()
     for ids, want in zip(prompts, plain, strict=True):
         assert run(bundled_lm, ids, PARAMS, d)[1] == want
         steps.update(d.last_reply)
-    assert set(steps) == {"copy", "off", "lookup", "medusa+lookup", "kangaroo"}
+    assert set(steps) == {COPY, arm}

@@ -20,8 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
-from engine.drafters.auto import AutoDrafter
-from engine.drafters.auto_figures import AutoPolicy, load_figures, priors
+from engine.drafters.auto import KANGAROO, MEDUSA, AutoDrafter
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
@@ -85,12 +84,10 @@ def make_drafter(lm, method: str):
         kangaroo = KangarooDrafter(lm, Adapter(lm.model), settings)
     except AcceleratorError:
         kangaroo = None
-    speedups = {"off": 1.0, "lookup": 1.1, "medusa+lookup": 1.3,
-                **({"kangaroo": 1.2} if kangaroo else {})}
-    # explore_every 2: every arm runs often within one short reply.
-    return AutoDrafter(load_figures(None, priors(0.01, speedups)),
-                       MedusaDrafter(lm, heads, tree), kangaroo, None,
-                       AutoPolicy(explore_every=2))
+    # The arm whose interplay with copy rounds is the most involved: the adapter reads the
+    # states of copied tokens at its next round (Medusa+lookup runs as its own method).
+    return AutoDrafter(KANGAROO if kangaroo else MEDUSA, MedusaDrafter(lm, heads, tree),
+                       kangaroo)
 
 
 def capture_state(monkeypatch) -> list:

@@ -107,7 +107,7 @@ def test_medusa_re_timed_where_no_tree_pays_decodes_plainly_and_says_so(lm, monk
     assert "Medusa is estimated at" in drafter.notice and "decoding plainly" in drafter.notice
     stats = run(lm, [5, 6, 7], SamplingParams(max_new_tokens=10), drafter)[2]
     assert sum(stats.drafted) == 0
-    auto = load_auto(lm, remember=False)
+    auto = load_auto(lm)
     assert auto.medusa is None  # Auto leaves out what does not pay here
 
 

@@ -14,6 +14,7 @@ import engine.accelerators as accelerators
 from app.training import training_summary
 from engine.accelerators import (
     INFO,
+    METRICS,
     WEIGHTS,
     checkpoint_dir,
     describe,
@@ -55,8 +56,9 @@ def test_a_shipped_accelerator_loads_when_none_is_trained(lm, shipped):
     assert torch.equal(load_drafter(lm, "medusa").heads.weight, heads.weight)
     assert describe(lm, "medusa")["folder"] == str(folder)
     params = SamplingParams(max_new_tokens=16)
-    auto = load_auto(lm, remember=False)
-    assert "medusa+lookup" in auto.methods  # Auto has it to choose from the first reply
+    (folder / METRICS).write_text(json.dumps({"speedup": 1.3}))  # as calibration measured
+    auto = load_auto(lm)
+    assert auto.arm == "medusa+lookup"  # Auto drafts with it from the first reply
     assert run(lm, [5, 6, 7], params, auto)[1] == run(lm, [5, 6, 7], params)[1]
 
 
@@ -124,7 +126,7 @@ def test_a_fresh_install_chats_with_auto_over_them_exactly(bundled_lm, monkeypat
     monkeypatch.setenv("QUICKDRAFT_SHIPPED_DIR", str(REPO_SHIPPED))
     for method in TRAINED:
         assert is_shipped(load_checkpoint(bundled_lm, method).folder)
-    auto = load_auto(bundled_lm, remember=False)  # over those that pay in fp32 here
+    auto = load_auto(bundled_lm)  # over those that pay in fp32 here
     params = SamplingParams(max_new_tokens=48)
     ids = encode(bundled_lm.tokenizer, conversation("Write a short poem about rain."))
     assert run(bundled_lm, ids, params, auto)[1] == run(bundled_lm, ids, params)[1]

@@ -64,7 +64,7 @@ def _drafter(lm, method: str):
 
 
 def _used(drafter, method: str) -> str:
-    """The method a reply used: for Auto, the arm of most of its steps, "auto:<method>"."""
+    """The method a reply used: for Auto, the arm it drafts with, "auto:<method>"."""
     from engine.drafters.auto import AutoDrafter
 
     return f"auto:{drafter.current}" if isinstance(drafter, AutoDrafter) else method

@@ -16,18 +16,17 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from engine.config import SamplingParams
-from engine.drafters.auto_figures import AutoPolicy
 from engine.drafters.base import Drafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
-from engine.drafters.registry import ACCEL_CHOICES, load_auto, load_drafter
+from engine.drafters.registry import ACCEL_CHOICES, load_drafter
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import run
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 ACCELERATORS = tuple(c for c in ACCEL_CHOICES if c != "off")  # the engine's drafters
-# Bench-only variants each adaptive mechanism is measured against (asked for by name):
-# Lookup drafting HF's fixed 10-token chain, and Auto's simple rule (AutoPolicy.adaptive).
-VARIANTS = ("lookup-fixed", "auto-simple")
+# Bench-only variant an adaptive mechanism is measured against (asked for by name):
+# Lookup drafting HF's fixed 10-token chain.
+VARIANTS = ("lookup-fixed",)
 METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, *VARIANTS)
 BASELINE = "hf"  # every speedup is measured against this method
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens for hf-lookup
@@ -89,9 +88,6 @@ def build_methods(lm, names: list[str], params: SamplingParams,
         elif name == "lookup-fixed":
             methods[name] = engine_method(name, lm, params,
                                           LookupDrafter(LookupParams(adaptive=False)))
-        elif name == "auto-simple":
-            methods[name] = engine_method(name, lm, params, load_auto(
-                lm, remember=False, policy=AutoPolicy(adaptive=False)))
         else:
             drafter, reason = _accelerator(lm, name)
             if drafter is None:
@@ -103,7 +99,7 @@ def build_methods(lm, names: list[str], params: SamplingParams,
 
 def _accelerator(lm, name: str) -> tuple[Drafter | None, str]:
     try:
-        return load_drafter(lm, name, remember=False), ""  # bench figures start from calibration
+        return load_drafter(lm, name), ""
     except AcceleratorError as exc:
         return None, f"not trained: {exc}"
     except ModuleNotFoundError as exc:

@@ -225,20 +225,6 @@ class KangarooDrafter(Drafter):
         q_rows = torch.stack(qs) if qs[0] is not None else None
         return Draft.chain(state.ids[-1], tokens, q_rows)
 
-    def catch_up(self, state) -> tuple[int, torch.Tensor] | None:
-        """Let the adapter read the states it lags behind by now, not at the next round
-        (Auto does, to keep that work apart from a round's cost). Returns the first lagging
-        position and the adapter's (m, H) states there, each predicting the token after
-        its position; None when nothing lagged."""
-        run = self.run
-        m = run.lag.shape[1]
-        if self.off or m == 0:
-            return None
-        first = state.cached - m
-        read = self._adapt(run.lag, first)
-        run.lag = run.lag[:, :0]
-        return first, read
-
     def absorb(self, exits: torch.Tensor) -> None:
         """Queue the (1, m, H) layer-l states of tokens just committed by a round the adapter
         did not draft (lookup, or another drafter's whole-model forward): the adapter reads
@@ -248,7 +234,7 @@ class KangarooDrafter(Drafter):
     def guesses(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The adapter's drafts over (n, H) adapter states: (n, Vd) float32 logits, the (n,)
         top-1 token ids and their (n,) probabilities. Drafting goes on after a guess while
-        `sure` says so (one rule for drafting, Auto's counting and calibration)."""
+        `sure` says so (one rule for drafting and calibration)."""
         # (n, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
         logits = layers.logits(self.lm.model, states, self.head).float()
         top, idx = torch.softmax(logits, -1).max(-1)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.drafters.base import Drafter
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
@@ -15,7 +14,6 @@ from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.paths import data_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +65,13 @@ def base_method(name: str) -> str | None:
     return method(name).checkpoint
 
 
-def load_drafter(lm, name: str, remember: bool = True) -> Drafter:
+def load_drafter(lm, name: str) -> Drafter:
     """The drafter for method `name`; trained methods load their checkpoint for `lm`.
 
-    Raises AcceleratorError (with the command that fixes it) when none is trained. `remember`:
-    Auto keeps its speed figures for this model in the data folder (False: this run only).
-    """
+    Raises AcceleratorError (with the command that fixes it) when none is trained."""
     m = method(name)
     if m.build is None:
-        return load_auto(lm, remember)
+        return load_auto(lm)
     if m.checkpoint is None:
         return m.build(lm, None)
     from engine.accelerators import load_checkpoint
@@ -83,23 +79,16 @@ def load_drafter(lm, name: str, remember: bool = True) -> Drafter:
     return m.build(lm, load_checkpoint(lm, m.checkpoint))
 
 
-def auto_figures_path(lm) -> Path:
-    """Where Auto keeps the speeds it measured for this model, device and dtype."""
-    return data_dir() / "auto" / lm.fingerprint / f"{lm.device.type}-{lm.quant}.json"
-
-
-def load_auto(lm, remember: bool = True, load=None, policy=None):
-    """Auto over plain decoding, lookup and each trained accelerator (one that is unusable or
-    measured no faster than plain decoding is left out). `load` (lm, method) -> drafter lets
-    a caller share the drafters it already holds; `policy` (AutoPolicy) how it chooses."""
+def load_auto(lm, load=None) -> Drafter:
+    """Auto over the trained accelerators of `lm` (one that is unusable or does not beat
+    plain decoding here is left out): copying where a 3-gram match holds, else the one
+    with the best calibrated speedup. `load` (lm, method) -> drafter lets a caller share
+    the drafters it already holds."""
     from engine.accelerators import describe, measured_speedup
-    from engine.drafters.auto import AutoDrafter
-    from engine.drafters.auto_figures import ARM_OF, load_figures, priors
-    from engine.drafters.payoff import plain_step_seconds
+    from engine.drafters.auto import ARM_OF, AutoDrafter, fastest_arm
 
     load = load or load_drafter
-    # Lookup has no calibration: a modest gain is assumed until steps measure it.
-    speedups, trained = {"off": 1.0, "lookup": 1.1}, {}
+    speedups, trained = {}, {}
     for base in TRAINED:
         try:
             drafter = load(lm, base)
@@ -107,10 +96,10 @@ def load_auto(lm, remember: bool = True, load=None, policy=None):
             log.info("Auto leaves %s out: %s", base, exc)
             continue
         if drafter.pays:
-            trained[base] = drafter
+            trained[ARM_OF[base]] = drafter
             metrics = (describe(lm, base) or {}).get("metrics", {})
             speedups[ARM_OF[base]] = (drafter.retimed_speedup or measured_speedup(metrics)
                                       or 1.0)
-    path = auto_figures_path(lm) if remember else None
-    figures = load_figures(path, priors(plain_step_seconds(lm), speedups))
-    return AutoDrafter(figures, trained.get("medusa"), trained.get("kangaroo"), path, policy)
+    arm = fastest_arm(speedups)
+    return AutoDrafter(arm, trained.get("medusa+lookup"), trained.get("kangaroo"),
+                       speedup=speedups.get(arm))
