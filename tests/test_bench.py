@@ -225,8 +225,8 @@ def test_each_pass_gives_its_own_speedup_and_the_report_its_spread():
 
 
 def test_the_bench_variants_decode_exactly(bundled_tokenizer):
-    """Lookup with HF's fixed 10-token chain and Auto's simple rule: the variants each
-    adaptive mechanism is measured against."""
+    """Lookup with HF's fixed 10-token chain: the variant Lookup's adaptive draft length
+    is measured against."""
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
     params = SamplingParams(max_new_tokens=24)
     methods, skipped = build_methods(lm, ["hf", "vanilla", *VARIANTS], params)
