@@ -376,9 +376,9 @@ def _ready_line(label: str, info: dict) -> str:
     metrics = info.get("metrics", {})
     line = f"{label} is ready."
     speedup = measured_speedup(metrics)
-    where = ("on the machine it was built on" if is_shipped(info["folder"])
-             else "when it was trained")
     if speedup is not None:
+        shipped = "folder" in info and is_shipped(info["folder"])
+        where = "on the machine it was built on" if shipped else "when it was trained"
         line += f" Measured {speedup:.2f}× over plain decoding {where}."
     pays = info.get("settings", {}).get("pays", metrics.get("pays"))
     if pays is False:

@@ -87,7 +87,9 @@ def app_url(tmp_path_factory):
     data = tmp_path_factory.mktemp("app-data")
     port = _free_port()
     log_path = data / "app.log"
+    # an empty shipped folder, as in every test: Kangaroo starts "not trained" here
     env = {**os.environ, "QUICKDRAFT_NO_BOOTSTRAP": "1", "QUICKDRAFT_DATA_DIR": str(data),
+           "QUICKDRAFT_SHIPPED_DIR": str(tmp_path_factory.mktemp("shipped")),
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), "--no-browser",
@@ -163,10 +165,12 @@ TYPO_PROMPT = ("Fix the typos in this paragraph and write it out in full: The qu
                "jumpd over the lazzy dog while the farmer watchd from the porch. Later that "
                "evening, the fox came bak to the farm and looked for the chikens.")
 
+# Reply number N (1-based) is streaming with more than M characters: the count matters, as
+# the previous reply is the last bubble until the new one appears.
 STREAMING = """() => {
     const bots = document.querySelectorAll('#qd-chatbot [data-testid=bot]');
     const live = document.querySelector('#qd-readout .qd-live');
-    return live && bots.length && bots[bots.length - 1].innerText.trim().length > %d;
+    return live && bots.length == %d && bots[bots.length - 1].innerText.trim().length > %d;
 }"""
 
 
@@ -176,7 +180,7 @@ def test_chat_streams_stops_and_is_restored(page):
     _set(page, "qd-temperature", 0)
     _set(page, "qd-max-new", 24)
     _send(page, "Say hello in one short sentence.")
-    page.wait_for_function(STREAMING % 0, timeout=REPLY_TIMEOUT_MS)  # text while it streams
+    page.wait_for_function(STREAMING % (1, 0), timeout=REPLY_TIMEOUT_MS)  # text while it streams
     page.wait_for_selector("#qd-readout .qd-done", timeout=REPLY_TIMEOUT_MS)
     tps = page.inner_text("#qd-readout .qd-tps")
     assert page.locator("#qd-accel input[value=auto]").is_checked()  # the default
@@ -187,7 +191,7 @@ def test_chat_streams_stops_and_is_restored(page):
 
     _set(page, "qd-max-new", 600)
     _send(page, "Write a 500-word essay about the history of bread.")
-    page.wait_for_function(STREAMING % 40, timeout=REPLY_TIMEOUT_MS)
+    page.wait_for_function(STREAMING % (2, 40), timeout=REPLY_TIMEOUT_MS)
     page.click("#qd-stop")
     page.wait_for_selector("#qd-readout .qd-done:has-text('stopped')", timeout=REPLY_TIMEOUT_MS)
     partial = _bot_texts(page)[-1]
@@ -246,7 +250,7 @@ def test_a_second_request_waits_with_its_queue_position(browser, app_url, page):
     page.click("#qd-new")
     _set(page, "qd-max-new", 400)
     _send(page, "Write a 500-word essay about the history of bread.")
-    page.wait_for_function(STREAMING % 0, timeout=REPLY_TIMEOUT_MS)
+    page.wait_for_function(STREAMING % (1, 0), timeout=REPLY_TIMEOUT_MS)
     other = browser.new_page()
     try:
         other.goto(app_url)
