@@ -1,9 +1,10 @@
 """Every drafter on the bundled SmolLM2-135M in fp32: greedy replies to five bench prompts,
 128 tokens each, equal plain greedy decoding token for token.
 
-Kangaroo runs at exits l = 1, 2, 3 with a random adapter and with one trained on the model's
-own replies (briefly: enough to draft what the model says, which exercises long accepted
-runs); the hybrids and Auto (with each trained arm) run with random heads / adapters."""
+Kangaroo runs at exit l = 1 with a random adapter (drafts mostly rejected) and at l = 2 with
+one trained on the model's own replies (briefly: enough to draft what the model says, which
+exercises long accepted runs); the hybrids and Auto (with each trained arm) run with random
+heads or that adapter. Every exit on every tiny config is in test_kangaroo.py."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from trainer.vocab import draft_vocabulary
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parent.parent / "assets" / "bench_prompts.jsonl"
 PARAMS = SamplingParams(max_new_tokens=128)
+EXIT = 2  # the trained adapter's exit layer
 
 
 @pytest.fixture(scope="module")
@@ -58,46 +60,40 @@ def assert_exact(lm, prompts, plain, drafter) -> int:
 
 
 @pytest.fixture(scope="module")
-def trained_adapters(bundled_lm, prompts, plain):
-    """Adapters for l = 1, 2, 3 fitted to the model's own greedy replies (a few epochs)."""
+def trained_adapter(bundled_lm, prompts, plain):
+    """An adapter for l = 2 fitted to the model's own greedy replies (a few epochs)."""
     lm = bundled_lm
     convs = [[{"role": "user", "content": f"Tell me about {topic}."},
               {"role": "assistant", "content": run(lm, encode(lm.tokenizer, conversation(
                   f"Tell me about {topic}.")), SamplingParams(max_new_tokens=96))[0]}]
              for topic in ("rivers", "bread", "volcanoes", "chess")]
     ids, masks = encode_conversations(lm, convs)
-    feats = hidden_states(lm, ids, [1, 2, 3, lm.model.config.num_hidden_layers], masks).load()
+    feats = hidden_states(lm, ids, [EXIT, lm.model.config.num_hidden_layers], masks).load()
     vocab = draft_vocabulary(feats, 2048, lm.eos_ids, lm.model.config.vocab_size)
     head = draft_head(lm.model, vocab).float()
-    out = {}
-    for exit_layer in (1, 2, 3):
-        torch.manual_seed(exit_layer)
-        adapter = Adapter.from_model(lm.model)
-        fit_adapter(lm, adapter, head, vocab, (feats, feats), exit_layer,
-                    KangarooTrainConfig(batch_tokens=2048, eval_positions=512),
-                    TrainConfig(lr=2e-3, epochs=4, report_every=100))
-        out[exit_layer] = (adapter, vocab)
-    return out
+    torch.manual_seed(EXIT)
+    adapter = Adapter.from_model(lm.model)
+    fit_adapter(lm, adapter, head, vocab, (feats, feats), EXIT,
+                KangarooTrainConfig(batch_tokens=2048, eval_positions=512),
+                TrainConfig(lr=2e-3, epochs=4, report_every=100))
+    return adapter, vocab
 
 
-@pytest.mark.parametrize("exit_layer", [1, 2, 3])
-def test_kangaroo_random_adapter(bundled_lm, prompts, plain, exit_layer):
+def test_kangaroo_random_adapter(bundled_lm, prompts, plain):
     torch.manual_seed(0)
-    d = KangarooDrafter(bundled_lm, Adapter(bundled_lm.model),
-                        KangarooSettings(exit_layer, 0.0, 2))
+    d = KangarooDrafter(bundled_lm, Adapter(bundled_lm.model), KangarooSettings(1, 0.0, 2))
     assert_exact(bundled_lm, prompts, plain, d)
 
 
-@pytest.mark.parametrize("exit_layer", [1, 2, 3])
-def test_kangaroo_trained_adapter(bundled_lm, prompts, plain, trained_adapters, exit_layer):
-    adapter, vocab = trained_adapters[exit_layer]
-    d = KangarooDrafter(bundled_lm, adapter, KangarooSettings(exit_layer, 0.0, 4), vocab)
+def test_kangaroo_trained_adapter(bundled_lm, prompts, plain, trained_adapter):
+    adapter, vocab = trained_adapter
+    d = KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.0, 4), vocab)
     assert assert_exact(bundled_lm, prompts, plain, d) > 0  # drafts were accepted
 
 
-def test_kangaroo_lookup(bundled_lm, prompts, plain, trained_adapters):
-    adapter, vocab = trained_adapters[2]
-    d = KangarooLookupDrafter(bundled_lm, adapter, KangarooSettings(2, 0.2, 4), vocab)
+def test_kangaroo_lookup(bundled_lm, prompts, plain, trained_adapter):
+    adapter, vocab = trained_adapter
+    d = KangarooLookupDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4), vocab)
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 
@@ -108,9 +104,9 @@ def test_medusa_lookup(bundled_lm, prompts, plain):
 
 
 @pytest.mark.parametrize("arm", [KANGAROO, MEDUSA])
-def test_auto(bundled_lm, prompts, plain, trained_adapters, arm):
-    adapter, vocab = trained_adapters[2]
-    kangaroo = KangarooDrafter(bundled_lm, adapter, KangarooSettings(2, 0.2, 4), vocab)
+def test_auto(bundled_lm, prompts, plain, trained_adapter, arm):
+    adapter, vocab = trained_adapter
+    kangaroo = KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4), vocab)
     medusa = MedusaDrafter(bundled_lm, _random_heads(int(bundled_lm.model.config.hidden_size)),
                            build_tree(TREE, 4))
     d = AutoDrafter(arm, medusa, kangaroo)

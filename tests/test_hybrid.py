@@ -9,7 +9,8 @@ import torch
 
 from engine import verify
 from engine.config import SamplingParams
-from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.base import Draft
+from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter, TreeWithChain
 from engine.drafters.kangaroo import Adapter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.generate import run
@@ -43,6 +44,17 @@ def test_with_chain_hangs_the_chain_under_the_root():
     chain = with_chain(build_tree([(0,), (0, 0)], 4), 2)  # a chain tree has no mask of its own
     assert [set(torch.nonzero(r).flatten().tolist()) for r in chain.mask] == [
         {0}, {0, 1}, {0, 1, 2}, {0, 3}, {0, 3, 4}]
+
+
+def test_a_short_branch_beside_the_tree_and_the_whole_chain_without_one():
+    tree = build_tree([(0,), (1,), (0, 0)], 4)
+    merge = TreeWithChain(tree, LookupParams(draft_len=10, branch_len=2))
+    tree_draft = Draft([9, 1, 2, 3], tree.children, tree.depths, tree.mask)
+    merged = merge(tree_draft, [4, 5, 6, 7])
+    assert merged.tokens == [9, 1, 2, 3, 4, 5]  # the branch: the chain's first two tokens
+    assert merged.children == with_chain(tree, 2).children
+    assert merge(Draft.chain(9, []), [4, 5, 6, 7]).tokens == [9, 4, 5, 6, 7]  # no tree here
+    assert merge(tree_draft, []) is tree_draft
 
 
 def test_greedy_follows_the_deepest_branch_that_agrees():

@@ -11,7 +11,6 @@ from engine.drafters.lookup import (
     LookupParams,
     LookupSource,
     NgramIndex,
-    next_length,
 )
 from engine.generate import run
 from tests.conftest import TINY_CONFIGS, make_tiny_model
@@ -34,26 +33,15 @@ def test_index_never_matches_the_suffix_itself():
     assert index.match(4)[0] == []
 
 
-def test_draft_length_grows_while_drafts_are_kept_and_shrinks_on_rejection():
-    p = LookupParams(draft_len=10, start_len=4)
-    assert next_length(4, 4, 4, p) == 6  # all kept: +2
-    assert next_length(10, 10, 10, p) == 10  # capped at draft_len
-    assert next_length(6, 6, 2, p) == 5  # a rejection: -1
-    assert next_length(1, 1, 0, p) == 1  # never below one token
-    assert next_length(5, 0, 0, p) == 5  # nothing drafted: nothing learned
-    assert next_length(3, 3, 0, LookupParams(adaptive=False)) == 10
-
-
-def test_source_drafts_as_long_as_its_schedule_allows():
-    source = LookupSource(LookupParams(draft_len=10, start_len=2))
+def test_source_drafts_a_fixed_chain_within_the_room_left():
+    source = LookupSource(LookupParams(draft_len=5, branch_len=2))
     ids = list(range(20)) + [3]  # 3 occurred before, followed by 4, 5, 6, ...
-    assert source.match(ids, 10) == ([4, 5], 1)
-    source.update(2, 2)
-    assert source.match(ids, 10)[0] == [4, 5, 6, 7]
-    source.update(4, 1)
-    assert source.match(ids, 10)[0] == [4, 5, 6]
-    source.reset()
-    assert source.match(ids, 10)[0] == [4, 5]
+    assert source.match(ids, 10) == ([4, 5, 6, 7, 8], 1)
+    assert source.match(ids, 3)[0] == [4, 5, 6]  # no drafts past the room left
+    assert not source.copying(1)
+    ids += [4, 5]  # (3, 4, 5) matches now: a copy in progress
+    chain, n = source.match(ids, 10)
+    assert chain == [6, 7, 8, 9, 10] and source.copying(n)
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))

@@ -17,17 +17,13 @@ from transformers.generation.streamers import BaseStreamer
 
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
-from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_CHOICES, load_drafter
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import run
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 ACCELERATORS = tuple(c for c in ACCEL_CHOICES if c != "off")  # the engine's drafters
-# Bench-only variant an adaptive mechanism is measured against (asked for by name):
-# Lookup drafting HF's fixed 10-token chain.
-VARIANTS = ("lookup-fixed",)
-METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, *VARIANTS)
+METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS)
 BASELINE = "hf"  # every speedup is measured against this method
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens for hf-lookup
 
@@ -85,9 +81,6 @@ def build_methods(lm, names: list[str], params: SamplingParams,
             methods[name] = hf_method(name, lm, params, assistant_model=assistant.model)
         elif name == "vanilla":
             methods[name] = engine_method(name, lm, params, Drafter())
-        elif name == "lookup-fixed":
-            methods[name] = engine_method(name, lm, params,
-                                          LookupDrafter(LookupParams(adaptive=False)))
         else:
             drafter, reason = _accelerator(lm, name)
             if drafter is None:

@@ -8,7 +8,7 @@ adapter wins, or plain decoding where neither pays). Auto therefore takes, every
   continuation alone (every method drafts the same here);
 - otherwise its *arm*: the trained drafter with the best speedup calibration measured on
   this machine (re-timed at load in another dtype or on another device): Medusa's tree with
-  the short lookup continuation beside it ("medusa+lookup"), a Kangaroo adapter round
+  a shorter match's first tokens beside it ("medusa+lookup"), a Kangaroo adapter round
   ("kangaroo"), or plain decoding ("off") when none pays.
 
 This simple rule was measured against an adaptive Auto that re-timed every arm during
@@ -31,7 +31,7 @@ import torch
 
 from engine import kv_cache
 from engine.drafters.base import Draft, Drafter, forward_layers
-from engine.drafters.hybrid import TreeWithChain, chain_accepted
+from engine.drafters.hybrid import TreeWithChain
 from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupParams, LookupSource
 from engine.drafters.medusa import MedusaDrafter
@@ -67,12 +67,12 @@ class AutoDrafter(Drafter):
         self.source = LookupSource(lookup or LookupParams())
         self.medusa = medusa if arm == MEDUSA else None
         self.kangaroo = kangaroo if arm == KANGAROO else None
-        self.merge = TreeWithChain(medusa.tree) if self.medusa is not None else None
+        self.merge = (TreeWithChain(medusa.tree, self.source.params)
+                      if self.medusa is not None else None)
         self.wants_hidden = arm != "off"
         self.used: Counter = Counter()  # steps per way of drafting in the current reply
         self.last_reply: Counter = Counter()  # the same for the last finished reply
         self._round = "off"  # how this step drafts: COPY or the arm
-        self._chain = 0  # lookup tokens in this step's draft (after a tree's nodes)
         self._exits: torch.Tensor | None = None  # (1, n, H) layer-l states of a whole-model
         # round, which the adapter reads at its next round
 
@@ -94,7 +94,6 @@ class AutoDrafter(Drafter):
         root = state.ids[-1]
         copying = bool(chain) and self.source.copying(n)
         self._round = COPY if copying else self.arm
-        self._chain = len(chain) if copying or self.arm == MEDUSA else 0
         if copying:
             return Draft.chain(root, chain)
         if self.arm == KANGAROO:
@@ -122,7 +121,6 @@ class AutoDrafter(Drafter):
                 self.kangaroo.absorb(self._exits[:, [0, *path]])
                 self._exits = None
                 kv_cache.rollback(state.cache, 0)  # trims sliding-window layers
-        self.source.update(self._chain, chain_accepted(draft, self._chain, path))
         self.used[self._round] += 1
 
     def finish(self, stats) -> None:

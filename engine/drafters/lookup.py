@@ -17,27 +17,14 @@ from engine.drafters.base import Draft, Drafter
 class LookupParams:
     """How matches are searched and how much is drafted."""
 
-    max_ngram: int = 3  # longest suffix tried first (longer matches predict better)
+    max_ngram: int = 3  # longest suffix tried first; a match this long is a copy in progress
     min_ngram: int = 1  # shortest suffix still worth a draft
-    draft_len: int = 10  # most tokens proposed after a match (HF's prompt_lookup_num_tokens)
-    # Each drafted token costs a share of a step, so the length adapts within a reply (the
-    # schedule of HF's assisted generation): +2 after a fully accepted draft, -1 after a
-    # rejection, starting here. A reply that copies grows long drafts; one that does not
-    # stops paying for ten wrong tokens per step.
-    start_len: int = 4
-    adaptive: bool = True  # False: always draft_len
-
-
-def next_length(length: int, drafted: int, accepted: int, params: LookupParams) -> int:
-    """The draft length after a step that drafted `drafted` lookup tokens and kept
-    `accepted` of them."""
-    if not params.adaptive:
-        return params.draft_len
-    if drafted == 0:
-        return length
-    if accepted == drafted:
-        return min(params.draft_len, length + 2)
-    return max(1, length - 1)
+    # Tokens drafted after a match, HF's fixed prompt_lookup_num_tokens: a length adapted to
+    # each reply's acceptance measured no faster (README, Speed).
+    draft_len: int = 10
+    # Beside a trained drafter's tree, a shorter match adds a branch of at most this many
+    # tokens: every node costs a share of the step, and such matches seldom run long.
+    branch_len: int = 2
 
 
 class NgramIndex:
@@ -78,34 +65,25 @@ class NgramIndex:
 
 
 class LookupSource:
-    """One generation's lookup state: the n-gram index and the adaptive draft length."""
+    """One generation's lookup state: the n-gram index over its ids."""
 
     def __init__(self, params: LookupParams) -> None:
         self.params = params
         self.reset()
 
     def reset(self) -> None:
-        p = self.params
-        self.index = NgramIndex(p.min_ngram, p.max_ngram)
-        self.length = min(p.start_len, p.draft_len) if p.adaptive else p.draft_len
+        self.index = NgramIndex(self.params.min_ngram, self.params.max_ngram)
 
     def match(self, ids: list[int], room: int) -> tuple[list[int], int]:
         """(continuation, matched n-gram length) for the current suffix of `ids` (which
-        extends the ids seen before), at most `room` tokens. A match of the longest n-gram
-        is a copy in progress: it drafts the full length; shorter matches draft the
-        adaptive length."""
+        extends the ids seen before): at most draft_len and `room` tokens."""
         self.index.sync(ids)
-        chain, n = self.index.match(min(self.params.draft_len, room))
-        return (chain if self.copying(n) else chain[:self.length]), n
+        return self.index.match(min(self.params.draft_len, room))
 
     def copying(self, n: int) -> bool:
         """Whether a match of `n` tokens (match's second value) is a copy in progress: then
-        the continuation alone is drafted, at full length."""
+        the continuation alone is drafted."""
         return n == self.params.max_ngram
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """After verification: `accepted` of the `drafted` lookup tokens were kept."""
-        self.length = next_length(self.length, drafted, accepted, self.params)
 
 
 class LookupDrafter(Drafter):
@@ -121,7 +99,3 @@ class LookupDrafter(Drafter):
 
     def propose(self, state) -> Draft:
         return Draft.chain(state.ids[-1], self.source.match(state.ids, state.room)[0])
-
-    def commit(self, state, draft: Draft, path: list[int]) -> None:
-        super().commit(state, draft, path)
-        self.source.update(draft.size - 1, len(path))
