@@ -97,6 +97,12 @@ def test_kangaroo_lookup(bundled_lm, prompts, plain, trained_adapter):
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 
+def test_medusa(bundled_lm, prompts, plain):
+    heads = _random_heads(int(bundled_lm.model.config.hidden_size))
+    d = MedusaDrafter(bundled_lm, heads, build_tree(TREE, 4))
+    assert assert_exact(bundled_lm, prompts, plain, d) > 0  # some tree paths were accepted
+
+
 def test_medusa_lookup(bundled_lm, prompts, plain):
     heads = _random_heads(int(bundled_lm.model.config.hidden_size))
     d = MedusaLookupDrafter(bundled_lm, heads, build_tree(TREE, 4))

@@ -46,12 +46,12 @@ def test_with_chain_hangs_the_chain_under_the_root():
         {0}, {0, 1}, {0, 1, 2}, {0, 3}, {0, 3, 4}]
 
 
-def test_a_short_branch_beside_the_tree_and_the_whole_chain_without_one():
+def test_the_chain_hangs_beside_the_tree_or_stands_alone_without_one():
     tree = build_tree([(0,), (1,), (0, 0)], 4)
-    merge = TreeWithChain(tree, LookupParams(draft_len=10, branch_len=2))
+    merge = TreeWithChain(tree)
     tree_draft = Draft([9, 1, 2, 3], tree.children, tree.depths, tree.mask)
-    merged = merge(tree_draft, [4, 5, 6, 7])
-    assert merged.tokens == [9, 1, 2, 3, 4, 5]  # the branch: the chain's first two tokens
+    merged = merge(tree_draft, [4, 5])
+    assert merged.tokens == [9, 1, 2, 3, 4, 5]
     assert merged.children == with_chain(tree, 2).children
     assert merge(Draft.chain(9, []), [4, 5, 6, 7]).tokens == [9, 4, 5, 6, 7]  # no tree here
     assert merge(tree_draft, []) is tree_draft
@@ -96,7 +96,7 @@ def medusa_sampling_case(bundled_tokenizer):
     prompt = [1, 5, 2, 6, 1, 5]
     tree = build_tree([(0,), (1,), (0, 0)], 4)
     drafter = MedusaLookupDrafter(lm, md.random_heads(lm, seed=2), tree, lookup=LookupParams(
-        draft_len=3))
+        copy_len=3, short_len=3))
     return lm, prompt, drafter, md._exact_joint(lm, prompt, 3)
 
 

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
+from engine.drafters import lookup
 from engine.drafters.lookup import (
     LookupDrafter,
     LookupParams,
     LookupSource,
     NgramIndex,
 )
+from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.stats_util import chi_square_pvalue
@@ -33,15 +35,34 @@ def test_index_never_matches_the_suffix_itself():
     assert index.match(4)[0] == []
 
 
-def test_source_drafts_a_fixed_chain_within_the_room_left():
-    source = LookupSource(LookupParams(draft_len=5, branch_len=2))
+def test_a_copy_drafts_long_a_short_match_short_within_the_room_left():
+    source = LookupSource(LookupParams(copy_len=5, short_len=2))
     ids = list(range(20)) + [3]  # 3 occurred before, followed by 4, 5, 6, ...
-    assert source.match(ids, 10) == ([4, 5, 6, 7, 8], 1)
-    assert source.match(ids, 3)[0] == [4, 5, 6]  # no drafts past the room left
+    assert source.match(ids, 10) == ([4, 5], 1)  # a short match: a short chain
+    assert source.match(ids, 1)[0] == [4]  # no drafts past the room left
     assert not source.copying(1)
     ids += [4, 5]  # (3, 4, 5) matches now: a copy in progress
     chain, n = source.match(ids, 10)
     assert chain == [6, 7, 8, 9, 10] and source.copying(n)
+    assert source.match(ids, 3)[0] == [6, 7, 8]
+
+
+@pytest.mark.parametrize("cost, short_len", [(2.2, 2), (1.15, 10)])
+def test_shorter_matches_draft_long_chains_only_where_they_cost_little(
+        cost, short_len, bundled_tokenizer, monkeypatch):
+    """fp32 on a CPU: ten drafts cost ~2.2 plain steps; bf16 ~1.15."""
+    seconds = {0: 0.010, 10: 0.010 * cost}
+    monkeypatch.setattr(lookup, "plain_step_seconds", lambda lm: seconds[0])
+    monkeypatch.setattr(lookup, "round_seconds", lambda lm, drafter: seconds[drafter.n])
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
+    assert lookup.fitted(lm) == LookupParams(copy_len=10, short_len=short_len)
+    assert load_drafter(lm, "lookup").source.params.short_len == short_len
+
+
+def test_a_long_chain_is_timed_as_drafted(bundled_tokenizer):
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
+    assert lookup.round_seconds(lm, lookup._FixedChain(10), repeats=1) > 0
+    assert lookup.fitted(lm).short_len in (2, 10)
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -76,7 +97,7 @@ def _second_token_counts(lm, prompt, n):
     for seed in range(n):
         # Three tokens: the second step has room for a draft (none is made past the budget).
         params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=seed)
-        _t, ids, _ = run(lm, prompt, params, LookupDrafter(LookupParams(draft_len=3)))
+        _t, ids, _ = run(lm, prompt, params, LookupDrafter(LookupParams(copy_len=3, short_len=3)))
         counts[ids[1]] += 1
     return counts
 

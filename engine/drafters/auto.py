@@ -8,7 +8,7 @@ adapter wins, or plain decoding where neither pays). Auto therefore takes, every
   continuation alone (every method drafts the same here);
 - otherwise its *arm*: the trained drafter with the best speedup calibration measured on
   this machine (re-timed at load in another dtype or on another device): Medusa's tree with
-  a shorter match's first tokens beside it ("medusa+lookup"), a Kangaroo adapter round
+  a shorter match's short continuation beside it ("medusa+lookup"), a Kangaroo adapter round
   ("kangaroo"), or plain decoding ("off") when none pays.
 
 This simple rule was measured against an adaptive Auto that re-timed every arm during
@@ -67,8 +67,7 @@ class AutoDrafter(Drafter):
         self.source = LookupSource(lookup or LookupParams())
         self.medusa = medusa if arm == MEDUSA else None
         self.kangaroo = kangaroo if arm == KANGAROO else None
-        self.merge = (TreeWithChain(medusa.tree, self.source.params)
-                      if self.medusa is not None else None)
+        self.merge = TreeWithChain(medusa.tree) if self.medusa is not None else None
         self.wants_hidden = arm != "off"
         self.used: Counter = Counter()  # steps per way of drafting in the current reply
         self.last_reply: Counter = Counter()  # the same for the last finished reply

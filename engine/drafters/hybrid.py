@@ -1,9 +1,9 @@
 """Trained drafters mixed with prompt lookup: copying pays on summaries, translations and
 code edits, the trained drafter everywhere else, and one verification pass serves both.
 
-- Medusa+lookup: the heads' calibrated tree plus the first tokens of a shorter match's
-  continuation as one more branch under the root (its buffers are built once per branch
-  length); while a long match is being copied, the continuation alone.
+- Medusa+lookup: the heads' calibrated tree plus a shorter match's short continuation as
+  one more branch under the root (its buffers are built once per branch length); while a
+  3-gram match is being copied, the continuation alone.
 - Kangaroo+lookup: a round drafts the lookup continuation when the latest tokens match an
   earlier n-gram of at least `min_match` tokens, and the adapter otherwise.
 
@@ -21,12 +21,11 @@ from engine.tree import TreeShape, with_chain
 
 
 class TreeWithChain:
-    """A tree draft with the first tokens of a lookup chain hung under its root (after the
-    tree's nodes); the whole chain where no tree was drafted."""
+    """A tree draft with a lookup chain hung under its root (after the tree's nodes); the
+    chain alone where no tree was drafted."""
 
-    def __init__(self, tree, params: LookupParams) -> None:
+    def __init__(self, tree) -> None:
         self.tree = tree
-        self.branch_len = params.branch_len
         self._shapes: dict[int, TreeShape] = {}  # chain length -> merged structure
 
     def __call__(self, draft: Draft, chain: list[int]) -> Draft:
@@ -34,7 +33,6 @@ class TreeWithChain:
             return draft
         if draft.size == 1 or draft.size != self.tree.size:  # no tree pays, or no room for it
             return Draft.chain(draft.tokens[0], chain)
-        chain = chain[:self.branch_len]
         shape = self._shapes.get(len(chain))
         if shape is None:
             shape = self._shapes[len(chain)] = with_chain(self.tree, len(chain))
@@ -50,7 +48,7 @@ class MedusaLookupDrafter(MedusaDrafter):
                  lookup: LookupParams | None = None):
         super().__init__(lm, heads, tree, retimed)
         self.lookup = LookupSource(lookup or LookupParams())
-        self.merge = TreeWithChain(tree, self.lookup.params)
+        self.merge = TreeWithChain(tree)
 
     def start(self, state, prefill) -> None:
         self.lookup.reset()

@@ -8,9 +8,10 @@ sampling treats the continuation as point-mass proposals, which is lossless.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.drafters.base import Draft, Drafter
+from engine.drafters.payoff import plain_step_seconds, round_seconds
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,25 @@ class LookupParams:
 
     max_ngram: int = 3  # longest suffix tried first; a match this long is a copy in progress
     min_ngram: int = 1  # shortest suffix still worth a draft
-    # Tokens drafted after a match, HF's fixed prompt_lookup_num_tokens: a length adapted to
-    # each reply's acceptance measured no faster (README, Speed).
-    draft_len: int = 10
-    # Beside a trained drafter's tree, a shorter match adds a branch of at most this many
-    # tokens: every node costs a share of the step, and such matches seldom run long.
-    branch_len: int = 2
+    # A copy in progress drafts HF's prompt_lookup_num_tokens; a shorter match, seldom right
+    # past its first token or two, drafts short_len (see fitted). Fixed lengths: one adapted
+    # to each reply's acceptance was no faster.
+    copy_len: int = 10
+    short_len: int = 2
 
+
+# Where verifying copy_len drafts costs at most this many plain steps, shorter matches draft
+# copy_len too. Measured on a 2-core CPU: bf16 ~1.15 plain steps (Lookup 1.30x plain decoding
+# with long chains, 1.23x with short ones), fp32 ~2.2 (0.91x long, 1.21x short).
+LONG_CHAIN_COST = 1.5
+
+
+def fitted(lm, params: LookupParams | None = None) -> LookupParams:
+    """`params` with short_len raised to copy_len where long chains cost little here (a
+    few timed steps of `lm` in its dtype, on its device)."""
+    params = params or LookupParams()
+    long_chain = round_seconds(lm, _FixedChain(params.copy_len)) / plain_step_seconds(lm)
+    return replace(params, short_len=params.copy_len) if long_chain <= LONG_CHAIN_COST else params
 
 class NgramIndex:
     """Most recent position after each n-gram of a growing token list, n in [lo, hi]."""
@@ -76,9 +89,11 @@ class LookupSource:
 
     def match(self, ids: list[int], room: int) -> tuple[list[int], int]:
         """(continuation, matched n-gram length) for the current suffix of `ids` (which
-        extends the ids seen before): at most draft_len and `room` tokens."""
+        extends the ids seen before): copy_len tokens for a copy in progress, else
+        short_len, and never more than `room`."""
         self.index.sync(ids)
-        return self.index.match(min(self.params.draft_len, room))
+        chain, n = self.index.match(min(self.params.copy_len, room))
+        return (chain if self.copying(n) else chain[:self.params.short_len]), n
 
     def copying(self, n: int) -> bool:
         """Whether a match of `n` tokens (match's second value) is a copy in progress: then
@@ -99,3 +114,13 @@ class LookupDrafter(Drafter):
 
     def propose(self, state) -> Draft:
         return Draft.chain(state.ids[-1], self.source.match(state.ids, state.room)[0])
+
+
+class _FixedChain(Drafter):
+    """Drafts `n` copies of the pending token: what timing a chain of n drafts needs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def propose(self, state) -> Draft:
+        return Draft.chain(state.ids[-1], [state.ids[-1]] * self.n)

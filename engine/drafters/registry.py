@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from engine.drafters.base import Drafter
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
 from engine.drafters.kangaroo import KangarooDrafter
-from engine.drafters.lookup import LookupDrafter
+from engine.drafters.lookup import LookupDrafter, fitted
 from engine.drafters.medusa import MedusaDrafter
 from engine.errors import AcceleratorError, QuickdraftError
 
@@ -35,7 +35,7 @@ class Method:
 METHODS = (
     Method("auto", "Auto", None),
     Method("off", "Off", lambda lm, ckpt: Drafter()),
-    Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter()),
+    Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
     Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa"),
     Method("medusa+lookup", "Medusa+lookup", MedusaLookupDrafter.from_checkpoint, "medusa"),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
