@@ -40,6 +40,7 @@ def fitted(lm, params: LookupParams | None = None) -> LookupParams:
     long_chain = round_seconds(lm, _FixedChain(params.copy_len)) / plain_step_seconds(lm)
     return replace(params, short_len=params.copy_len) if long_chain <= LONG_CHAIN_COST else params
 
+
 class NgramIndex:
     """Most recent position after each n-gram of a growing token list, n in [lo, hi]."""
 
