@@ -80,6 +80,8 @@ def round_seconds(lm, drafter: Drafter, ids: list[int] | None = None,
             draft = drafter.propose(state)
             drafter.score(state, draft)
             drafter.commit(state, draft, [])
+            if lm.device.type == "cuda":  # kernels run asynchronously: wait for this round's
+                torch.cuda.synchronize(lm.device)
             times.append(time.perf_counter() - begin)
             state.ids.append(draft.tokens[-1])  # a rejected step still adds the model's token
     return statistics.median(times[1:])
