@@ -138,8 +138,8 @@ def main(argv: list[str]) -> int:
     # Status lines and model loading go through the launcher with the current interpreter.
     env = {**os.environ, "QUICKDRAFT_NO_BOOTSTRAP": "1", "HF_HUB_OFFLINE": "1"}
     runner = Runner(env)
-    print(f"gpu_check on {'CUDA: ' + torch.cuda.get_device_name(0) if cuda else 'the CPU (reduced)'}",
-          flush=True)
+    where = "CUDA: " + torch.cuda.get_device_name(0) if cuda else "the CPU (reduced)"
+    print(f"gpu_check on {where}", flush=True)
     run_checks(runner, cuda, Path(args.out).resolve())
     print(summary(runner.checks))
     return 0 if all(c.ok for c in runner.checks) else 1

@@ -11,6 +11,7 @@ import pytest
 
 from engine.errors import QuickdraftError
 from tests.conftest import make_tiny_model
+from trainer.features import conversation_tokens
 from trainer.selfdistill import (
     DataBudget,
     build_seeds,
@@ -170,3 +171,18 @@ def test_heldout_split_keeps_every_sample_of_a_seed_together(tmp_path):
     assert len(train) + len(heldout) == 600 and 10 < len(first_turn(heldout)) < 70
     assert not first_turn(train) & first_turn(heldout)
     assert len(heldout) == 3 * len(first_turn(heldout))
+
+
+def test_the_budget_includes_what_the_features_will_cost(lm, tmp_path):
+    out = tmp_path / "conversations.jsonl"
+    budget = DataBudget(max_conversations=12, batch_size=2, max_new_tokens=4, max_seconds=600)
+    assert generate_data(lm, out, None, budget, lambda p: None)["new"] == 12
+    tokens = sum(conversation_tokens(lm, c) for c in load_conversations(out))
+    # Reading the file's features would take the whole budget: nothing more is made.
+    priced = dataclasses.replace(budget, max_conversations=24, prep_s_per_token=600 / tokens)
+    assert generate_data(lm, out, None, priced, lambda p: None)["new"] == 0
+    # Priced so that about half of those conversations use the budget up: a fresh file
+    # stops there (the two rows under way may still end), where time alone would make 12.
+    fresh = tmp_path / "fresh.jsonl"
+    half = dataclasses.replace(budget, prep_s_per_token=1200 / tokens)
+    assert 1 <= generate_data(lm, fresh, None, half, lambda p: None)["new"] <= 9

@@ -3,6 +3,8 @@ checkpoint, a cancelled run that resumes, and the `train` command's messages."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import threading
 from types import SimpleNamespace
 
@@ -17,9 +19,10 @@ from engine.generate import run
 from engine.progress import Progress
 from tests.conftest import make_tiny_model
 from trainer import features as features_mod
-from trainer.medusa.calibrate import CalibrationConfig
+from trainer.features import conversation_tokens
+from trainer.medusa.calibrate import CalibrationConfig, prompts_that_fit
 from trainer.medusa.train import MedusaTrainConfig
-from trainer.pipeline import TrainOptions, train_accelerator
+from trainer.pipeline import TrainOptions, _data_budget, train_accelerator
 from trainer.selfdistill import DataBudget
 from trainer.train import TrainConfig
 
@@ -128,3 +131,27 @@ def test_summary_says_plainly_when_the_heads_do_not_pay():
     text = summary(result)
     assert "head 1:  20.0% /  40.0%" in text
     assert "do not pay on this machine (the best tree measured 0.83x)" in text
+
+
+@pytest.mark.parametrize("method", ["medusa", "kangaroo"])
+def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, method):
+    trainer = importlib.import_module(f"trainer.{method}")
+    options = _options(method=method, max_minutes=10.0)
+    per_token = trainer.prep_seconds_per_token(lm, options)
+    assert 0 < per_token < 0.1  # a timed forward (and teacher chunk) per token, tiny model
+    chats = ([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}],)
+    timed = SimpleNamespace(prep_seconds_per_token=lambda lm, options: 2.0)
+    plain = _data_budget(lm, timed, options, 600.0)
+    with_chats = _data_budget(lm, timed, dataclasses.replace(options, chats=chats), 600.0)
+    assert plain.max_seconds == pytest.approx(600.0 * options.prep_share)
+    assert plain.prep_s_per_token == 2.0
+    chat_tokens = conversation_tokens(lm, chats[0])
+    assert with_chats.max_seconds == pytest.approx(plain.max_seconds - 2.0 * chat_tokens)
+
+
+def test_calibration_decodes_only_the_prompts_its_time_allows():
+    config = CalibrationConfig(prompts=4, max_new_tokens=64)
+    assert prompts_that_fit(None, 0.1, 3, config) == 4  # no limit: every prompt
+    assert prompts_that_fit(100.0, 0.1, 3, config) == 4  # 19.2 s a prompt: all four fit
+    assert prompts_that_fit(40.0, 0.1, 3, config) == 2
+    assert prompts_that_fit(1.0, 0.1, 3, config) == 1  # at least one, or nothing is measured

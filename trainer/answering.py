@@ -18,6 +18,7 @@ import torch
 from engine.chat import encode
 from engine.config import ChatMessage, Conversation
 from trainer.context import answer_room, fit_prompt
+from trainer.features import conversation_tokens
 from trainer.sampler import Job, SamplerConfig, answers, rows_that_fit, supports_refill
 
 if TYPE_CHECKING:
@@ -41,29 +42,36 @@ def answer_seeds(lm, fh, todo: list[Seed], budget: DataBudget, run: Run, report,
 
 @dataclass
 class Run:
-    """Where a data run stands: conversations in the file, the target, seconds spent."""
+    """Where a data run stands: conversations in the file, the target, seconds spent, and
+    the file's conversation tokens (what the features stage will read)."""
 
     count: int
     target: int
     spent: float
     meta_path: Path
+    tokens: int = 0
 
-    def wrote(self, n: int, seconds: float) -> None:
+    def wrote(self, n: int, seconds: float, tokens: int) -> None:
         self.count += n
         self.spent += seconds
+        self.tokens += tokens
         self.meta_path.write_text(json.dumps({"seconds": round(self.spent, 2)}))
 
 
 def _answer_in_batches(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
                        report, cancel: threading.Event | None) -> None:
     """generate() on fixed batches: for models whose cache rows cannot be swapped."""
-    while todo and run.count < run.target and run.spent < budget.max_seconds:
+    def budget_left() -> bool:
+        return budget.used(run.spent, run.tokens) < budget.max_seconds
+
+    while todo and run.count < run.target and budget_left():
         if cancel is not None and cancel.is_set():
             break
         size = min(budget.batch_size, run.target - run.count)
         size = sum(1 for s in todo[:size] if s.sample == todo[0].sample)  # one pass per batch
         batch, todo = todo[:size], todo[size:]
-        run.wrote(len(batch), _write_batch(lm, fh, batch, budget))
+        seconds, tokens = _write_batch(lm, fh, batch, budget)
+        run.wrote(len(batch), seconds, tokens)
         report()
 
 
@@ -95,7 +103,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         # At the budget no new turn starts, and the answers under way get a short grace to
         # end (dropping them would waste up to a batch of half-written answers).
         nonlocal closing
-        used = run.spent + time.perf_counter() - clock
+        used = budget.used(run.spent + time.perf_counter() - clock, run.tokens)
         if used >= budget.max_seconds:
             closing = True
             queue.clear()
@@ -115,7 +123,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         _write(fh, conv.seed, conv.messages, conv.tokens)
         open_convs -= 1
         now = time.perf_counter()
-        run.wrote(1, now - clock)
+        run.wrote(1, now - clock, conversation_tokens(lm, conv.messages))
         clock = now
         report()
         admit()
@@ -151,14 +159,17 @@ def _write(fh, seed: Seed, messages: list[dict], tokens: int) -> None:
     fh.flush()
 
 
-def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> float:
-    """Answer one batch and append its conversations; returns the seconds it took."""
+def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> tuple[float, int]:
+    """Answer one batch and append its conversations; returns the seconds it took and the
+    conversations' tokens."""
     start = time.perf_counter()
     digest = hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()
     torch.manual_seed(int(digest[:8], 16))  # the same batch samples the same answers
+    tokens = 0
     for seed, messages, n_tokens in _answer_batch(lm, batch, budget):
         _write(fh, seed, messages, n_tokens)
-    return time.perf_counter() - start
+        tokens += conversation_tokens(lm, messages)
+    return time.perf_counter() - start, tokens
 
 
 def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed, list[dict], int]]:

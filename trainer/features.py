@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,11 @@ def encode_conversations(
         all_ids.append(ids)
         all_masks.append(mask)
     return all_ids, all_masks
+
+
+def conversation_tokens(lm, messages: list[dict]) -> int:
+    """Tokens the features stage reads for one conversation (encode_conversations' ids)."""
+    return len(fit_sequence(lm, _template(lm.tokenizer, messages, generation_prompt=False)))
 
 
 def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -227,6 +233,27 @@ def _forward(lm, batch: list[list[int]], width: int) -> tuple[torch.Tensor, ...]
             logits_to_keep=1,
         )
     return out.hidden_states
+
+
+def forward_seconds_per_token(lm, rows: int = 4, width: int = 256) -> float:
+    """Seconds a frozen feature forward takes per token on this machine: one timed forward
+    of rows x width tokens after a short warm-up. The pipeline sizes the data stage with it,
+    since every token the data stage writes costs the features stage this much again."""
+    width = max(8, min(width, lm.context_len))
+    vocab = int(lm.model.get_input_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, vocab, (rows, width), generator=gen).tolist()
+    _forward(lm, [batch[0][:16]], 16)
+    _sync(lm)
+    start = time.perf_counter()
+    _forward(lm, batch, width)
+    _sync(lm)
+    return (time.perf_counter() - start) / (rows * width)
+
+
+def _sync(lm) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
 
 
 def _read_shard(path: Path, layers: list[int]) -> Features:

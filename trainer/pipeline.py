@@ -15,6 +15,7 @@ from engine.accelerators import save_checkpoint
 from engine.drafters.registry import TRAINED, method
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
+from trainer.features import conversation_tokens
 from trainer.kangaroo import KangarooTrainConfig
 from trainer.medusa import MedusaTrainConfig
 from trainer.medusa.calibrate import CalibrationConfig
@@ -31,7 +32,9 @@ class TrainOptions:
     max_minutes: float = 20.0  # whole job, data generation included; the method's trainer
     # receives a copy whose max_minutes is the time left after data generation
     prompts_file: Path | None = None  # the user's extra seed prompts (JSONL or plain text)
-    data_share: float = 0.5  # fraction of the budget spent generating data
+    prep_share: float = 0.65  # fraction of the budget for the data and for reading its
+    # features: the data stage stops when its time plus the features' timed cost of what it
+    # wrote (and of the chats) reaches it; the rest trains and calibrates
     heldout_fraction: float = 0.06  # seed prompts kept out of training for held-out figures
     calibration_seconds: float = 90.0  # time Medusa keeps back for calibration after
     # training (Kangaroo's is options.kangaroo.calibration.seconds)
@@ -99,7 +102,7 @@ def train_accelerator(
     total_s = options.max_minutes * 60
     report = _with_eta(progress, start, total_s, trainer.reserve_s(options))
     resume = _resume(lm, options, report)
-    budget = dataclasses.replace(options.data, max_seconds=total_s * options.data_share)
+    budget = _data_budget(lm, trainer, options, total_s)
     prompt_files = [Path(options.prompts_file)] if options.prompts_file else None
     data = generate_data(lm, data_path(lm), prompt_files, budget, report, cancel)
     if _cancelled(cancel):
@@ -141,6 +144,16 @@ def train_accelerator(
     folder = save_checkpoint(lm, options.method, tensors, settings, metrics, summary)
     report(Progress("done", 1, 1, f"saved to {folder}", 0.0))
     return TrainResult(options.method, folder, settings, metrics, summary)
+
+
+def _data_budget(lm, trainer, options: TrainOptions, total_s: float) -> DataBudget:
+    """The data stage's share, net of the features the chats will cost, with the per-token
+    cost of the features it will add (timed here: a model 4x bigger reads its data 4x
+    slower, and a budget that ignored it would leave training no time)."""
+    per_token = trainer.prep_seconds_per_token(lm, options)
+    chats_s = per_token * sum(conversation_tokens(lm, chat) for chat in options.chats)
+    share = max(0.0, total_s * options.prep_share - chats_s)
+    return dataclasses.replace(options.data, max_seconds=share, prep_s_per_token=per_token)
 
 
 def _resume(lm, options: TrainOptions, report: ProgressFn) -> Resume | None:

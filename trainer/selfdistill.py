@@ -20,6 +20,7 @@ from engine.errors import QuickdraftError
 from engine.paths import data_dir
 from engine.progress import Eta, Progress, ProgressFn
 from trainer.answering import Run, answer_seeds
+from trainer.features import conversation_tokens
 
 SEED_FILE = Path(__file__).resolve().parent.parent / "assets" / "seed_prompts.jsonl"
 
@@ -29,7 +30,10 @@ class DataBudget:
     """When data generation stops, and how answers are sampled."""
 
     max_conversations: int = 3000  # stop once the file holds this many conversations
-    max_seconds: float = 600.0  # generation time for this file, summed over resumed runs
+    max_seconds: float = 600.0  # generation time for this file, summed over resumed runs,
+    # plus what the stages after it will spend on the file's tokens (prep_s_per_token)
+    prep_s_per_token: float = 0.0  # seconds the features stage (and Medusa's teacher) will
+    # spend per stored conversation token, timed by the pipeline: more data costs them too
     # conversations answered together: rows of continuous batching (64 measured fastest
     # on the bundled model, 2 CPU cores: 32 and 128 were slower), or generate()'s batch
     batch_size: int = 64
@@ -38,6 +42,10 @@ class DataBudget:
     max_new_tokens: int = 256  # cap per answer
     samples_per_seed: int = 8  # passes over the seed set, each with fresh samples
     seed: int = 0  # fixes the seed order and the sampling RNG per batch
+
+    def used(self, seconds: float, tokens: int) -> float:
+        """The budget a file with `tokens` conversation tokens made in `seconds` has used."""
+        return seconds + self.prep_s_per_token * tokens
 
 
 @dataclass(frozen=True)
@@ -172,16 +180,18 @@ def generate_data(
     _repair(out_path)
     meta_path = out_path.with_suffix(".meta.json")
     spent = _read_meta(meta_path).get("seconds", 0.0)
-    done = {rec.get("key") for rec in _records(out_path)}
+    stored = _records(out_path)
+    done = {rec.get("key") for rec in stored}
+    tokens = sum(conversation_tokens(lm, rec["messages"]) for rec in stored)
     todo = [s for s in build_seeds(prompt_files, budget) if s.key not in done]
     target = min(budget.max_conversations, len(done) + len(todo))
     count, eta = len(done), Eta(max(1, target - len(done)))
-    _report(progress, count, target, spent, budget, None)
-    run = Run(count, target, spent, meta_path)
+    run = Run(count, target, spent, meta_path, tokens)
+    _report(progress, run, budget, None)
     with out_path.open("a", encoding="utf-8") as fh:
-        answer_seeds(lm, fh, todo, budget, run, lambda: _report(
-            progress, run.count, target, run.spent, budget, eta.left(run.count - len(done))),
-            cancel)
+        answer_seeds(lm, fh, todo, budget, run,
+                     lambda: _report(progress, run, budget, eta.left(run.count - len(done))),
+                     cancel)
     count, spent = run.count, run.spent
     total_tokens = sum(int(rec.get("tokens", 0)) for rec in _records(out_path))
     return {
@@ -192,20 +202,14 @@ def generate_data(
     }
 
 
-def _report(
-    progress: ProgressFn,
-    count: int,
-    target: int,
-    spent: float,
-    budget: DataBudget,
-    left: float | None,
-) -> None:
+def _report(progress: ProgressFn, run: Run, budget: DataBudget, left: float | None) -> None:
     """The stage ends at the conversation target or the time budget, whichever comes first:
     the bar shows the nearer of the two."""
-    frac = min(1.0, max(count / max(1, target), spent / max(1e-9, budget.max_seconds)))
-    time_left = max(0.0, budget.max_seconds - spent)
+    used = budget.used(run.spent, run.tokens)
+    frac = min(1.0, max(run.count / max(1, run.target), used / max(1e-9, budget.max_seconds)))
+    time_left = max(0.0, budget.max_seconds - used)
     eta = time_left if left is None else min(left, time_left)
-    progress(Progress("data", round(frac * 1000), 1000, f"{count} conversations", eta))
+    progress(Progress("data", round(frac * 1000), 1000, f"{run.count} conversations", eta))
 
 
 def split_heldout(path: Path, fraction: float) -> tuple[list[list[dict]], list[list[dict]]]:

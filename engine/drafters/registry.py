@@ -28,7 +28,8 @@ class Method:
     build: Callable | None
     checkpoint: str | None = None  # the trained accelerator it loads; None: nothing to load
     # The module that trains that accelerator (trainer/ is imported only when training, and
-    # the engine never imports it): it offers check(lm), reserve_s(options) and train(...).
+    # the engine never imports it): it offers check(lm), prep_seconds_per_token(lm, options),
+    # reserve_s(options) and train(...).
     trainer: str | None = None
 
 

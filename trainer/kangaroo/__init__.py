@@ -1,8 +1,21 @@
 """The Kangaroo adapter: training per exit layer (train.py) and the choice of exit layer,
-eta and gamma on this machine (calibrate.py). The pipeline calls check, reserve_s and
-train."""
+eta and gamma on this machine (calibrate.py). The pipeline calls check,
+prep_seconds_per_token, reserve_s and train."""
 
 from trainer.kangaroo.calibrate import KangarooCalibration
-from trainer.kangaroo.train import KangarooTrainConfig, check, reserve_s, train
+from trainer.kangaroo.train import (
+    KangarooTrainConfig,
+    check,
+    prep_seconds_per_token,
+    reserve_s,
+    train,
+)
 
-__all__ = ["KangarooCalibration", "KangarooTrainConfig", "check", "reserve_s", "train"]
+__all__ = [
+    "KangarooCalibration",
+    "KangarooTrainConfig",
+    "check",
+    "prep_seconds_per_token",
+    "reserve_s",
+    "train",
+]

@@ -24,7 +24,7 @@ from engine.drafters.kangaroo_adapter import draft_head, sequence_states
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import prompt_ids
-from trainer.features import Features, features_for
+from trainer.features import Features, features_for, forward_seconds_per_token
 from trainer.kangaroo.calibrate import KangarooCalibration, calibrate
 from trainer.losses import soft_cross_entropy
 from trainer.resume import start_from
@@ -197,6 +197,11 @@ def check(lm) -> None:
 def reserve_s(options) -> float:
     """Seconds of the budget kept back from training for calibration."""
     return options.kangaroo.calibration.seconds
+
+
+def prep_seconds_per_token(lm, options) -> float:
+    """Seconds the features stage spends per stored conversation token on this machine."""
+    return forward_seconds_per_token(lm)
 
 
 def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from engine.config import SamplingParams
@@ -62,8 +63,11 @@ def candidate_trees(topk_acc: list[list[float]],
 
 def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list[list[int]],
               config: CalibrationConfig, progress: ProgressFn = ignore,
-              cancel: threading.Event | None = None) -> CalibrationResult:
-    """Choose the fastest tree measured on this machine (or none, when none pays)."""
+              cancel: threading.Event | None = None,
+              seconds: float | None = None) -> CalibrationResult:
+    """Choose the fastest tree measured on this machine (or none, when none pays), decoding
+    as many prompts (up to config.prompts, at least one) as fit in `seconds`."""
+    start = time.perf_counter()
     marginal = marginal_accuracies(topk_acc)
     trees = candidate_trees(topk_acc, config.budgets)
     context = max(prompts, key=len)
@@ -81,14 +85,26 @@ def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list
                           f"timed a {len(choices)}-node tree"))
     finalists = [e["tree"] for e in sorted(estimates, key=lambda e: -e["estimated_speedup"])]
     finalists = finalists[: config.finalists]
-    measured = measure_decoding(lm, heads, finalists, prompts[: config.prompts], config,
-                                progress, cancel)
+    left = None if seconds is None else seconds - (time.perf_counter() - start)
+    count = prompts_that_fit(left, plain_s, len(finalists) + 1, config)
+    measured = measure_decoding(lm, heads, finalists, prompts[:count], config, progress, cancel)
     # Plain decoding's speedup is 1 by definition; a tree must beat it to be kept.
     winner = max(measured, key=lambda name: measured[name]["speedup"], default=PLAIN)
     tree = [list(c) for c in tree_names(finalists)[winner]]
     for e in estimates:
         e["tree"] = [list(c) for c in e["tree"]]
     return CalibrationResult(tree, bool(tree), winner, measured, estimates)
+
+
+def prompts_that_fit(seconds: float | None, plain_s: float, candidates: int,
+                     config: CalibrationConfig) -> int:
+    """Prompts each candidate (plain decoding included) can decode in `seconds`, at most
+    config.prompts and at least one; a reply is priced at plain decoding's step time (trees
+    are faster, prefills add a little: the two roughly cancel)."""
+    if seconds is None:
+        return config.prompts
+    per_prompt = candidates * config.max_new_tokens * plain_s
+    return max(1, min(config.prompts, int(seconds // max(per_prompt, 1e-9))))
 
 
 def measure_decoding(lm, heads: MedusaHeads, trees, prompts: list[list[int]],

@@ -22,7 +22,7 @@ from engine.drafters.medusa import MedusaHeads, MedusaSettings, pending_inputs
 from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import expected_tokens, marginal_accuracies
 from trainer.context import prompt_ids
-from trainer.features import Features, features_for
+from trainer.features import Features, features_for, forward_seconds_per_token
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
 from trainer.medusa.calibrate import calibrate
 from trainer.resume import start_from
@@ -187,6 +187,16 @@ def reserve_s(options) -> float:
     return options.calibration_seconds
 
 
+def prep_seconds_per_token(lm, options) -> float:
+    """Seconds the stages between data and training (features, teacher) spend per stored
+    conversation token on this machine: a timed feature forward plus a timed teacher chunk."""
+    hidden = int(lm.model.get_output_embeddings().weight.shape[1])
+    states = torch.randn(CHUNK, hidden, generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    teacher_topk(lm, states, options.medusa.teacher_topk)
+    return forward_seconds_per_token(lm) + (time.perf_counter() - start) / CHUNK
+
+
 def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
           progress: ProgressFn = ignore, cancel: threading.Event | None = None
           ) -> tuple[dict[str, torch.Tensor], dict, dict]:
@@ -222,7 +232,8 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     acc = head_accuracies(lm, heads, head_inputs(lm, heldout, heads), h_teacher, h_pos,
                           h_valid, config.max_rank)
     prompts = [prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
-    result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel)
+    result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel,
+                       seconds=options.calibration_seconds)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
     settings = {**heads.settings.to_json(), "tree": result.tree, "pays": result.pays,
                 # the dtype and device the tree was timed in (another one re-times at load)
