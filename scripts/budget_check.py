@@ -87,6 +87,7 @@ def main() -> None:
     subprocess.run(command, env=env, check=True, cwd=ROOT)
     wall = time.perf_counter() - start
     metrics = json.loads(next((work / "data").rglob("metrics.json")).read_text())
+    shutil.rmtree(work)  # the scaled model alone is ~1 GB
     budget = args.max_minutes * 60
     times = metrics["times"]
     # The job's own time (train_accelerator, what the budget covers) and the command's

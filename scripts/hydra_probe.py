@@ -95,11 +95,11 @@ def chains(lm, heads, feats, teacher) -> dict:
 
 def greedy_heldout(path: Path) -> list[list[dict]]:
     """Held-out conversations of the greedy pass (keys ending in #0)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as fh:
-        for line in path.read_text().splitlines():
-            if json.loads(line).get("key", "").endswith("#0"):
-                fh.write(line + "\n")
-    return split_heldout(Path(fh.name), HELDOUT_FRACTION)[1]
+    with tempfile.TemporaryDirectory() as folder:
+        greedy = Path(folder) / "greedy.jsonl"
+        greedy.write_text("".join(line + "\n" for line in path.read_text().splitlines()
+                                  if json.loads(line).get("key", "").endswith("#0")))
+        return split_heldout(greedy, HELDOUT_FRACTION)[1]
 
 
 def main() -> None:

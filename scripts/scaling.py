@@ -107,10 +107,10 @@ def plot(results: dict, path: Path) -> None:
     fig = Figure(figsize=(7, 4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for points in [results.get("medusa", [])]:
-        for k in range(len(points[0]["top1"]) if points else 0):
-            ax.plot([p["tokens"] for p in points], [p["top1"][k] for p in points], marker="o",
-                    label=f"Medusa head {k + 1} top-1")
+    points = results.get("medusa", [])
+    for k in range(len(points[0]["top1"]) if points else 0):
+        ax.plot([p["tokens"] for p in points], [p["top1"][k] for p in points], marker="o",
+                label=f"Medusa head {k + 1} top-1")
     if points := results.get("kangaroo"):
         ax.plot([p["tokens"] for p in points], [p["agreement"] for p in points], marker="s",
                 color="black", label=f"Kangaroo agreement (exit layer {results['exit_layer']})")
