@@ -1,0 +1,545 @@
+"""A local server no web page can drive: the app on its default setup (loopback, no login)
+attacked as a web page or a local process would. Foreign Host headers, cross-origin
+requests, remote code through the page's events, oversized and stalled requests, client
+mistakes that must be 4xx, and stored files that must not hide the others.
+
+The server runs in this process on a free loopback port with the bundled model in fp32;
+the request guard itself is also driven directly on a tiny ASGI app (clock injected).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import psutil
+import pytest
+
+from app.store import Settings, Store
+from app.ui.launch import LaunchOptions, launch
+from engine.config import ModelSpec
+
+pytestmark = pytest.mark.slow
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "accel": "off"}
+EVIL = "evil.example"
+
+
+# -- the server ----------------------------------------------------------------------------
+
+def _options(**extra) -> LaunchOptions:
+    """LaunchOptions with the fields this version knows (short timeouts for the tests)."""
+    known = LaunchOptions.__dataclass_fields__
+    return LaunchOptions(**{k: v for k, v in extra.items() if k in known})
+
+
+def _write_bad_store(root: Path) -> None:
+    """Beside one good conversation: files that broke the list on older versions."""
+    convs = root / "conversations"
+    convs.mkdir(parents=True)
+    good = {"id": "aaaa", "title": "Good one", "created": 1.0, "updated": 2.0,
+            "messages": [{"role": "user", "content": "hello"}]}
+    (convs / "aaaa.json").write_text(json.dumps(good))
+    (convs / "bbbb.json").write_text("[]")
+    (convs / "cccc.json").write_text(json.dumps({**good, "id": "cccc", "updated": "yesterday"}))
+    numeric = {**good, "id": "dddd", "title": "Numbers", "messages": [
+        {"role": "user", "content": "count"}, {"role": "assistant", "content": 42}]}
+    (convs / "dddd.json").write_text(json.dumps(numeric))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("security-data")
+    _write_bad_store(data)
+    try:  # the limits this module asserts, short for the test
+        from app.security import Limits
+        limits = Limits(header_timeout_s=1.5, body_timeout_s=1.5)
+    except ImportError:  # a version without them: the tests show what it does instead
+        limits = None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUICKDRAFT_DATA_DIR", str(data))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.delenv("QUICKDRAFT_ORIGINS", raising=False)
+        demo, url, service = launch(_options(open_browser=False, model=ModelSpec(quant="fp32"),
+                                             limits=limits), block=False)
+        try:
+            yield url.rstrip("/"), service
+        finally:
+            demo.close()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    return server[1]
+
+
+@pytest.fixture
+def generations(service, monkeypatch):
+    """Counts the replies the API starts."""
+    calls = []
+    real = service.complete
+    monkeypatch.setattr(service, "complete", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+def _port(url: str) -> int:
+    return urlparse(url).port
+
+
+# -- 1. DNS rebinding: remote code through the page's load event -----------------------------
+
+def _evil_folder(root: Path) -> tuple[Path, Path]:
+    """A model folder whose config runs evil.py when trusted; evil.py leaves a marker."""
+    from safetensors.torch import save_file
+    import torch
+
+    folder = root / "evil-model"
+    folder.mkdir()
+    marker = root / "MARKER"
+    (folder / "evil.py").write_text(
+        "from pathlib import Path\n"
+        f"Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig",
+                                            "AutoModelForCausalLM": "evil.EvilModel"}}))
+    save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+    return folder, marker
+
+
+def _call(url: str, api: str, data: list, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}/gradio_api/call/{api}", json={"data": data},
+                      headers=headers or {}, timeout=30)
+
+
+def _result(url: str, api: str, event_id: str, headers: dict | None = None) -> str:
+    r = httpx.get(f"{url}/gradio_api/call/{api}/{event_id}", headers=headers or {}, timeout=300)
+    return r.text
+
+
+def test_rebinding_load_with_remote_code_is_refused_and_runs_nothing(url, service, tmp_path):
+    folder, marker = _evil_folder(tmp_path)
+    foreign = {"Host": f"{EVIL}:{_port(url)}", "Origin": f"http://{EVIL}:{_port(url)}"}
+    r = _call(url, "load", [str(folder), "auto", True], foreign)
+    assert r.status_code == 403, r.text
+    assert "access-control-allow-origin" not in r.headers
+    if r.status_code == 200:  # old behaviour: the result runs the load
+        _result(url, "load", r.json()["event_id"], foreign)
+    assert not marker.exists()
+
+
+def test_a_correct_host_cannot_switch_remote_code_on_either(url, service, tmp_path):
+    folder, marker = _evil_folder(tmp_path)
+    before = service.lm.model_id
+    for data in ([str(folder), "auto", True], [str(folder), "auto"]):
+        r = _call(url, "load", data)
+        if r.status_code == 200:
+            _result(url, "load", r.json()["event_id"])
+        while service.loading is not None and service.loading.running:
+            time.sleep(0.05)
+        assert not marker.exists()
+    assert service.lm.model_id == before  # the bundled model still serves
+
+
+def test_the_load_event_takes_no_trust_input(url):
+    info = httpx.get(f"{url}/gradio_api/info", timeout=30).json()
+    params = info["named_endpoints"]["/load"]["parameters"]
+    assert [p["parameter_name"] for p in params] == ["source", "quant"]
+
+
+# -- 2. Host and Origin ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/", "/config", "/gradio_api/info", "/v1/models"])
+def test_a_foreign_host_is_refused_everywhere(url, path):
+    r = httpx.get(url + path, headers={"Host": f"{EVIL}:{_port(url)}"}, timeout=30)
+    assert r.status_code == 403, (path, r.status_code)
+
+
+def test_a_foreign_host_starts_no_generation(url, generations):
+    r = httpx.post(url + "/v1/chat/completions", json=HI, timeout=60,
+                   headers={"Host": EVIL})
+    assert r.status_code == 403 and generations == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
+def test_loopback_names_are_served(url, host):
+    r = httpx.get(url + "/config", headers={"Host": f"{host}:{_port(url)}"}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_a_cross_origin_text_plain_post_starts_no_generation(url, generations):
+    r = httpx.post(url + "/v1/chat/completions", content=json.dumps(HI), timeout=60,
+                   headers={"Origin": f"http://{EVIL}", "Content-Type": "text/plain"})
+    assert r.status_code == 403 and generations == []
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:3000", "http://127.0.0.1:1", "null"])
+def test_other_local_origins_get_no_echo(url, origin):
+    r = httpx.get(url + "/config", headers={"Origin": origin}, timeout=30)
+    assert "access-control-allow-origin" not in r.headers
+    assert r.status_code == 403
+    pre = httpx.options(url + "/gradio_api/queue/join", timeout=30,
+                        headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in pre.headers
+
+
+def test_the_queue_refuses_a_foreign_origin(url):
+    r = httpx.post(url + "/gradio_api/queue/join", json={"data": [], "fn_index": 0},
+                   headers={"Origin": f"http://{EVIL}"}, timeout=30)
+    assert r.status_code == 403
+
+
+def test_the_page_own_origin_and_no_origin_are_served(url, generations):
+    own = httpx.post(url + "/v1/chat/completions", json=HI, timeout=120,
+                     headers={"Origin": url})
+    assert own.status_code == 200, own.text
+    plain = httpx.post(url + "/v1/chat/completions", json=HI, timeout=120)
+    assert plain.status_code == 200 and len(generations) == 2
+
+
+# -- 3/4. Stored files and settings -----------------------------------------------------------
+
+def test_corrupt_conversations_leave_the_others_listed(service, url):
+    listed = {c.id: c for c in service.store.list()}
+    assert "aaaa" in listed and "dddd" in listed  # the app started and lists them
+    assert "bbbb" not in listed and "cccc" not in listed
+    md = service.store.export("dddd", "md").read_text()
+    assert "42" in md
+
+
+def test_each_bad_conversation_is_named_once(tmp_path, caplog):
+    _write_bad_store(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        ids = [c.id for c in Store(tmp_path).list()]
+    assert sorted(ids) == ["aaaa", "dddd"]
+    named = [r.getMessage() for r in caplog.records]
+    assert len(named) == 2 and any("bbbb.json" in m for m in named)
+    assert any("cccc.json" in m for m in named)
+
+
+BAD_SETTINGS = {"quant": "bogus", "top_p": 7, "max_new_tokens": -5, "accel": "warp",
+                "last_conversation": "../../etc/passwd", "temperature": float("inf")}
+
+
+def test_bad_settings_fall_back_one_line_each(tmp_path, caplog):
+    (tmp_path / "settings.json").write_text(json.dumps({**BAD_SETTINGS, "top_k": 5}))
+    with caplog.at_level(logging.WARNING):
+        s = Store(tmp_path).load_settings()
+    defaults = Settings()
+    for key in BAD_SETTINGS:
+        assert getattr(s, key) == getattr(defaults, key), key
+    assert s.top_k == 5  # a good value is kept
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(BAD_SETTINGS)
+    for key in BAD_SETTINGS:
+        assert any("settings.json" in line and key in line for line in lines), key
+
+
+def test_the_app_starts_with_bad_settings(tmp_path, monkeypatch, bundled_tokenizer):
+    """`serve` with quant "bogus" in settings.json used to exit: now it loads with Auto."""
+    from app import service as service_module
+    from tests.conftest import make_tiny_model
+
+    (tmp_path / "settings.json").write_text(json.dumps(BAD_SETTINGS))
+    specs = []
+    tiny = make_tiny_model("llama-mha", bundled_tokenizer)
+    monkeypatch.setattr(service_module, "load_model", lambda spec, report=None:
+                        specs.append(spec) or tiny)
+    opened = service_module.Service.open(Store(tmp_path))
+    assert opened.lm is tiny and specs[0].quant == "auto"
+
+
+def test_the_folder_is_synced_after_the_rename(tmp_path, monkeypatch):
+    import stat
+
+    from app import store as store_module
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+                        or real(fd))
+    store_module.atomic_write_text(tmp_path / "x.json", "{}")
+    assert synced[-1] is True  # the folder, after the file
+
+
+# -- 5. Limits -------------------------------------------------------------------------------
+
+def _raw(url: str, data: bytes, wait_s: float = 30) -> bytes:
+    """Send raw bytes; everything the server answers until it closes (or `wait_s`)."""
+    where = urlparse(url)
+    with socket.create_connection((where.hostname, where.port), timeout=wait_s) as sock:
+        sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            out += b"<still open>"
+    return out
+
+
+def _head(url: str, body_len: int, extra: str = "") -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {urlparse(url).netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {body_len}\r\n{extra}"
+            "Connection: close\r\n\r\n").encode()
+
+
+def test_an_oversized_body_is_413_before_it_is_sent(url, generations):
+    reply = _raw(url, _head(url, 20 * 2**20))  # 20 MB announced, none sent
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert generations == []
+
+
+def test_a_streamed_body_is_counted(url, generations):
+    body = json.dumps({**HI, "messages": [{"role": "user", "content": "x" * 6 * 2**20}]})
+    r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                   content=iter([body.encode()[i:i + 2**16]
+                                 for i in range(0, len(body), 2**16)]))
+    assert r.status_code == 413 and generations == []
+
+
+def test_a_long_prompt_is_refused_before_tokenizing(url, service, generations, monkeypatch):
+    encoded = []
+    tokenizer = service.lm.tokenizer
+    monkeypatch.setattr(tokenizer, "apply_chat_template",
+                        lambda *a, **k: encoded.append(1) or type(tokenizer).apply_chat_template(
+                            tokenizer, *a, **k))
+    rss = psutil.Process().memory_info().rss
+    body = {**HI, "messages": [{"role": "user", "content": "word " * 700_000}]}  # 3.5 MB
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code in (400, 413) and r.json()["error"]["param"] == "messages"
+    assert generations == [] and encoded == []
+    grown = psutil.Process().memory_info().rss - rss
+    assert grown < 100 * 2**20, f"{grown / 2**20:.0f} MiB kept after one large request"
+
+
+def test_stalled_connections_are_closed(url):
+    where = urlparse(url)
+    half_head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {where.netloc}\r\n".encode()
+    assert _raw(url, half_head, wait_s=20) == b""  # closed with nothing to say
+    stalled_body = _head(url, 1000) + b'{"messages": '
+    reply = _raw(url, stalled_body, wait_s=20)
+    assert reply.startswith(b"HTTP/1.1 408") or reply == b"", reply[:200]
+
+
+# -- 6. Client mistakes are 4xx ----------------------------------------------------------------
+
+def _error(r: httpx.Response) -> dict:
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**64)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_seed_out_of_range_is_400(url, seed, stream):
+    r = httpx.post(url + "/v1/chat/completions", json={**HI, "seed": seed, "stream": stream},
+                   timeout=60)
+    assert r.status_code == 400 and _error(r)["param"] == "seed"
+
+
+def test_deep_nesting_is_400(url):
+    body = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(url + "/v1/chat/completions", content=body, timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+
+
+UNSUPPORTED = [
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 2}, "n"),
+    ({"logit_bias": {"50": 10}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("extra,param", UNSUPPORTED)
+def test_unsupported_features_are_400_naming_them(url, generations, extra, param):
+    r = httpx.post(url + "/v1/chat/completions", json={**HI, **extra}, timeout=60)
+    assert r.status_code == 400 and _error(r)["param"] == param and generations == []
+
+
+def test_text_response_format_is_accepted(url):
+    body = {**HI, "response_format": {"type": "text"}, "tool_choice": "none"}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+def test_no_schema_pages_are_served(url, path):
+    assert httpx.get(url + path, timeout=30).status_code == 404
+
+
+def test_the_api_is_routed_before_the_port_opens(monkeypatch, tmp_path, bundled_tokenizer):
+    """The /v1 routes are on the app gradio serves when it starts serving it."""
+    import gradio as gr
+
+    from app import service as service_module
+    from tests.conftest import make_tiny_model
+
+    tiny = make_tiny_model("llama-mha", bundled_tokenizer)
+    monkeypatch.setattr(service_module, "load_model", lambda spec, report=None: tiny)
+    seen = {}
+
+    def fake_launch(self, **kwargs):
+        app = kwargs.get("_app")
+        seen["paths"] = {getattr(r, "path", "") for r in app.router.routes} if app else set()
+        raise SystemExit
+
+    monkeypatch.setattr(gr.Blocks, "launch", fake_launch)
+    with pytest.raises(SystemExit):
+        launch(_options(open_browser=False, model=ModelSpec()), block=False)
+    assert "/v1/chat/completions" in seen["paths"]
+
+
+def test_secrets_come_from_the_environment_or_a_file(monkeypatch, tmp_path):
+    from app.cli import main as cli_main
+
+    got = []
+    monkeypatch.setattr("app.ui.launch.launch", lambda options, block=True: got.append(options))
+    key_file = tmp_path / "key"
+    key_file.write_text("file-key-0123456789\n")
+    monkeypatch.setenv("QUICKDRAFT_AUTH", "me:secret")
+    assert cli_main(["serve", "--host", "0.0.0.0", "--api-key-file", str(key_file)]) == 0
+    assert got[-1].auth == ("me", "secret") and got[-1].api_key == "file-key-0123456789"
+    monkeypatch.setenv("QUICKDRAFT_API_KEY", "env-key-0123456789")
+    assert cli_main(["serve", "--host", "0.0.0.0"]) == 0
+    assert got[-1].api_key == "env-key-0123456789"
+    auth_file = tmp_path / "auth"
+    auth_file.write_text("you:other\n")
+    assert cli_main(["serve", "--auth-file", str(auth_file)]) == 0
+    assert got[-1].auth == ("you", "other")
+
+
+def test_trust_remote_code_needs_the_model_it_applies_to(monkeypatch, capsys):
+    from app.cli import main as cli_main
+
+    monkeypatch.setattr("app.ui.launch.launch", lambda options, block=True: None)
+    assert cli_main(["serve", "--trust-remote-code"]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+# -- the guard on its own: allowed hosts and origins, throttled logins ----------------------
+
+def _tiny_app():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def echo(request):
+        return PlainTextResponse(str(len(await request.body())))
+
+    async def login(request):
+        form = await request.form()
+        ok = form.get("password") == "right"
+        return JSONResponse({"ok": ok}, status_code=200 if ok else 400)
+
+    async def v1(request):
+        ok = request.headers.get("authorization") == "Bearer right-key"
+        return JSONResponse({}, status_code=200 if ok else 401)
+
+    return Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]),
+                             Route("/login", login, methods=["POST"]),
+                             Route("/v1/models", v1)])
+
+
+def _guarded(clock=time.monotonic, **policy):
+    from starlette.testclient import TestClient
+
+    from app.guard import Guard
+    from app.security import make_policy
+
+    guard = Guard(_tiny_app(), make_policy(**policy), clock=clock)
+    return TestClient(guard, base_url="http://127.0.0.1:7860")
+
+
+def test_allowed_hosts_and_origins_are_admitted(monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_ORIGINS", "https://app.example.com, http://localhost:3000")
+    client = _guarded(host="127.0.0.1", allowed_hosts=("box.lan",),
+                      allowed_origins=("http://tool.example:8080",))
+    assert client.get("/echo", headers={"Host": "box.lan:7860"}).status_code == 200
+    assert client.get("/echo", headers={"Host": "other.lan:7860"}).status_code == 403
+    for origin in ("http://tool.example:8080", "https://app.example.com", "http://localhost:3000"):
+        r = client.post("/echo", content=b"{}", headers={"Origin": origin})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert "access-control-allow-credentials" not in r.headers
+        pre = client.options("/echo", headers={"Origin": origin,
+                                               "Access-Control-Request-Method": "POST"})
+        assert pre.status_code < 300 and pre.headers["access-control-allow-origin"] == origin
+    r = client.post("/echo", content=b"{}", headers={"Origin": "http://localhost:3001"})
+    assert r.status_code == 403
+
+
+def test_an_open_host_admits_addresses_but_not_names():
+    client = _guarded(host="0.0.0.0")
+    assert client.get("/echo", headers={"Host": "192.168.1.20:7860"}).status_code == 200
+    assert client.get("/echo", headers={"Host": "rebound.example:7860"}).status_code == 403
+
+
+def test_the_body_cap_is_configurable():
+    from app.security import Limits
+
+    client = _guarded(host="127.0.0.1", limits=Limits(max_body_bytes=100))
+    assert client.post("/echo", content=b"x" * 100).text == "100"
+    assert client.post("/echo", content=b"x" * 101).status_code == 413
+    streamed = client.post("/echo", content=iter([b"x" * 60, b"x" * 60]))
+    assert streamed.status_code == 413
+
+
+def test_logins_are_throttled_per_client():
+    now = [1000.0]
+    client = _guarded(clock=lambda: now[0], host="127.0.0.1")
+    for _ in range(5):
+        assert client.post("/login", data={"password": "wrong"}).status_code == 400
+    locked = client.post("/login", data={"password": "right"})
+    assert locked.status_code == 429 and int(locked.headers["retry-after"]) > 0
+    assert client.get("/v1/models", headers={"Authorization": "Bearer right-key"}
+                      ).status_code == 429
+    now[0] += 3600
+    assert client.post("/login", data={"password": "right"}).status_code == 200
+    for _ in range(5):
+        assert client.get("/v1/models").status_code == 401  # wrong keys count too
+    assert client.get("/v1/models").status_code == 429
+
+
+# -- 7. Messages for broken files ---------------------------------------------------------------
+
+def test_a_huge_gguf_string_is_reported_as_too_long(tmp_path):
+    from engine.errors import QuickdraftError
+    from engine.gguf import inspect
+
+    path = tmp_path / "huge.gguf"
+    # magic, version 3, 0 tensors, 1 key; the key's name claims 2^40 bytes
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little")
+                     + (1).to_bytes(8, "little") + (2**40).to_bytes(8, "little") + b"k" * 64)
+    with pytest.raises(QuickdraftError) as err:
+        inspect(path)
+    assert "too long" in str(err.value) and "truncated (" not in str(err.value)
+
+
+def test_an_unknown_gguf_version_is_named(tmp_path):
+    from engine.errors import QuickdraftError
+    from engine.gguf import inspect
+
+    path = tmp_path / "v99.gguf"
+    path.write_bytes(b"GGUF" + (99).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(QuickdraftError, match="unsupported GGUF version 99"):
+        inspect(path)
+
+
+def test_settings_never_store_a_permission_to_run_code():
+    """A model's permission to run its code is never written to settings.json."""
+    assert "trust_remote_code" not in Settings.__dataclass_fields__
