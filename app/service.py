@@ -81,14 +81,16 @@ class Service:
         self.loading: Job | None = None
         self.training: Job | None = None
         self.notice = ""  # shown once on the Models tab, e.g. why the last model did not load
+        self.trusted: str | None = None  # the start-up model the command line let run its code
 
     @classmethod
     def open(cls, store: Store, spec: ModelSpec | None = None) -> Service:
         """Start with `spec`, else the last model used, else the bundled one."""
         settings = store.load_settings()
         service = cls(store)
-        wanted = spec or ModelSpec(settings.model, settings.quant,
-                                   trust_remote_code=settings.trust_remote_code)
+        if spec is not None and spec.trust_remote_code:
+            service.trusted = spec.source
+        wanted = spec or ModelSpec(settings.model, settings.quant)
         try:
             service.load_model(wanted)
         except QuickdraftError as exc:
@@ -114,6 +116,8 @@ class Service:
         """Load `spec` in the background; the current model keeps working until it is ready."""
         if self.loading is not None and self.loading.running:
             raise QuickdraftError("a model is already loading")
+        # only the start-up model named on the command line may run its own code
+        spec = dataclasses.replace(spec, trust_remote_code=spec.source == self.trusted)
         job = Job("load", spec.source)
         self.loading = job
         return job.start(lambda: self.load_model(spec, job.report))
@@ -133,8 +137,7 @@ class Service:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.remember(model=spec.source, quant=spec.quant,
-                      trust_remote_code=spec.trust_remote_code)
+        self.remember(model=spec.source, quant=spec.quant)
         report(Progress("done", 1, 1, f"loaded {lm.model_id} as {lm.quant} on {lm.device}"))
         return lm
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from app.settings_rules import problem
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 TITLE_CHARS = 48  # a new conversation is titled after its first prompt, cut to this length
 EXPORT_FORMATS = ("md", "json")
+CONV_ID = re.compile(r"[0-9a-f]{1,32}")  # conversation ids, which name their files
 
 
 class StoreError(QuickdraftError):
@@ -47,6 +50,18 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the rename itself durable: a crash after it must not bring back the old file."""
+    if os.name != "posix":
+        return  # Windows has no folder handles to sync; its renames are journalled
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -88,18 +103,42 @@ class Conversation:
             lines += [f"*System:* {self.system}", ""]
         for m in self.messages:
             who = "**You**" if m["role"] == "user" else "**Assistant**"
-            lines += [who, "", m["content"], ""]
+            lines += [who, "", str(m["content"]), ""]
         return "\n".join(lines)
 
     @classmethod
-    def from_json(cls, data: dict) -> Conversation:
-        known = {f.name for f in fields(cls)}
-        conv = cls(**{k: v for k, v in data.items() if k in known})
-        if not isinstance(conv.messages, list) or not all(
-            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conv.messages
-        ):
-            raise ValueError("messages must be a list of {role, content} objects")
-        return conv
+    def from_json(cls, data, conv_id: str | None = None) -> Conversation:
+        """A conversation from its file's JSON (`conv_id`: the file's name wins over the id
+        inside); ValueError saying what is wrong with a file of another shape."""
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, found {type(data).__name__}")
+        conv_id = conv_id if conv_id is not None else data.get("id")
+        if not isinstance(conv_id, str) or not CONV_ID.fullmatch(conv_id):
+            raise ValueError(f"not a conversation id: {conv_id!r}")
+        for key, kind in (("title", str), ("system", str), ("messages", list)):
+            if key in data and not isinstance(data[key], kind):
+                raise ValueError(f"{key} must be a {kind.__name__}")
+        for key in ("created", "updated"):
+            if not _is_time(data.get(key)):
+                raise ValueError(f"{key} must be a time in seconds")
+        messages = [_message(m, i) for i, m in enumerate(data.get("messages", []))]
+        return cls(conv_id, data.get("title", "Untitled"), float(data["created"]),
+                   float(data["updated"]), data.get("system", ""), messages)
+
+
+def _is_time(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _message(m, i: int) -> dict:
+    """A stored message checked: a user or assistant turn; content that is not text (a
+    hand-edited file) is kept as its JSON text rather than hiding the conversation."""
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise ValueError(f"messages[{i}] must be an object with role user or assistant")
+    content = m.get("content")
+    if not isinstance(content, str):
+        content = "" if content is None else json.dumps(content)
+    return {**m, "content": content}
 
 
 def own_reply(message: dict, fingerprint: str) -> bool:
@@ -120,8 +159,7 @@ class Settings:
     """What the app remembers between launches."""
 
     model: str = "default"  # last model loaded: "default", a folder or a repo id
-    quant: str = "auto"  # its quantization choice
-    trust_remote_code: bool = False  # only ever saved for the model it was ticked for
+    quant: str = "auto"  # its quantization choice (never whether it may run its own code)
     accel: str = "auto"  # last acceleration method chosen (Auto until one is picked)
     temperature: float = 0.2  # sampling defaults (SmolLM2's recommended settings)
     top_p: float = 0.9  # nucleus sampling mass
@@ -131,17 +169,29 @@ class Settings:
     last_conversation: str = ""  # id of the conversation open when the app was left
 
     @classmethod
-    def from_json(cls, data: dict) -> Settings:
-        """Saved values over the defaults; a value of the wrong type keeps its default
-        (a hand-edited or older file must not break the app)."""
-        defaults = asdict(cls())
-        return cls(**{k: _coerce(data.get(k, d), d) for k, d in defaults.items()})
+    def from_json(cls, data: dict, source: str = "settings.json") -> Settings:
+        """Saved values over the defaults; a value of the wrong type or out of its range
+        keeps its default, with one line naming `source` and the key (a hand-edited or
+        older file must not break the app)."""
+        values = asdict(cls())
+        for key, default in list(values.items()):
+            if key not in data:
+                continue
+            value = _coerce(data[key], default)
+            why = "wrong type" if value is None else problem(key, value)
+            if why is None:
+                values[key] = value
+            else:
+                log.warning("%s: ignoring %s = %s (%s); using %r", source, key,
+                            repr(data[key])[:60], why, default)
+        return cls(**values)
 
 
 def _coerce(value, default):
+    """`value` as the type of `default`, or None when it is of another type."""
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    return value if type(value) is type(default) else default
+    return value if type(value) is type(default) else None
 
 
 class Store:
@@ -163,7 +213,10 @@ class Store:
         except (OSError, ValueError) as exc:
             log.warning("ignoring unreadable settings file %s: %s", self.settings_path, exc)
             return Settings()
-        return Settings.from_json(data) if isinstance(data, dict) else Settings()
+        if not isinstance(data, dict):
+            log.warning("ignoring settings file %s: not a JSON object", self.settings_path)
+            return Settings()
+        return Settings.from_json(data, str(self.settings_path))
 
     def save_settings(self, settings: Settings) -> None:
         atomic_write_text(self.settings_path, json.dumps(asdict(settings), indent=2))
@@ -228,13 +281,13 @@ class Store:
         return path
 
     def _path(self, conv_id: str) -> Path:
-        if not re.fullmatch(r"[0-9a-f]{1,32}", conv_id or ""):
+        if not CONV_ID.fullmatch(conv_id or ""):
             raise StoreError(f"not a conversation id: {conv_id!r}")
         return self.conv_dir / f"{conv_id}.json"
 
     @staticmethod
     def _read(path: Path) -> Conversation:
-        return Conversation.from_json(json.loads(path.read_text(encoding="utf-8")))
+        return Conversation.from_json(json.loads(path.read_text(encoding="utf-8")), path.stem)
 
 
 def title_from_prompt(prompt: str) -> str:

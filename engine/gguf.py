@@ -22,6 +22,7 @@ from engine.paths import cache_dir
 log = logging.getLogger(__name__)
 
 MAGIC = b"GGUF"
+VERSIONS = (2, 3)  # the GGUF versions the gguf reader understands
 # Bytes hashed from the start, middle and end of a file to name its converted folder: cheap
 # on multi-GB files, and a re-downloaded or edited file (other header, other weights) misses.
 SAMPLE_BYTES = 1 << 20
@@ -70,10 +71,14 @@ def inspect(path: Path) -> GGUFInfo:
     if not is_gguf(path):
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header); give a .gguf file, "
                              "a model folder or a repo id")
+    _check_version(path)
     reader = _reader(path)
+    _check_strings(path, reader)
     size = path.stat().st_size
-    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-    if not reader.tensors or end > size:
+    if not reader.tensors:
+        raise ModelLoadError(f"{path} holds no tensors: it is not a model, or it is corrupt")
+    end = max(t.data_offset + int(t.n_bytes) for t in reader.tensors)
+    if end > size:
         raise ModelLoadError(f"{path} is truncated ({size:,} of {end:,} bytes): download it again")
     arch = _field(reader, "general.architecture") or "?"
     if arch not in supported_architectures():
@@ -90,12 +95,36 @@ def inspect(path: Path) -> GGUFInfo:
                     sum(int(t.n_elements) for t in reader.tensors), size, types)
 
 
+def _check_version(path: Path) -> None:
+    with open(path, "rb") as f:
+        version = int.from_bytes(f.read(8)[4:], "little")
+    if version not in VERSIONS:
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: "
+                             f"{', '.join(map(str, VERSIONS))})")
+
+
+def _check_strings(path: Path, reader) -> None:
+    """gguf cuts a string that claims more bytes than the file holds; say so instead."""
+    from gguf import GGUFValueType
+
+    for field in reader.fields.values():
+        if len(field.parts) == 5 and field.types == [GGUFValueType.STRING]:
+            claimed, held = int(field.parts[3][0]), len(field.parts[4])
+            if claimed != held:
+                raise ModelLoadError(f"{path}: the value of {field.name!r} is too long for "
+                                     f"the file ({claimed:,} bytes claimed, {held:,} held): "
+                                     "the file is corrupt or truncated")
+
+
 def _reader(path: Path):
     from gguf import GGUFReader
 
     try:
         return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, OverflowError, TypeError) as exc:
+    except IndexError as exc:  # a length in the header points past the end of the file
+        raise ModelLoadError(f"{path} is corrupt: a header entry is too long for the file "
+                             "(or the file is truncated): download it again") from exc
+    except (ValueError, KeyError, OSError, OverflowError, TypeError) as exc:
         # gguf reads the header through a memory map: a cut file fails wherever it ends
         raise ModelLoadError(f"{path} is truncated or corrupt ({type(exc).__name__}): "
                              "download it again") from exc

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.schema import ApiError, parse
+from app.api.schema import ApiError, check_prompt_size, parse
 from app.api.worker import END, Reply, ReplyWorker
 from app.service import Service, model_name
 from engine.config import SamplingParams
@@ -57,6 +57,7 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
             req = parse(body, SamplingParams().max_new_tokens)
             lm = _ready(service)
             _check_model(req.model, lm)
+            check_prompt_size(req, lm.context_len)
         except ApiError as exc:
             return _error(exc)
         reply = worker.submit(Reply(req, asyncio.get_running_loop()))
@@ -100,6 +101,8 @@ async def _json(request: Request) -> object:
         return json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from exc
 
 
 def _ready(service: Service) -> LoadedModel:

@@ -15,6 +15,22 @@ ROLES = ("system", "developer", "user", "assistant")  # "developer": OpenAI's ne
 MAX_STOP = 4  # OpenAI accepts up to four stop sequences
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 DEFAULT_ACCEL = "auto"  # the app's own default: the fastest drafter per step
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what the generator's manual_seed accepts
+# A prompt longer than this many characters per token of the model's context cannot fit
+# whatever its tokens: refused before the tokenizer spends seconds on megabytes of text.
+MAX_CHARS_PER_TOKEN = 16
+
+# OpenAI features the engine does not provide: each answered 400 naming it rather than
+# silently ignored (a client asking for them would believe it got them). Each maps to the
+# values that mean "not used".
+UNSUPPORTED = {
+    "tools": (None, []), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class ApiError(Exception):
@@ -54,6 +70,7 @@ def parse(body: object, default_max_tokens: int) -> CompletionRequest:
     messages, system = _messages(body.get("messages"))
     if body.get("n") not in (None, 1):
         raise _bad("only n=1 is supported", "n")
+    _unsupported(body)
     accel = body.get("accel", DEFAULT_ACCEL)
     if accel not in ACCEL_CHOICES:
         raise _bad(f"unknown acceleration {accel!r}: choose one of {', '.join(ACCEL_CHOICES)}",
@@ -66,6 +83,23 @@ def parse(body: object, default_max_tokens: int) -> CompletionRequest:
         raise _bad("stream_options must be an object", "stream_options")
     return CompletionRequest(model, messages, system, _params(body, default_max_tokens), accel,
                              stream, bool(options.get("include_usage")))
+
+
+def _unsupported(body: dict) -> None:
+    for key, unused in UNSUPPORTED.items():
+        value = body.get(key)
+        if not any(type(value) is type(u) and value == u for u in unused):
+            raise _bad(f"{key} is not supported by this server: leave it out", key)
+
+
+def check_prompt_size(req: CompletionRequest, context_len: int) -> None:
+    """Refuse a prompt that cannot fit the model's context, before tokenizing it."""
+    chars = sum(len(m.content) for m in req.messages) + len(req.system or "")
+    limit = MAX_CHARS_PER_TOKEN * context_len
+    if chars > limit:
+        raise ApiError(400, f"the messages hold {chars:,} characters: far more than this "
+                       f"model's {context_len:,}-token context (at most {limit:,} characters "
+                       "are accepted)", "messages", "context_length_exceeded")
 
 
 def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:
@@ -118,6 +152,8 @@ def _params(body: dict, default_max_tokens: int) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise _bad("seed must be an integer", "seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise _bad("seed must be between -2**63 and 2**64 - 1", "seed")
     return SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
                           stop=_stop(body.get("stop")), seed=seed)
 

@@ -4,9 +4,12 @@ API at /v1 on the same port."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from app.commands.common import gguf_source
 from engine.config import QUANT_CHOICES, ModelSpec
+from app.security import Limits
+from engine.errors import QuickdraftError
 
 HELP = "start the app in the browser (the default when no command is given)"
 
@@ -18,10 +21,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None,
                         help="port (default 7860, or the next free one when it is taken)")
     parser.add_argument("--auth", metavar="USER:PASSWORD",
-                        help="require this login (mandatory with a non-loopback --host)")
+                        help="require this login (mandatory with a non-loopback --host; "
+                             "or --auth-file, or env QUICKDRAFT_AUTH)")
+    parser.add_argument("--auth-file", metavar="PATH", default=None,
+                        help="read USER:PASSWORD from this file (kept out of the process list)")
     parser.add_argument("--api-key", metavar="KEY", default=None,
                         help="require 'Authorization: Bearer KEY' on the /v1 API (mandatory "
-                             "with a non-loopback --host)")
+                             "with a non-loopback --host; or --api-key-file, or env "
+                             "QUICKDRAFT_API_KEY)")
+    parser.add_argument("--api-key-file", metavar="PATH", default=None,
+                        help="read the API key from this file (kept out of the process list)")
+    parser.add_argument("--allowed-host", metavar="NAME", action="append", default=[],
+                        help="also answer requests sent to this host name (repeatable; "
+                             "loopback names and the --host address always are)")
+    parser.add_argument("--allowed-origin", metavar="ORIGIN", action="append", default=[],
+                        help="let web pages from this origin, e.g. http://localhost:3000, call "
+                             "the server (repeatable; or env QUICKDRAFT_ORIGINS, "
+                             "comma-separated)")
+    parser.add_argument("--max-body-mb", type=float, default=Limits().max_body_bytes / 2**20,
+                        help="largest request body accepted, in MiB (default %(default)g)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     parser.add_argument("--model", default=None,
                         help="model to start with: 'default', a local folder, a .gguf file, "
@@ -30,19 +48,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with a repo id as --model: the GGUF file of that repo to use")
     parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES)
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow code shipped with the --model to run (off by default)")
+                        help="allow code shipped with the --model to run, for that model only "
+                             "(off by default; the page cannot switch it on)")
 
 
 def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
+    from app.credentials import API_KEY_ENV, AUTH_ENV, secret
     from app.ui.launch import LaunchOptions, launch, parse_auth
 
+    if args.trust_remote_code and args.model is None:
+        raise QuickdraftError("--trust-remote-code applies to the model named by --model: "
+                              "add --model NAME")
+    if not args.max_body_mb > 0:
+        raise QuickdraftError("--max-body-mb must be a positive number")
     model = None
     if args.model is not None:
         model = ModelSpec(source=gguf_source(args.model, args.gguf_file), quant=args.quant,
                           trust_remote_code=args.trust_remote_code)
     if open_browser is None:
         open_browser = not args.no_browser
-    options = LaunchOptions(host=args.host, port=args.port, auth=parse_auth(args.auth),
-                            open_browser=open_browser, model=model, api_key=args.api_key)
+    auth = secret("auth", args.auth, args.auth_file, AUTH_ENV, os.environ)
+    api_key = secret("api-key", args.api_key, args.api_key_file, API_KEY_ENV, os.environ)
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20))
+    options = LaunchOptions(host=args.host, port=args.port, auth=parse_auth(auth),
+                            open_browser=open_browser, model=model, api_key=api_key,
+                            allowed_hosts=tuple(args.allowed_host),
+                            allowed_origins=tuple(args.allowed_origin), limits=limits)
     launch(options, block=True)
     return 0

@@ -9,6 +9,9 @@ import os
 import socket
 from dataclasses import dataclass
 
+from app.http_timeouts import install_head_timeout
+
+from app.security import Limits, Policy, make_policy
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
@@ -29,6 +32,9 @@ class LaunchOptions:
     open_browser: bool = True  # open the page in the default browser once it is up
     model: ModelSpec | None = None  # None: the last model used, else the bundled one
     api_key: str | None = None  # the /v1 API's "Authorization: Bearer" key; needed off loopback
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback and `host`
+    allowed_origins: tuple[str, ...] = ()  # web origins allowed to call (plus QUICKDRAFT_ORIGINS)
+    limits: Limits = Limits()  # body cap, timeouts, login lockout
 
 
 def is_loopback(host: str) -> bool:
@@ -121,13 +127,16 @@ def launch(options: LaunchOptions, block: bool = True):
     theme = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
                            font_mono=["ui-monospace", "monospace"])  # no web fonts: offline
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    policy = make_policy(options.host, options.allowed_hosts, options.allowed_origins,
+                         options.limits)
+    app = _server_app(service, options, policy)  # guarded, with /v1, before the port opens
     _app, url, _share = demo.launch(
         server_name=options.host, server_port=port, auth=options.auth, share=False,
         auth_message="Log in with the user and password given to --auth.",
         inbrowser=options.open_browser, prevent_thread_lock=True, show_error=True,
-        theme=theme, css=CSS, footer_links=[], ssr_mode=False, quiet=True,
+        theme=theme, css=CSS, footer_links=[], ssr_mode=False, quiet=True, _app=app,
     )
-    _mount_api(_app, service, options)
+    install_head_timeout(demo.server.config, options.limits.header_timeout_s)
     print(f"Quickdraft is running at {url}  (Ctrl-C to quit)", flush=True)
     print(f"OpenAI-compatible API at {url.rstrip('/')}/v1"
           + (" (key required)" if options.api_key else ""), flush=True)
@@ -136,7 +145,23 @@ def launch(options: LaunchOptions, block: bool = True):
     return demo, url, service
 
 
-def _mount_api(app, service, options: LaunchOptions) -> None:
-    from app.api import ApiOptions, mount
+def _server_app(service, options: LaunchOptions, policy: Policy):
+    """The FastAPI app Gradio serves, built here so the guard wraps every route and the /v1
+    routes answer from the first request on. No schema pages: they would bypass the login."""
+    from gradio.routes import App, CustomCORSMiddleware, ORJSONResponse
 
+    from app.api import ApiOptions, mount
+    from app.guard import Guard
+
+    class GuardedApp(App):
+        def build_middleware_stack(self):
+            # the guard alone answers cross-origin requests (Gradio's own CORS layer echoes
+            # any localhost origin with credentials)
+            self.user_middleware = [m for m in self.user_middleware
+                                    if m.cls is not CustomCORSMiddleware]
+            return Guard(super().build_middleware_stack(), policy)
+
+    app = GuardedApp(default_response_class=ORJSONResponse, openapi_url=None, docs_url=None,
+                     redoc_url=None)
     mount(app, service, ApiOptions(api_key=options.api_key))
+    return app

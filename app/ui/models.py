@@ -1,6 +1,7 @@
 """Models tab: the bundled model, a local folder, a GGUF file (LM Studio's and Ollama's are
-listed) or a Hugging Face repo id; quantization with its memory estimate; trust_remote_code
-per model; loading with progress."""
+listed) or a Hugging Face repo id; quantization with its memory estimate; loading with
+progress. Whether a model may run its own code is shown, never asked: only the command line
+can allow it (a page event can be sent by any web page that reaches the server)."""
 
 from __future__ import annotations
 
@@ -39,20 +40,18 @@ class ModelsTab:
                               info="Auto: bf16 or fp32 on this CPU, bf16 or 4-bit on a GPU "
                                    "depending on free memory")
         self.estimate = gr.Markdown(elem_id="qd-model-estimate")
-        self.trust = gr.Checkbox(False, label="Trust remote code for this model",
-                                 info="runs Python code shipped with the model: only for "
-                                      "models whose code you trust")
+        self.trust = gr.Markdown(trust_note(service.trusted), elem_id="qd-model-trust")
         self.load_btn = gr.Button("Load model", variant="primary", elem_id="qd-model-load")
         self.status = gr.HTML(elem_id="qd-model-status")
 
     def wire(self) -> gr.events.Dependency:
         """Wire the tab; returns the load event so other tabs can follow it."""
         self.refresh_btn.click(self.choices, None, [self.source], concurrency_limit=None)
-        self.source.change(self.on_source, [self.source, self.quant],
-                           [self.trust, self.estimate], concurrency_limit=None)
+        self.source.change(self.memory, [self.source, self.quant], [self.estimate],
+                           concurrency_limit=None)
         self.quant.change(self.memory, [self.source, self.quant], [self.estimate],
                           concurrency_limit=None)
-        return self.load_btn.click(self.load, [self.source, self.quant, self.trust],
+        return self.load_btn.click(self.load, [self.source, self.quant],
                                    [self.status, self.current], concurrency_id="load")
 
     def refresh(self) -> dict:
@@ -79,21 +78,17 @@ class ModelsTab:
         return gr.Dropdown(choices=[BUNDLED, *cached, *catalog.gguf_models()],
                            value=value if value is not None else gr.skip())
 
-    def on_source(self, source, quant):
-        # trust_remote_code never carries over from one model to another
-        return gr.Checkbox(value=False), self.memory(source, quant)
-
     def memory(self, source, quant) -> str:
         try:
             return catalog.memory_estimate(ModelSpec(source=source or "default", quant=quant))
         except (QuickdraftError, OSError, ValueError) as exc:
             return f"Cannot estimate the size: {exc}"
 
-    def load(self, source, quant, trust):
-        """Load in the background and report progress; on failure the old model stays."""
+    def load(self, source, quant):
+        """Load in the background and report progress; on failure the old model stays. The
+        service decides whether the model may run its own code (the command line's choice)."""
         try:
-            job = self.service.start_load(ModelSpec(source=source or "default", quant=quant,
-                                                    trust_remote_code=bool(trust)))
+            job = self.service.start_load(ModelSpec(source=source or "default", quant=quant))
         except QuickdraftError as exc:
             yield readout.error_html(str(exc)), gr.skip()
             return
@@ -106,3 +101,12 @@ class ModelsTab:
             return
         done = html.escape(job.progress.message if job.progress else "loaded")
         yield f'<div class="qd-note">{done}</div>', self.describe()
+
+
+def trust_note(trusted: str | None) -> str:
+    """What the page says about models that ship their own code (read-only)."""
+    if trusted:
+        return (f"Remote code: allowed for `{trusted}` only (started with "
+                "`--trust-remote-code`).")
+    return ("Remote code: off. A model that ships its own Python code loads only when the app "
+            "is started with `--model NAME --trust-remote-code`.")
