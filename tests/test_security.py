@@ -395,14 +395,18 @@ def test_the_api_is_routed_before_the_port_opens(monkeypatch, tmp_path, bundled_
     seen = {}
 
     def fake_launch(self, **kwargs):
+        from starlette.testclient import TestClient
+
         app = kwargs.get("_app")
-        seen["paths"] = {getattr(r, "path", "") for r in app.router.routes} if app else set()
+        if app is not None:
+            seen["models"] = TestClient(app, base_url="http://127.0.0.1").get("/v1/models")
         raise SystemExit
 
     monkeypatch.setattr(gr.Blocks, "launch", fake_launch)
     with pytest.raises(SystemExit):
         launch(_options(open_browser=False, model=ModelSpec()), block=False)
-    assert "/v1/chat/completions" in seen["paths"]
+    assert seen["models"].status_code == 200
+    assert seen["models"].json()["data"][0]["id"] == tiny.model_id
 
 
 def test_secrets_come_from_the_environment_or_a_file(monkeypatch, tmp_path):
