@@ -547,3 +547,20 @@ def test_an_unknown_gguf_version_is_named(tmp_path):
 def test_settings_never_store_a_permission_to_run_code():
     """A model's permission to run its code is never written to settings.json."""
     assert "trust_remote_code" not in Settings.__dataclass_fields__
+
+
+def test_a_negative_head_count_is_an_invalid_value(bundled_tokenizer):
+    from engine.accelerators import INFO
+    from engine.drafters.registry import load_drafter
+    from engine.errors import AcceleratorError
+    from tests.conftest import make_tiny_model
+    from tests.test_accelerators import _save
+
+    lm = make_tiny_model("llama-mha", bundled_tokenizer)
+    _heads, folder = _save(lm, num_heads=4)
+    info = json.loads((folder / INFO).read_text())
+    info["settings"]["num_heads"] = -1
+    (folder / INFO).write_text(json.dumps(info))
+    with pytest.raises(AcceleratorError, match="num_heads -1 is not a positive count") as err:
+        load_drafter(lm, "medusa")
+    assert "expected (" not in str(err.value)

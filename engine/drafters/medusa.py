@@ -212,6 +212,8 @@ class MedusaDrafter(Drafter):
                                       int(s["pending_rank"]))
             choices = [tuple(c) for c in s["tree"]]
             accuracies = [[float(a) for a in row] for row in s.get("accuracies", [])]
+            if settings.num_heads < 1:
+                raise ValueError(f"num_heads {settings.num_heads} is not a positive count")
         except (KeyError, TypeError, ValueError) as exc:
             raise AcceleratorError(
                 f"the Medusa accelerator in {ckpt.folder} has unreadable settings ({exc}); {FIX}"
