@@ -100,8 +100,8 @@ def _port(url: str) -> int:
 
 def _evil_folder(root: Path) -> tuple[Path, Path]:
     """A model folder whose config runs evil.py when trusted; evil.py leaves a marker."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     folder = root / "evil-model"
     folder.mkdir()

@@ -7,8 +7,8 @@ import argparse
 import os
 
 from app.commands.common import gguf_source
-from engine.config import QUANT_CHOICES, ModelSpec
 from app.security import Limits
+from engine.config import QUANT_CHOICES, ModelSpec
 from engine.errors import QuickdraftError
 
 HELP = "start the app in the browser (the default when no command is given)"

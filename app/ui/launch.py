@@ -10,7 +10,6 @@ import socket
 from dataclasses import dataclass
 
 from app.http_timeouts import install_head_timeout
-
 from app.security import Limits, Policy, make_policy
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
