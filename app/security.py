@@ -20,6 +20,18 @@ from urllib.parse import urlsplit
 ORIGINS_ENV = "QUICKDRAFT_ORIGINS"  # comma-separated origins allowed besides the page's own
 LOOPBACK_NAMES = ("localhost",)  # plus every loopback address and any *.localhost name
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+# A prompt longer than this many characters per token of the model's context cannot fit
+# whatever its tokens: refused before the tokenizer spends seconds on megabytes of text.
+PROMPT_CHARS_PER_TOKEN = 16
+
+
+def prompt_too_long(chars: int, context_len: int) -> str | None:
+    """Why a prompt of `chars` characters is refused for this context; None if it is not."""
+    limit = PROMPT_CHARS_PER_TOKEN * context_len
+    if chars <= limit:
+        return None
+    return (f"the prompt holds {chars:,} characters: far more than this model's "
+            f"{context_len:,}-token context (at most {limit:,} characters are accepted)")
 
 
 @dataclass(frozen=True)

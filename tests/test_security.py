@@ -564,3 +564,37 @@ def test_a_negative_head_count_is_an_invalid_value(bundled_tokenizer):
     with pytest.raises(AcceleratorError, match="num_heads -1 is not a positive count") as err:
         load_drafter(lm, "medusa")
     assert "expected (" not in str(err.value)
+
+
+def test_the_page_refuses_a_prompt_that_cannot_fit(tmp_path, bundled_tokenizer, monkeypatch):
+    import gradio as gr
+
+    from app.service import Service
+    from app.ui.chat import ChatTab
+    from tests.conftest import make_tiny_model
+
+    service = Service(Store(tmp_path), make_tiny_model("llama-mha", bundled_tokenizer))
+    with gr.Blocks():
+        tab = ChatTab(service)
+    monkeypatch.setattr(service, "chat", lambda *a: pytest.fail("the reply started"))
+    huge = "word " * (4 * service.lm.context_len)
+    updates = list(tab.send(huge, "", "", 0.7, 1.0, 0, 6, "auto", "off", None))
+    assert "characters" in str(updates[-1][tab.readout])
+
+
+def test_only_the_start_up_model_may_run_its_code(tmp_path, bundled_tokenizer, monkeypatch):
+    from app import service as service_module
+    from tests.conftest import make_tiny_model
+
+    specs = []
+    tiny = make_tiny_model("llama-mha", bundled_tokenizer)
+    monkeypatch.setattr(service_module, "load_model", lambda spec, report=None:
+                        specs.append(spec) or tiny)
+    opened = service_module.Service.open(Store(tmp_path),
+                                         ModelSpec("my/model", trust_remote_code=True))
+    assert specs[-1].trust_remote_code and opened.trusted == "my/model"
+    for source, trusted in (("other/model", False), ("my/model", True)):
+        job = opened.start_load(ModelSpec(source, trust_remote_code=True))
+        while job.running:
+            time.sleep(0.01)
+        assert specs[-1].source == source and specs[-1].trust_remote_code is trusted

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.security import prompt_too_long
 from engine.config import ChatMessage, SamplingParams
 from engine.drafters.registry import ACCEL_CHOICES
 
@@ -16,9 +17,6 @@ MAX_STOP = 4  # OpenAI accepts up to four stop sequences
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 DEFAULT_ACCEL = "auto"  # the app's own default: the fastest drafter per step
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what the generator's manual_seed accepts
-# A prompt longer than this many characters per token of the model's context cannot fit
-# whatever its tokens: refused before the tokenizer spends seconds on megabytes of text.
-MAX_CHARS_PER_TOKEN = 16
 
 # OpenAI features the engine does not provide: each answered 400 naming it rather than
 # silently ignored (a client asking for them would believe it got them). Each maps to the
@@ -95,11 +93,8 @@ def _unsupported(body: dict) -> None:
 def check_prompt_size(req: CompletionRequest, context_len: int) -> None:
     """Refuse a prompt that cannot fit the model's context, before tokenizing it."""
     chars = sum(len(m.content) for m in req.messages) + len(req.system or "")
-    limit = MAX_CHARS_PER_TOKEN * context_len
-    if chars > limit:
-        raise ApiError(400, f"the messages hold {chars:,} characters: far more than this "
-                       f"model's {context_len:,}-token context (at most {limit:,} characters "
-                       "are accepted)", "messages", "context_length_exceeded")
+    if (why := prompt_too_long(chars, context_len)) is not None:
+        raise ApiError(400, why, "messages", "context_length_exceeded")
 
 
 def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app.replies import ReplyRequest
+from app.security import prompt_too_long
 from app.service import Service, accel_label
 from app.store import Conversation
 from app.ui import readout
@@ -134,6 +135,7 @@ class ChatTab:
              method, request: gr.Request):
         try:
             params = _params(temperature, top_p, top_k, max_new, acceptance)
+            _check_length(message, system, self.service.lm.context_len)
             conv = self._conversation(conv_id)
             ask = ReplyRequest(conv.id, params, method, system, _session(request))
             stream = self.service.chat(ask, message)
@@ -270,6 +272,13 @@ class ChatTab:
                     self.max_new: s.max_new_tokens})
         out.update(self.select_accel(s.accel, "off"))
         return out
+
+
+def _check_length(message, system, context_len: int) -> None:
+    """Refuse a message that cannot fit before the tokenizer reads megabytes of it."""
+    why = prompt_too_long(len(message or "") + len(system or ""), context_len)
+    if why is not None:
+        raise QuickdraftError(why)
 
 
 def _session(request: gr.Request | None) -> str:
