@@ -22,6 +22,7 @@ from trainer.medusa.train import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.selfdistill import DataBudget, data_path
 from trainer.train import TrainConfig
+from tests.conftest import assert_exact_while_drafting
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,9 +76,8 @@ def kangaroo_options() -> TrainOptions:
 
 def greedy_stays_exact(lm, method: str) -> None:
     drafter = load_drafter(lm, method)
-    prompt = list(range(20, 60))
-    params = SamplingParams(max_new_tokens=40)
-    assert run(lm, prompt, params, drafter)[1] == run(lm, prompt, params)[1]
+    assert_exact_while_drafting(lm, list(range(20, 60)), SamplingParams(max_new_tokens=40),
+                                drafter)
 
 
 @pytest.fixture(autouse=True)
