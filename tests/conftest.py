@@ -114,7 +114,8 @@ def drafting(lm, drafter):
         return drafter.with_schedule(0.0, 3)
     if drafter.pays or not isinstance(drafter, MedusaDrafter):
         return drafter
-    return MedusaDrafter(lm, drafter.heads, build_tree(FORCED_TREE, drafter.heads.settings.num_heads))
+    forced = build_tree(FORCED_TREE, drafter.heads.settings.num_heads)
+    return MedusaDrafter(lm, drafter.heads, forced)
 
 
 def assert_exact_while_drafting(lm, prompt: list[int], params, drafter) -> None:

@@ -50,11 +50,79 @@ def service(server):
     return server[2]
 
 
+# Fields the server adds beside OpenAI's (the queue ticket of a streamed reply).
+EXTENSIONS = {"quickdraft"}
+
+
+def _extras(model) -> set[str]:
+    """Fields of `model` (and the models inside it) that OpenAI's types do not declare."""
+    from pydantic import BaseModel
+
+    found = set(model.model_extra or {})
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                found |= _extras(item)
+    return found
+
+
+def assert_openai_shape(payload: dict) -> None:
+    """`payload` (one response body or stream chunk) is exactly one of OpenAI's types: strict
+    types, every required field, nothing undeclared but the server's own extension."""
+    from openai.types import Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    if "error" in payload:
+        assert set(payload["error"]) >= {"message", "type", "code"}, payload
+        return
+    kinds = {"chat.completion": ChatCompletion, "chat.completion.chunk": ChatCompletionChunk,
+             "list": None}
+    assert payload.get("object") in kinds, payload
+    if payload["object"] == "list":
+        items = [Model.model_validate(m, strict=True) for m in payload["data"]]
+    else:
+        items = [kinds[payload["object"]].model_validate(payload, strict=True)]
+    assert all(_extras(item) <= EXTENSIONS for item in items), payload
+
+
+class _Checking(httpx.HTTPTransport):
+    """Reads each response whole and checks its shape before the client parses it."""
+
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        body = response.read()
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            for line in body.decode().splitlines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    assert_openai_shape(json.loads(line[6:]))
+        elif body:
+            assert_openai_shape(json.loads(body))
+        checked.append(request.url.path)
+        return httpx.Response(response.status_code, headers=response.headers, content=body,
+                              request=request)
+
+
+checked: list[str] = []  # paths whose responses were checked (the check itself is tested)
+
+
 @pytest.fixture(scope="module")
 def client(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=120,
+                  http_client=httpx.Client(transport=_Checking()))
+
+
+def test_the_shape_check_refuses_a_missing_field_a_wrong_type_and_an_extra():
+    good = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                         "message": {"role": "assistant", "content": "hi"}}]}
+    assert_openai_shape(good)
+    for bad in ({k: v for k, v in good.items() if k != "created"}, {**good, "created": "1"},
+                {**good, "choices": [{**good["choices"][0], "surprise": 1}]}):
+        with pytest.raises((AssertionError, ValueError)):
+            assert_openai_shape(bad)
 
 
 def _reference(lm, prompt: str, max_new: int) -> tuple[str, list[int]]:
@@ -66,6 +134,7 @@ def _reference(lm, prompt: str, max_new: int) -> tuple[str, list[int]]:
 # -- the openai client ----------------------------------------------------------------------
 
 def test_models_and_a_whole_reply(client, service):
+    checked.clear()
     models = client.models.list()
     assert [m.id for m in models.data] == [service.lm.model_id]
     reply = client.chat.completions.create(
@@ -79,6 +148,7 @@ def test_models_and_a_whole_reply(client, service):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     extra = reply.model_extra["quickdraft"]
     assert extra["accel"].startswith("auto") and extra["tokens_per_step"] >= 1
+    assert checked == ["/v1/models", "/v1/chat/completions"]  # both shapes were checked
 
 
 def test_streaming_reply_matches_the_whole_one(client):
@@ -141,6 +211,7 @@ BAD_REQUESTS = [
 def test_bad_requests_get_openai_errors(server, body, status, param):
     r = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
     assert r.status_code == status
+    assert_openai_shape(r.json())
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["message"] and "\n" not in error["message"]
@@ -193,6 +264,7 @@ def _stream(url: str, prompt: str, max_tokens: int, record: dict) -> None:
                 record["done"] = True
                 break
             chunk = json.loads(line[6:])
+            assert_openai_shape(chunk)
             if "quickdraft" in chunk:
                 record["ticket"] = chunk["quickdraft"]["queue_ticket"]
             delta = chunk["choices"][0]["delta"].get("content")

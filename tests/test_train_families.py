@@ -13,8 +13,8 @@ from engine.config import ModelSpec, SamplingParams
 from engine.drafters.medusa import MedusaHeads, MedusaSettings, retimed_tree
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
-from engine.generate import run
 from engine.loading import wrap_model
+from tests.conftest import assert_exact_while_drafting
 from trainer.kangaroo.calibrate import KangarooCalibration
 from trainer.kangaroo.train import KangarooTrainConfig
 from trainer.medusa.calibrate import CalibrationConfig
@@ -22,7 +22,6 @@ from trainer.medusa.train import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.selfdistill import DataBudget, data_path
 from trainer.train import TrainConfig
-from tests.conftest import assert_exact_while_drafting
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

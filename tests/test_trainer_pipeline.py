@@ -15,7 +15,6 @@ from app.commands.train import render, summary
 from engine.config import SamplingParams
 from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
-from engine.generate import run
 from engine.progress import Progress
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
 from trainer import features as features_mod
