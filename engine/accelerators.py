@@ -50,8 +50,16 @@ class Checkpoint:
 
 
 def checkpoint_dir(fingerprint: str, method: str) -> Path:
-    """Where training saves the user's own accelerator."""
-    return data_dir() / "accelerators" / f"{fingerprint}-{method}"
+    """Where training saves the user's own accelerator (restoring the previous one when a save
+    died between moving it aside and moving the new one in)."""
+    folder = data_dir() / "accelerators" / f"{fingerprint}-{method}"
+    old = folder.with_name(folder.name + ".old")
+    if not folder.exists() and (old / INFO).is_file():
+        try:
+            old.rename(folder)
+        except OSError:
+            pass  # read-only data folder: the next save retries
+    return folder
 
 
 def stored_dir(fingerprint: str, method: str) -> Path:
@@ -93,8 +101,8 @@ def save_checkpoint(lm, method: str, tensors: dict[str, torch.Tensor], settings:
         (tmp / INFO).write_text(json.dumps(info, indent=2))
         (tmp / METRICS).write_text(json.dumps(metrics, indent=2))
         old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
         if folder.exists():
+            shutil.rmtree(old, ignore_errors=True)
             folder.rename(old)
         tmp.rename(folder)
         shutil.rmtree(old, ignore_errors=True)

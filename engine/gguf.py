@@ -43,6 +43,8 @@ class GGUFInfo:
 
 
 def supported_architectures() -> list[str]:
+    # transformers has no public list; tests/test_gguf.py names this import so an upgrade
+    # that moves it fails there first.
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     # "general" and "tokenizer" are metadata sections of the mapping, not architectures.
@@ -50,9 +52,13 @@ def supported_architectures() -> list[str]:
 
 
 def supported_types() -> list[str]:
-    from gguf.quants import _type_traits  # the types gguf's numpy dequantizer implements
+    """The GGML types gguf's numpy dequantizer implements (its public per-type classes)."""
+    from gguf import quants
 
-    return ["F32", "F16", *sorted(t.name for t in _type_traits)]
+    found = (getattr(quants, n) for n in dir(quants) if not n.startswith("_"))
+    return ["F32", "F16", *sorted(c.qtype.name for c in found if isinstance(c, type)
+                                  and isinstance(getattr(c, "qtype", None),
+                                                 quants.GGMLQuantizationType))]
 
 
 def is_gguf(path: Path) -> bool:
@@ -182,9 +188,11 @@ def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
 
 
 def file_key(path: Path) -> str:
-    """Short hash of a file's size and three samples of its bytes (see SAMPLE_BYTES)."""
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
+    """Short hash of a file's size, modification time and three samples of its bytes (see
+    SAMPLE_BYTES): the time catches an edit between the samples (same size, other weights)."""
+    stat = path.stat()
+    size = stat.st_size
+    digest = hashlib.sha256(f"{size} {stat.st_mtime_ns}".encode())
     with open(path, "rb") as f:
         for offset in (0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)):
             f.seek(offset)

@@ -97,3 +97,31 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# A small tree every Medusa checkpoint here can fill (depth 2: trained heads number >= 2).
+FORCED_TREE = [(0,), (1,), (0, 0), (1, 0)]
+
+
+def drafting(lm, drafter):
+    """`drafter`, or (when calibration switched it off, so it would decode plainly) its trained
+    weights with a forced tree / schedule: exactness checks then hold while drafting."""
+    from engine.drafters.kangaroo import KangarooDrafter
+    from engine.drafters.medusa import MedusaDrafter
+    from engine.tree import build_tree
+
+    if isinstance(drafter, KangarooDrafter) and drafter.off:
+        return drafter.with_schedule(0.0, 3)
+    if drafter.pays or not isinstance(drafter, MedusaDrafter):
+        return drafter
+    forced = build_tree(FORCED_TREE, drafter.heads.settings.num_heads)
+    return MedusaDrafter(lm, drafter.heads, forced)
+
+
+def assert_exact_while_drafting(lm, prompt: list[int], params, drafter) -> None:
+    """Greedy with `drafter` gives plain decoding's tokens, and it did draft."""
+    from engine.generate import run
+
+    _t, ids, stats = run(lm, prompt, params, drafting(lm, drafter))
+    assert ids == run(lm, prompt, params)[1]
+    assert sum(stats.drafted) > 0, "the drafter never drafted: exactness held trivially"

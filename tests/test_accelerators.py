@@ -156,3 +156,37 @@ def test_chat_without_trained_heads_prints_one_line(capsys):
         and FIX in err[-1]
     )
     assert not any("Traceback" in line for line in err)
+
+
+
+def _save_crashing_before_the_new_folder_is_in(lm, monkeypatch, folder):
+    """A save killed between its two renames (SystemExit: nothing in save may clean up)."""
+    real_rename = type(folder).rename
+
+    def rename(self, target):
+        if ".tmp-" in self.name:
+            raise SystemExit("power cut")
+        return real_rename(self, target)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(folder), "rename", rename)
+        with pytest.raises(SystemExit):
+            _save(lm, tree=TREE[:2])
+
+
+def test_a_crash_between_the_two_renames_brings_the_previous_accelerator_back(lm, monkeypatch):
+    """Saving moves the old folder aside, then the new one in: a crash between the two leaves
+    only <folder>.old, and the next start loads it."""
+    heads, folder = _save(lm)
+    _save_crashing_before_the_new_folder_is_in(lm, monkeypatch, folder)
+    assert not folder.exists() and folder.with_name(folder.name + ".old").is_dir()
+    drafter = load_drafter(lm, "medusa")  # the next start
+    assert torch.equal(drafter.heads.weight, heads.weight)
+    assert (folder / INFO).is_file() and not folder.with_name(folder.name + ".old").exists()
+
+
+def test_a_second_crashing_save_does_not_delete_the_only_copy(lm, monkeypatch):
+    heads, folder = _save(lm)
+    folder.rename(folder.with_name(folder.name + ".old"))  # the state a crash leaves
+    _save_crashing_before_the_new_folder_is_in(lm, monkeypatch, folder)
+    assert torch.equal(load_drafter(lm, "medusa").heads.weight, heads.weight)

@@ -3,6 +3,8 @@ tiny model through FastAPI's test client."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +13,8 @@ from fastapi.testclient import TestClient
 
 from app.api import ApiOptions, mount
 from app.api.schema import ApiError, parse
-from app.service import Service
+from app.api.worker import END, Reply, ReplyWorker
+from app.service import Service, model_name
 from app.store import Store
 from engine.chat import encode
 from engine.config import ChatMessage, Conversation, SamplingParams
@@ -72,6 +75,93 @@ def app(tmp_path, bundled_tokenizer):
     worker = mount(app, Service(Store(tmp_path / "data"), lm), ApiOptions(api_key=None))
     yield app, lm
     worker.close()
+
+
+@pytest.fixture
+def served(tmp_path, bundled_tokenizer):
+    """A test client on a tiny model whose id is a path (its short name is the last part)."""
+    lm = dataclasses.replace(make_tiny_model("llama-mha", bundled_tokenizer),
+                             model_id="/models/org/tiny-chat")
+    app, service = FastAPI(), Service(Store(tmp_path / "data"), lm)
+    worker = mount(app, service, ApiOptions(api_key=None))
+    yield TestClient(app), service
+    worker.close()
+
+
+ASK = {"temperature": 0, "max_tokens": 4, "accel": "off", "messages": [USER]}
+
+
+def _stream_lines(client, body) -> list[str]:
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_body_that_is_not_json_gets_an_openai_error(served):
+    client, _service = served
+    r = client.post("/v1/chat/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "invalid_json" and "not valid JSON" in error["message"]
+
+
+def test_the_model_answers_to_its_id_its_short_name_and_default(served):
+    client, service = served
+    assert model_name(service.lm) == "tiny-chat"
+    for name in ("/models/org/tiny-chat", "tiny-chat", "default"):
+        r = client.post("/v1/chat/completions", json={**ASK, "model": name})
+        assert r.status_code == 200, (name, r.text)
+    r = client.post("/v1/chat/completions", json={**ASK, "model": "org"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_a_generation_error_is_one_openai_error_and_the_worker_survives_it(served, monkeypatch):
+    client, service = served
+    real = service.complete
+    failures = iter([RuntimeError("boom\ntrace"), RuntimeError("bang")])
+
+    def failing(*args):
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        yield from real(*args)
+
+    monkeypatch.setattr(service, "complete", failing)
+    r = client.post("/v1/chat/completions", json=ASK)  # a whole reply
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "RuntimeError: boom", "type": "server_error",
+                                 "param": None, "code": "internal_error"}
+    lines = _stream_lines(client, ASK)  # a streamed one: the error is a chunk, then the end
+    errors = [json.loads(line[6:]) for line in lines if '"error"' in line]
+    assert [e["error"]["message"] for e in errors] == ["RuntimeError: bang"]
+    assert lines[-1] == "data: [DONE]"
+    after = client.post("/v1/chat/completions", json=ASK)  # the worker is still serving
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"]
+
+
+def test_a_reply_cancelled_before_its_turn_never_runs():
+    calls = []
+
+    class Recording:
+        def complete(self, *args):
+            calls.append(args)
+            yield from ()
+
+    worker = ReplyWorker(Recording())
+
+    async def ask() -> object:
+        reply = Reply(parse({"messages": [USER]}, 8), asyncio.get_running_loop())
+        reply.cancel.set()  # its client left while it waited
+        worker.submit(reply)
+        return await asyncio.wait_for(reply.events.get(), 30)
+
+    try:
+        assert asyncio.run(ask()) is END
+    finally:
+        worker.close()
+    assert calls == []
 
 
 def test_loopback_without_a_key_serves_whole_and_streamed_replies(app):

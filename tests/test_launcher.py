@@ -134,8 +134,10 @@ def test_run_step_missing_program():
     assert "could not start" in str(info.value)
 
 
-def test_run_step_success():
-    launcher.run_step("Nothing", [sys.executable, "-c", "pass"])
+def test_run_step_success(tmp_path):
+    ran = tmp_path / "ran"
+    assert launcher.run_step("Nothing", [sys.executable, "-c", f"open({str(ran)!r}, 'w')"]) is None
+    assert ran.exists()  # the command really ran
 
 
 def test_main_reports_bootstrap_failure_without_traceback(monkeypatch, capsys):

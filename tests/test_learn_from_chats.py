@@ -23,7 +23,7 @@ from engine.drafters.kangaroo_adapter import Adapter
 from engine.drafters.medusa import MedusaHeads, MedusaSettings, heads_from_tensors
 from engine.drafters.registry import load_drafter
 from engine.generate import run
-from tests.conftest import make_tiny_model
+from tests.conftest import assert_exact_while_drafting, make_tiny_model
 from trainer.kangaroo import KangarooTrainConfig
 from trainer.kangaroo.calibrate import KangarooCalibration
 from trainer.medusa.calibrate import CalibrationConfig
@@ -272,7 +272,7 @@ def test_a_continued_run_starts_from_the_old_heads_and_learns_the_chats(lm, monk
     drafter = load_drafter(lm, "medusa")  # whatever calibration chose, greedy stays exact
     for prompt in ("List the multiples of 3, please.", "Say something."):
         ids = encode(lm.tokenizer, conversation(prompt))
-        assert run(lm, ids, GREEDY, drafter)[1] == run(lm, ids, GREEDY)[1]
+        assert_exact_while_drafting(lm, ids, GREEDY, drafter)
 
     fresh = train_accelerator(lm, dataclasses.replace(brief, chats=tuple(learn)))
     from_scratch = _head1_top1(lm, load_checkpoint(lm, "medusa").tensors, held)

@@ -149,9 +149,12 @@ def test_random_draws_use_the_generators_device(monkeypatch):
 def test_acceptance_rules_run_with_a_cuda_generator():
     gen = torch.Generator(device="cuda").manual_seed(0)
     probs = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]], device="cuda")
-    verify.accept_pointmass([[1], []], [0, 1], probs, gen)
-    verify.accept_speculative_chain([0, 2], probs[:1], probs, gen)
-    verify.accept_typical([[1], []], [0, 1], probs, 0.09, 0.3, gen)
+    results = [verify.accept_pointmass([[1], []], [0, 1], probs, gen),
+               verify.accept_speculative_chain([0, 2], probs[:1], probs, gen),
+               verify.accept_typical([[1], []], [0, 1], probs, 0.09, 0.3, gen)]
+    drafted = [[1], [2], [1]]  # each rule's draft after the root
+    for (accepted, token), draft in zip(results, drafted, strict=True):
+        assert accepted in ([], draft) and 0 <= int(token) < 3
 
 
 def test_greedy_acceptance_while_sampling_is_refused():

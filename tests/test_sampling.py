@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from transformers import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine.config import SamplingParams
 from engine.generate import run
@@ -55,10 +62,33 @@ def _first_token_counts(lm, prompt, params, n):
     return counts
 
 
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The next-token distribution by transformers' own warpers, in generate()'s order
+    (temperature, top-k, top-p): an implementation independent of engine.sampling."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    return torch.softmax(warpers(ids, logits[None].float()), -1)[0]
+
+
 def _expected(lm, prompt, params):
     with torch.no_grad():
         logits = lm.model(torch.tensor([prompt])).logits[0, -1]
-    return logits_to_probs(logits, params)
+    return reference_probs(logits, params)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.8, 8, 0.9), (2.0, 3, 0.5), (0.5, 0, 0.3)])
+def test_filters_match_transformers_warpers(temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for _ in range(50):
+        logits = torch.randn(32, generator=gen) * 3
+        assert torch.allclose(logits_to_probs(logits, params), reference_probs(logits, params),
+                              atol=1e-6)
 
 
 def test_loop_samples_match_softmax_after_top_k_top_p(bundled_tokenizer):

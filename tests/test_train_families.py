@@ -13,8 +13,8 @@ from engine.config import ModelSpec, SamplingParams
 from engine.drafters.medusa import MedusaHeads, MedusaSettings, retimed_tree
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
-from engine.generate import run
 from engine.loading import wrap_model
+from tests.conftest import assert_exact_while_drafting
 from trainer.kangaroo.calibrate import KangarooCalibration
 from trainer.kangaroo.train import KangarooTrainConfig
 from trainer.medusa.calibrate import CalibrationConfig
@@ -75,9 +75,8 @@ def kangaroo_options() -> TrainOptions:
 
 def greedy_stays_exact(lm, method: str) -> None:
     drafter = load_drafter(lm, method)
-    prompt = list(range(20, 60))
-    params = SamplingParams(max_new_tokens=40)
-    assert run(lm, prompt, params, drafter)[1] == run(lm, prompt, params)[1]
+    assert_exact_while_drafting(lm, list(range(20, 60)), SamplingParams(max_new_tokens=40),
+                                drafter)
 
 
 @pytest.fixture(autouse=True)

@@ -15,9 +15,8 @@ from app.commands.train import render, summary
 from engine.config import SamplingParams
 from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
-from engine.generate import run
 from engine.progress import Progress
-from tests.conftest import make_tiny_model
+from tests.conftest import assert_exact_while_drafting, make_tiny_model
 from trainer import features as features_mod
 from trainer.features import conversation_tokens
 from trainer.medusa.calibrate import CalibrationConfig, prompts_that_fit
@@ -57,8 +56,7 @@ def test_a_full_build_saves_heads_that_decode_exactly(lm):
     assert ["data", "features", "train", "calibrate", "save", "done"] == list(dict.fromkeys(stages))
     assert len(result.metrics["top1"]) == 4 and "data_s" in result.metrics["times"]
     drafter = load_drafter(lm, "medusa")  # whatever calibration chose, greedy stays exact
-    params = SamplingParams(max_new_tokens=24)
-    assert run(lm, [3, 4, 5], params, drafter)[1] == run(lm, [3, 4, 5], params)[1]
+    assert_exact_while_drafting(lm, [3, 4, 5], SamplingParams(max_new_tokens=24), drafter)
 
 
 def test_a_cancelled_build_resumes_with_its_data_and_features(lm, monkeypatch):
