@@ -68,7 +68,7 @@ class LowBitLinear(nn.Module):
         super().__init__()
         self.kind = kind
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to("cpu", torch.float32)
+        weight = linear.weight.detach().to("cpu", torch.float32).contiguous()
         self.bias = (None if linear.bias is None else
                      nn.Parameter(linear.bias.detach().to(device, torch.bfloat16), False))
         if kind == "int4":
@@ -183,10 +183,10 @@ def low_bit_layers(model: nn.Module) -> list[LowBitLinear]:
 def set_wide_rows(model: nn.Module, rows: int) -> None:
     """Use the bf16 copies from `rows` rows on (0: never, and drop the copies that only
     served wide steps; the tied head's copy stays: it is the embedding table)."""
-    keep = model.get_input_embeddings().weight
+    keep = model.get_input_embeddings().weight.data_ptr()
     for layer in low_bit_layers(model):
         layer.wide_rows = rows
-        if rows == 0 and layer.wide is not None and layer.wide is not keep:
+        if rows == 0 and layer.wide is not None and layer.wide.data_ptr() != keep:
             layer.wide = None
 
 
