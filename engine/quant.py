@@ -29,7 +29,7 @@ from engine.errors import ModelLoadError
 
 LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
 GROUP_SIZE = 32  # int4: input features sharing one scale and zero point (as Q4_1)
-CUDA_INNER_K_TILES = 8  # tinygemm's packing: K must divide by 16 * this on CUDA
+CUDA_INNER_K_TILES = (8, 4, 2)  # tinygemm's packings, fastest first: K % (16 * tiles) == 0
 ROWS = (1, 2, 4, 8, 16, 32)  # step sizes (tokens) the cost curve is measured at
 # The LM head's kind per choice: 8-bit under int4, as llama.cpp's Q4 files keep their
 # token table in Q8_0/Q6_K (the head is where 4 bits cost the most perplexity).
@@ -54,10 +54,15 @@ def _dequant_int4(codes, scale, zero, group: int) -> torch.Tensor:
     return (w + zero.float()[..., None]).reshape(n, k).to(torch.bfloat16)
 
 
+def _inner_tiles(k: int) -> int:
+    """tinygemm's inner K tiles for K input features (0: no packing fits)."""
+    return next((t for t in CUDA_INNER_K_TILES if k % (16 * t) == 0), 0)
+
+
 def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # tinygemm wants two codes per byte, high nibble first
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
-        return torch.ops.aten._convert_weight_to_int4pack(pairs, CUDA_INNER_K_TILES)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_tiles(codes.shape[1]))
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(device), 1)
 
 
@@ -129,7 +134,7 @@ def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:
     if kind == "int8w":
         return True
     if device.type == "cuda":
-        return k % (16 * CUDA_INNER_K_TILES) == 0 and n % 8 == 0
+        return _inner_tiles(k) > 0 and n % 8 == 0 and k % GROUP_SIZE == 0
     return k % GROUP_SIZE == 0 and k % 2 == 0
 
 

@@ -45,12 +45,12 @@ def test_every_linear_is_low_bit_and_logits_stay_close(name, kind, bundled_token
     original = dict(lm.model.named_modules())
     for name_, layer in low.model.named_modules():
         if isinstance(layer, quant.LowBitLinear):
-            x = torch.randn(3, layer.in_features)
+            x = torch.randn(3, layer.in_features, device=fm.DEVICE)
             want = original[name_](x)
             err = ((layer(x.bfloat16()).float() - want).norm() / want.norm()).item()
             assert err < (0.12 if layer.kind == "int4" else 0.02), (name_, err)
     if kind == "int8w":
-        ids = torch.tensor([fm.prompts()["fresh"]])
+        ids = torch.tensor([fm.prompts()["fresh"]], device=fm.DEVICE)
         with torch.inference_mode():
             want = lm.model(input_ids=ids).logits
             got = low.model(input_ids=ids).logits
@@ -95,7 +95,7 @@ def test_dequantized_weights_are_what_the_kernel_multiplies(bundled_tokenizer):
     lm = fm.family_model("qwen2-untied", bundled_tokenizer)
     for kind in quant.LOW_BIT:
         layer = quant.low_bit_layers(quantized(lm, kind, wide_rows=1).model)[0]
-        x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+        x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, device=fm.DEVICE)
         want = layer.low_bit(x).float()
         torch.testing.assert_close((x @ layer.wide.t()).float(), want, atol=0.05, rtol=0.02)
         torch.testing.assert_close(layer.dequantized().float(), layer.wide.float(),
