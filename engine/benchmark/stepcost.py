@@ -4,7 +4,7 @@ tokens costs about what one costs; low-bit weight kernels are where this can bre
 
 from __future__ import annotations
 
-from engine.drafters.base import Draft, DecodeState, Drafter
+from engine.drafters.base import DecodeState, Draft, Drafter
 from engine.drafters.payoff import round_seconds
 
 SIZES = (1, 2, 4, 8, 16, 32)  # tokens per step (the pending token included)
