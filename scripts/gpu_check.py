@@ -93,15 +93,15 @@ class Runner:
 def run_checks(runner: Runner, cuda: bool, out: Path) -> None:
     py = sys.executable
     matrix = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-              "tests/test_family_matrix.py", "tests/test_reply_ends.py"]
+              "tests/test_family_matrix.py", "tests/test_reply_ends.py", "tests/test_quant.py"]
     device_env = {"QUICKDRAFT_TEST_DEVICE": "cuda" if cuda else "cpu"}
     if not cuda:
-        matrix += ["-k", "llama-gqa or reply_ends"]
+        matrix += ["-k", "llama-gqa or reply_ends or crossover or auto_picks"]
     runner.command("matrix fp32 " + ("cuda" if cuda else "cpu, one family"), matrix, device_env)
     runner.replies("fp32", UNTRAINED)
     if not cuda:
         return
-    for quant in ("bf16", "nf4", "int8"):
+    for quant in ("bf16", "int4", "int8w", "nf4", "int8"):  # int4/int8w: tinygemm, int8pack
         runner.replies(quant, UNTRAINED)
     for method in ("medusa", "kangaroo"):
         runner.command(f"train {method} 2 min",

@@ -16,7 +16,9 @@ from app.ui import readout
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
-QUANT_LABELS = [("Auto", "auto"), ("4-bit NF4", "nf4"), ("8-bit", "int8"), ("bf16", "bf16"),
+QUANT_LABELS = [("Auto", "auto"), ("4-bit (PyTorch kernels)", "int4"),
+                ("8-bit (PyTorch kernels)", "int8w"), ("4-bit NF4", "nf4"), ("8-bit", "int8"),
+                ("bf16", "bf16"),
                 ("fp32", "fp32")]
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
 POLL_S = 0.3  # how often the page hears about a load in progress
@@ -69,7 +71,8 @@ class ModelsTab:
         params = sum(p.numel() for p in lm.model.parameters())
         return (f"**Loaded: {model_name(lm)}** (`{lm.model_id}`) · {lm.quant} on {lm.device} · "
                 f"{params / 1e6:,.0f} M parameters · {lm.context_len} tokens of context · "
-                f"loaded in {lm.load_seconds:.1f} s")
+                f"loaded in {lm.load_seconds:.1f} s"
+                + (f"\n\nAuto chose {lm.quant}: {lm.quant_reason}" if lm.quant_reason else ""))
 
     def choices(self, value: str | None = None) -> gr.Dropdown:
         """The bundled model, every model already in the Hugging Face cache, and the GGUF

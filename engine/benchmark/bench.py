@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from engine.benchmark import stepcost
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import LOOKUP_TOKENS, Method
 from engine.benchmark.prompts import BenchPrompt, encode_prompt
@@ -55,5 +56,7 @@ def bench_report(
         "passes": passes,
         "memory": probe.describe(),
     }
+    # ms of a step verifying n tokens on these weights (the speed report's cost table)
+    settings["step_costs"] = {n: round(t * 1e3, 2) for n, t in stepcost.step_costs(lm).items()}
     verdicts = divergences(lm, prompt_ids, results) if params.temperature == 0 else {}
     return build_report(machine, settings, results, skipped, verdicts)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from engine.benchmark import stepcost
+
 from engine import neartie
 from engine.benchmark.methods import BASELINE
 from engine.benchmark.runner import Measurement
@@ -237,6 +239,12 @@ def to_markdown(report: dict, images: list[str] = ()) -> str:
         lines += [f"## Speedup over {BASELINE} on the same text by category", "",
                   f"Only the prompts where a method's text equals {BASELINE}'s (their number "
                   "in brackets).", "", *category_table(report, _same_text_cell), ""]
+    if s.get("step_costs"):
+        lines += ["## Cost of an n-token step", "",
+                  "Verifying n tokens at once on these weights, in plain (one-token) steps; "
+                  "drafting pays only where this stays near 1.", "",
+                  *stepcost.table({s["quant"]: {int(n): ms / 1e3 for n, ms in
+                                                s["step_costs"].items()}}), ""]
     lines += ["## Notes", "", *notes(report), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,241 @@
+"""Weight-only low-bit linear layers through PyTorch's own kernels.
+
+`int4`: 4-bit weights in groups of 32 input features (asymmetric: a bf16 scale and zero
+point per group, the layout of llama.cpp's Q4_1), multiplied by
+`aten._weight_int4pack_mm_for_cpu` on a CPU and tinygemm's `aten._weight_int4pack_mm` on
+CUDA. `int8w`: 8-bit weights with a bf16 scale per output row, multiplied by
+`torch._weight_int8pack_mm`. Activations stay bf16.
+
+These kernels are matrix-vector products: on a CPU their cost grows with every row (token)
+of the input, where a bf16 matmul costs about the same for 1 or 32 rows. A verification step
+of n tokens would then cost ~n plain steps and no drafter could pay. So each layer can also
+keep its dequantized weights in bf16 (`wide`) and multiply rows from `wide_rows` on with
+those: the same weights (up to bf16 rounding, like any batched bf16 step), at a bf16 matmul's
+flat cost. `wide_rows` comes from measured costs (`crossover`), so where the low-bit kernel
+stays cheap (CUDA) no copy is kept. The copies cost memory (bf16 weights beside the low-bit
+ones); tied embeddings look up the LM head's dequantized table, so the head's copy is free.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+
+LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
+GROUP_SIZE = 32  # int4: input features sharing one scale and zero point (as Q4_1)
+CUDA_INNER_K_TILES = (8, 4, 2)  # tinygemm's packings, fastest first: K % (16 * tiles) == 0
+ROWS = (1, 2, 4, 8, 16, 32)  # step sizes (tokens) the cost curve is measured at
+# The LM head's kind per choice: 8-bit under int4, as llama.cpp's Q4 files keep their
+# token table in Q8_0/Q6_K (the head is where 4 bits cost the most perplexity).
+HEAD_KIND = {"int4": "int8w", "int8w": "int8w"}
+
+
+def _int4_codes(weight: torch.Tensor, group: int):
+    """(N, K) float -> codes (N, K) int32 in 0..15 and bf16 scales, zeros (N, K/group) with
+    w ~= (code - 8) * scale + zero (tinygemm's convention)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    zero = low + 8 * scale
+    return codes.reshape(n, k), scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+
+
+def _dequant_int4(codes, scale, zero, group: int) -> torch.Tensor:
+    n, k = codes.shape
+    w = (codes.reshape(n, k // group, group).float() - 8) * scale.float()[..., None]
+    return (w + zero.float()[..., None]).reshape(n, k).to(torch.bfloat16)
+
+
+def _inner_tiles(k: int) -> int:
+    """tinygemm's inner K tiles for K input features (0: no packing fits)."""
+    return next((t for t in CUDA_INNER_K_TILES if k % (16 * t) == 0), 0)
+
+
+def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # tinygemm wants two codes per byte, high nibble first
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_tiles(codes.shape[1]))
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(device), 1)
+
+
+class LowBitLinear(nn.Module):
+    """An nn.Linear with weight-only int4 or int8 weights (bf16 activations in and out)."""
+
+    def __init__(self, linear: nn.Linear, kind: str, device: torch.device):
+        super().__init__()
+        self.kind = kind
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().to("cpu", torch.float32).contiguous()
+        self.bias = (None if linear.bias is None else
+                     nn.Parameter(linear.bias.detach().to(device, torch.bfloat16), False))
+        if kind == "int4":
+            codes, scale, zero = _int4_codes(weight, GROUP_SIZE)
+            self.register_buffer("packed", _pack_int4(codes, device))
+            # (K/group, N, 2): scale and zero per group and output, the kernels' layout
+            self.register_buffer("scales", torch.stack([scale, zero], -1).transpose(0, 1)
+                                 .contiguous().to(device))
+            dense = _dequant_int4(codes, scale, zero, GROUP_SIZE)
+        else:
+            scale = (weight.abs().amax(1) / 127).clamp(min=1e-8)
+            self.register_buffer("packed", (weight / scale[:, None]).round().clamp(-127, 127)
+                                 .to(torch.int8).to(device))
+            self.register_buffer("scales", scale.to(device, torch.bfloat16))
+            dense = (self.packed.cpu().float() * scale.to(torch.bfloat16).float()[:, None])
+        # (N, K) bf16 dequantized weights for wide steps; None: every step uses the kernel
+        self.wide: torch.Tensor | None = dense.to(device, torch.bfloat16)
+        self.wide_rows = 0  # rows from which a step uses `wide` (0: never); see `crossover`
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized (N, K) bf16 weights (drafters read the LM head's rows)."""
+        return self.wide if self.wide is not None else self.dequantized()
+
+    def dequantized(self) -> torch.Tensor:
+        if self.kind == "int8w":
+            return (self.packed.float() * self.scales.float()[:, None]).to(torch.bfloat16)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        return self.low_bit(eye).t().contiguous()  # (K, N) rows of W^T, exactly the kernel's
+
+    def low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) bf16 -> (M, N) through the low-bit kernel."""
+        if self.kind == "int8w":
+            return torch._weight_int8pack_mm(x, self.packed, self.scales)
+        if x.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP_SIZE, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE,
+                                                          self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.wide is not None and 0 < self.wide_rows <= rows.shape[0]:
+            out = rows @ self.wide.t()
+        else:
+            out = self.low_bit(rows.contiguous())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}, {self.out_features}, kind={self.kind}, "
+                f"wide_rows={self.wide_rows}")
+
+
+def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:
+    """Whether the kernels take this layer's shape (others stay bf16)."""
+    k, n = linear.in_features, linear.out_features
+    if kind == "int8w":
+        return True
+    if device.type == "cuda":
+        return _inner_tiles(k) > 0 and n % 8 == 0 and k % GROUP_SIZE == 0
+    return k % GROUP_SIZE == 0 and k % 2 == 0
+
+
+def _as_linear(module: nn.Module) -> nn.Linear | None:
+    """nn.Linear, or GPT-2's Conv1D (weight stored (K, N)) seen as one; else None."""
+    if isinstance(module, nn.Linear):
+        return module
+    if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:
+        k, n = module.weight.shape
+        linear = nn.Linear(k, n, bias=module.bias is not None, device="meta")
+        linear.weight = nn.Parameter(module.weight.detach().t(), False)
+        if module.bias is not None:
+            linear.bias = nn.Parameter(module.bias.detach(), False)
+        return linear
+    return None
+
+
+def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = None) -> nn.Module:
+    """Replace every linear layer of a loaded causal LM (the LM head included) by a
+    LowBitLinear in place; the rest goes to bf16. `wide_rows`: rows from which steps use the
+    bf16 copies (None: measured here, see `crossover`; 0: never, and no copies are kept)."""
+    if kind not in LOW_BIT:
+        raise ModelLoadError(f"unknown low-bit choice {kind!r}: choose one of {LOW_BIT}")
+    device = next(model.parameters()).device
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    model.to(torch.bfloat16)
+    targets = [(name, linear, HEAD_KIND[kind] if module is head else kind)
+               for name, module in model.named_modules()
+               if (linear := _as_linear(module)) is not None]
+    targets = [t for t in targets if fits(t[1], t[2], device)]
+    if not targets:
+        raise ModelLoadError(f"no linear layer of this model fits the {kind} kernels")
+    for name, linear, layer_kind in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child,
+                LowBitLinear(linear, layer_kind, device))
+    head = model.get_output_embeddings()
+    if tied and isinstance(head, LowBitLinear):
+        # The lookup table becomes the head's dequantized copy: one table, as in GGUF files.
+        embedding.weight = nn.Parameter(head.wide, requires_grad=False)
+    set_wide_rows(model, measured_wide_rows(model) if wide_rows is None else wide_rows)
+    return model
+
+
+def low_bit_layers(model: nn.Module) -> list[LowBitLinear]:
+    return [m for m in model.modules() if isinstance(m, LowBitLinear)]
+
+
+def set_wide_rows(model: nn.Module, rows: int) -> None:
+    """Use the bf16 copies from `rows` rows on (0: never, and drop the copies that only
+    served wide steps; the tied head's copy stays: it is the embedding table)."""
+    keep = model.get_input_embeddings().weight.data_ptr()
+    for layer in low_bit_layers(model):
+        layer.wide_rows = rows
+        if rows == 0 and layer.wide is not None and layer.wide.data_ptr() != keep:
+            layer.wide = None
+
+
+def crossover(low_bit: dict[int, float], wide: dict[int, float]) -> int:
+    """Fewest rows from which the bf16 copies are at least as fast as the low-bit kernel at
+    every measured size from there on (0: never). Inputs: seconds per step of n rows."""
+    sizes = sorted(set(low_bit) & set(wide))
+    for i, n in enumerate(sizes):
+        if all(wide[m] <= low_bit[m] for m in sizes[i:]):
+            return n
+    return 0
+
+
+def layer_costs(model: nn.Module, rows=ROWS, repeats: int = 5) -> tuple[dict, dict]:
+    """Median seconds of all low-bit layers' matmuls for a step of n rows, through the
+    kernel and through the bf16 copies: {n: seconds} each (the model's own shapes)."""
+    layers = low_bit_layers(model)
+    device = layers[0].packed.device
+    low, wide = {}, {}
+    with torch.inference_mode():
+        for n in rows:
+            xs = {m.in_features: torch.randn(n, m.in_features, dtype=torch.bfloat16,
+                                             device=device) for m in layers}
+            low[n] = _median_seconds(
+                lambda xs=xs: [m.low_bit(xs[m.in_features]) for m in layers], repeats, device)
+            wide[n] = _median_seconds(
+                lambda xs=xs: [xs[m.in_features] @ m.wide.t() for m in layers
+                               if m.wide is not None], repeats, device)
+    return low, wide
+
+
+def measured_wide_rows(model: nn.Module) -> int:
+    """`crossover` of this model's layers measured here (a few hundred ms once per load)."""
+    if any(m.wide is None for m in low_bit_layers(model)):
+        return 0
+    return crossover(*layer_costs(model, repeats=3))
+
+
+def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,145 @@
+"""Weight-only int4 / int8 (engine/quant.py): every family's linear layers, the LM head
+included, run through PyTorch's kernels; logits stay close to fp32's; greedy replies with
+every drafter equal plain decoding with the same quantized weights; auto's pure choices."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from engine import neartie, quant, quant_auto
+from engine.config import ModelSpec, SamplingParams
+from engine.errors import AcceleratorError
+from engine.generate import run
+from engine.loading import fingerprint, wrap_model
+from tests import test_family_matrix as fm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ("llama-gqa", "qwen2-untied", "gemma2-alternating", "gpt2-absolute")
+METHODS = ("lookup", "medusa", "kangaroo", "auto")
+
+
+def quantized(lm, kind: str, wide_rows: int):
+    model = quant.quantize_model(copy.deepcopy(lm.model), kind, wide_rows=wide_rows)
+    return dataclasses.replace(wrap_model(model, lm.tokenizer, lm.spec, lm.model_id, kind),
+                               eos_ids=())
+
+
+@pytest.mark.parametrize("kind", quant.LOW_BIT)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_linear_is_low_bit_and_logits_stay_close(name, kind, bundled_tokenizer):
+    lm = fm.family_model(name, bundled_tokenizer)
+    low = quantized(lm, kind, wide_rows=0)
+    layers = quant.low_bit_layers(low.model)
+    head = low.model.get_output_embeddings()
+    assert isinstance(head, quant.LowBitLinear) and head.kind == quant.HEAD_KIND[kind]
+    assert not [n for n, m in low.model.named_modules()
+                if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    assert {m.kind for m in layers if m is not head} == {kind}
+    # Each layer against the one it replaced, on the same inputs: 4-bit groups of 32
+    # move a random layer's output by ~8% (errors compound through a random tiny model).
+    original = dict(lm.model.named_modules())
+    for name_, layer in low.model.named_modules():
+        if isinstance(layer, quant.LowBitLinear):
+            x = torch.randn(3, layer.in_features, device=fm.DEVICE)
+            want = original[name_](x)
+            err = ((layer(x.bfloat16()).float() - want).norm() / want.norm()).item()
+            assert err < (0.12 if layer.kind == "int4" else 0.02), (name_, err)
+    if kind == "int8w":
+        ids = torch.tensor([fm.prompts()["fresh"]], device=fm.DEVICE)
+        with torch.inference_mode():
+            want = lm.model(input_ids=ids).logits
+            got = low.model(input_ids=ids).logits
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("wide_rows", (0, 2))
+@pytest.mark.parametrize("kind", quant.LOW_BIT)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_with_every_drafter_equals_plain_on_the_same_weights(name, kind, wide_rows,
+                                                                   bundled_tokenizer):
+    """wide_rows 0: every step through the low-bit kernel; 2: steps of 2+ tokens through
+    the bf16 copies (the path verification takes on a CPU)."""
+    lm = quantized(fm.family_model(name, bundled_tokenizer), kind, wide_rows)
+    for method in METHODS:
+        try:
+            drafter = fm.make_drafter(lm, method)
+        except AcceleratorError as exc:
+            assert "not supported for this architecture" in str(exc)
+            continue
+        for key, prompt in fm.prompts().items():
+            params = SamplingParams(max_new_tokens=fm.CONTEXT - len(prompt))
+            plain = run(lm, prompt, params)[1]
+            drafted = run(lm, prompt, params, drafter)[1]
+            # bf16 activations: a batched step may flip a near-tie, nothing wider
+            divergence = neartie.measure(lm, prompt, plain, drafted)
+            assert divergence is None or divergence.near_tie, (method, key, divergence)
+
+
+def test_tied_embeddings_look_up_the_heads_table(bundled_tokenizer):
+    lm = fm.family_model("gemma2-alternating", bundled_tokenizer)  # tied by default
+    assert lm.model.get_output_embeddings().weight is lm.model.get_input_embeddings().weight
+    low = quantized(lm, "int4", wide_rows=4)
+    head = low.model.get_output_embeddings()
+    assert low.model.get_input_embeddings().weight.data_ptr() == head.wide.data_ptr()
+    quant.set_wide_rows(low.model, 0)  # the table stays: it is the embedding
+    assert head.wide is not None
+    assert all(m.wide is None for m in quant.low_bit_layers(low.model) if m is not head)
+
+
+def test_dequantized_weights_are_what_the_kernel_multiplies(bundled_tokenizer):
+    lm = fm.family_model("qwen2-untied", bundled_tokenizer)
+    for kind in quant.LOW_BIT:
+        layer = quant.low_bit_layers(quantized(lm, kind, wide_rows=1).model)[0]
+        x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, device=fm.DEVICE)
+        want = layer.low_bit(x).float()
+        torch.testing.assert_close((x @ layer.wide.t()).float(), want, atol=0.05, rtol=0.02)
+        torch.testing.assert_close(layer.dequantized().float(), layer.wide.float(),
+                                   atol=0.02, rtol=0.02)
+
+
+def test_a_quantized_model_keeps_its_fingerprint_when_given(bundled_tokenizer):
+    lm = fm.family_model("llama-gqa", bundled_tokenizer)
+    model = quant.quantize_model(copy.deepcopy(lm.model), "int8w", wide_rows=0)
+    wrapped = wrap_model(model, lm.tokenizer, ModelSpec(), "x", "int8w", 0.0, lm.fingerprint)
+    assert wrapped.fingerprint == lm.fingerprint == fingerprint(lm.model)
+    assert wrapped.dtype == torch.bfloat16
+
+
+def test_crossover_is_the_first_size_from_which_the_copies_always_win():
+    low = {1: 1.0, 2: 1.6, 4: 2.8, 8: 5.0}
+    assert quant.crossover(low, {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2}) == 4
+    assert quant.crossover(low, {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0}) == 0
+    assert quant.crossover(low, {1: 0.5, 2: 2.0, 4: 2.0, 8: 2.0}) == 4  # 1 alone is not it
+
+
+def test_auto_picks_the_fastest_choice_that_passes_the_gate():
+    ppl = {"bf16": 10.0, "fp32": 9.99, "int4": 10.1, "int8w": 10.5}
+    ms = {"bf16": 30.0, "int4": 15.0, "int8w": 12.0}
+    best, reason = quant_auto.decide(ppl, ms)
+    assert best == "int4" and "int8w 10.50" in reason  # int8w is faster but fails
+    assert quant_auto.decide({**ppl, "int4": 11.0}, ms)[0] == "bf16"
+    assert quant_auto.decide(ppl, ms, tolerance=0.1)[0] == "int8w"
+
+
+def test_auto_measures_once_and_remembers(bundled_tokenizer, monkeypatch, tmp_path):
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))
+    # the tiny vocabulary cannot hold the held-out text's tokens: score random ids instead
+    monkeypatch.setattr(quant_auto, "heldout_ids",
+                        lambda _tok: torch.randint(0, fm.VOCAB, (1, 48)))
+    lm = fm.family_model("llama-gqa", bundled_tokenizer)
+    model = lm.model.to(torch.bfloat16)
+    choice = quant_auto.measure(model, lm.tokenizer,
+                                lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q))
+    assert set(choice.perplexity) == {"fp32", "bf16", "int4", "int8w"}
+    assert choice.quant in ("bf16", "int4", "int8w") and choice.quant in choice.reason
+    assert all(0 <= a <= 1 for a in choice.agreement.values())
+    key = quant_auto.machine_key(lm.fingerprint)
+    assert quant_auto.remembered(key) is None
+    quant_auto.remember(key, choice)
+    assert quant_auto.remembered(key) == choice
+    assert not any(isinstance(m, quant.LowBitLinear) for m in model.modules())
