@@ -12,9 +12,11 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 CLOCKS = {"time", "perf_counter", "monotonic", "perf_counter_ns", "monotonic_ns"}
-# pytest's expectations, and Playwright's waits (they raise when the page never gets there)
+# pytest's expectations, torch's and numpy's comparisons, and Playwright's waits (they raise
+# when the page never gets there)
 EXPECTS = {"raises", "skip", "fail", "xfail", "warns", "importorskip", "wait_for_selector",
-           "wait_for_function"}
+           "wait_for_function", "assert_close", "assert_equal", "assert_allclose",
+           "assert_array_equal"}
 MARKER = "Injects timings:"
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from engine.benchmark import stepcost
-
 from engine import neartie
+from engine.benchmark import stepcost
 from engine.benchmark.methods import BASELINE
 from engine.benchmark.runner import Measurement
 from engine.neartie import Divergence
