@@ -27,6 +27,11 @@ def store_path(fingerprint: str) -> Path:
     return data_dir() / "datastore" / fingerprint / STORE_FILE
 
 
+def store_file(lm) -> Path:
+    """Where the datastore of `lm` is saved."""
+    return store_path(lm.fingerprint)
+
+
 def shipped_path(fingerprint: str) -> Path:
     """The datastore shipped beside the bundled model's accelerators."""
     from engine.accelerators import shipped_root
@@ -80,8 +85,8 @@ class DatastoreDrafter(Drafter):
         self.drafted = self.accepted = 0
 
     def propose(self, state) -> Draft:
-        room = state.room
-        found = self.store.continuations(state.ids, max_nodes=room, max_depth=room)
+        # room bounds the depth (positions), not the width
+        found = self.store.continuations(state.ids, max_depth=state.room)
         return tree_draft(state.ids[-1], found, self._trees)
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
