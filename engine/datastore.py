@@ -186,24 +186,24 @@ class Datastore:
         if not ranges or budget <= 0 or max_depth <= 0:
             return out
         budget = min(budget, int(p.nodes_per_match * m))
-        # heap of (-prob, tiebreak, parent node, depth, ranges, count)
-        heap = [(-1.0, 0, -1, 0, ranges, sum(hi - lo for _ix, lo, hi in ranges))]
+        # candidates: (-path prob, tiebreak, parent node, depth, token, ranges, count);
+        # the root (depth 0) is the context itself and is not drafted
+        heap = [(-1.0, 0, -1, 0, None, ranges, sum(hi - lo for _ix, lo, hi in ranges))]
         tie = 1
         while heap and len(out.tokens) < budget:
-            neg, _t, node, depth, rs, count = heapq.heappop(heap)
-            if node >= -1 and depth > 0:
-                out.tokens.append(rs[0][3])
+            neg, _t, node, depth, token, rs, count = heapq.heappop(heap)
+            if depth > 0:
+                out.tokens.append(token)
                 out.parents.append(node)
                 out.probs.append(-neg)
                 out.counts.append(count)
                 node = len(out.tokens) - 1
             if depth >= max_depth:
                 continue
-            for token, (sub, n) in _merged_children(rs, m + depth).items():
+            for child, (sub, n) in _merged_children(rs, m + depth).items():
                 prob = -neg * n / count
                 if prob >= p.min_prob and n >= p.min_count:
-                    heapq.heappush(heap, (-prob, tie, node, depth + 1,
-                                          [(*r, token) for r in sub], n))
+                    heapq.heappush(heap, (-prob, tie, node, depth + 1, child, sub, n))
                     tie += 1
         return out
 
@@ -301,7 +301,7 @@ def _join_plain(docs: list[np.ndarray]) -> np.ndarray:
 def _merged_children(ranges: list[tuple], offset: int) -> dict[int, tuple[list, int]]:
     """Children over all tiers: token -> ([(index, lo, hi)], occurrences); SEP left out."""
     out: dict[int, tuple[list, int]] = {}
-    for ix, lo, hi, *_ in ranges:
+    for ix, lo, hi in ranges:
         toks, starts, ends = ix.children(lo, hi, offset)
         for t, s, e in zip(toks.tolist(), starts.tolist(), ends.tolist()):
             if t == SEP:
