@@ -79,9 +79,11 @@ def _second_token_counts(lm, prompt, store, n):
     return counts
 
 
-def test_lossless_sampling_with_a_tree_of_drafts(bundled_tokenizer):
+def test_lossless_sampling_with_a_tree_of_drafts(bundled_tokenizer, monkeypatch):
     """Second-token frequencies with datastore trees (two children under the root) match
-    the exact distribution."""
+    the exact distribution, and the same test rejects a rule that accepts too eagerly."""
+    from engine import verify
+
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=8)
     lm.eos_ids = ()
     prompt = [1, 2, 3, 1, 2]
@@ -96,6 +98,15 @@ def test_lossless_sampling_with_a_tree_of_drafts(bundled_tokenizer):
     assert sorted(tree_draft(3, store.continuations([2, 3], max_depth=1), {}).tokens) == [3, 4, 6]
     counts = _second_token_counts(lm, prompt, store, 1000)
     assert chi_square_pvalue(counts, second) > 0.001
+
+    fair = verify.accept_pointmass
+
+    def eager(children, tokens, target_probs, generator):  # accepts with ~sqrt(p)
+        root = target_probs.sqrt()
+        return fair(children, tokens, root / root.sum(-1, keepdim=True), generator)
+
+    monkeypatch.setattr(verify, "accept_pointmass", eager)
+    assert chi_square_pvalue(_second_token_counts(lm, prompt, store, 1000), second) < 0.001
 
 
 def test_chats_on_a_topic_make_the_next_one_draft_more(bundled_tokenizer, tmp_path):
