@@ -20,7 +20,8 @@ import torch
 from app import catalog
 from app.jobs import Job
 from app.replies import CompareResult, ReplyRequest, ReplyUpdate
-from app.store import Conversation, Settings, Store, StoreError, title_from_prompt
+from app.store import (Conversation, Settings, Store, StoreError, own_reply,
+                       title_from_prompt)
 from engine import neartie
 from engine.accelerators import describe, is_shipped, measured_speedup
 from engine.chat import conversation, encode, fit_to_context
@@ -28,6 +29,7 @@ from engine.config import ChatMessage, ModelSpec, SamplingParams
 from engine.config import Conversation as Prompt
 from engine.drafters.auto import AutoDrafter
 from engine.drafters.base import Drafter
+from engine.drafters.datastore import DatastoreDrafter, open_datastore, store_file
 from engine.drafters.registry import (
     ACCEL_CHOICES,
     ACCEL_LABELS,
@@ -78,6 +80,7 @@ class Service:
         self._owner: str | None = None  # the browser session whose generation is running
         self._settings_lock = threading.Lock()  # read-modify-write of the settings file
         self._drafters: dict[str, Drafter] = {}  # ready drafters for self._lm, by method
+        self._datastore = None  # the datastore of self._lm's own outputs, once opened
         self.loading: Job | None = None
         self.training: Job | None = None
         self.notice = ""  # shown once on the Models tab, e.g. why the last model did not load
@@ -132,7 +135,7 @@ class Service:
         report(Progress("load", 0, 0, f"loading {spec.source} ({spec.quant})"))
         lm = load_model(spec, lambda message: report(Progress("convert", 0, 0, message)))
         with self._lock:  # waits for the reply in progress
-            old, self._lm, self._drafters = self._lm, lm, {}
+            old, self._lm, self._drafters, self._datastore = self._lm, lm, {}, None
         del old
         gc.collect()
         if torch.cuda.is_available():
@@ -171,9 +174,38 @@ class Service:
         hint = " Train an accelerator to give it more to choose from." if untrained else ""
         return AccelStatus("auto", True, False, f"{auto.reason()}.{hint}")
 
+    @property
+    def datastore(self):
+        """The loaded model's datastore; a missing or refused one is rebuilt from the
+        self-distilled answers and (unless switched off) the user's chats with it."""
+        if self._datastore is None:
+            lm = self.lm
+            self._datastore = open_datastore(lm, lambda: self._datastore_sources(lm))
+        return self._datastore
+
+    def _datastore_sources(self, lm: LoadedModel) -> list[list[int]]:
+        from trainer.selfdistill import data_path, load_conversations
+
+        convs = load_conversations(data_path(lm))
+        if self.settings().learn_from_chats:
+            convs += list(reversed(self.store.chats_with(lm.fingerprint)))  # oldest first
+        return [lm.tokenizer.encode(m["content"], add_special_tokens=False)
+                for conv in convs for m in conv if m["role"] == "assistant"]
+
+    def _learn(self, reply: dict, token_ids: list[int]) -> None:
+        """Put a finished reply in the datastore before the next request starts (the
+        rules and the switch of training on chats apply)."""
+        lm = self.lm
+        if own_reply(reply, lm.fingerprint) and self.settings().learn_from_chats:
+            store = self.datastore
+            store.add(token_ids)
+            store.save(store_file(lm))
+
     def _drafter(self, method: str) -> Drafter:
         if method == "off":
             return Drafter()
+        if method == "datastore" and method not in self._drafters:
+            self._drafters[method] = DatastoreDrafter(self.datastore)
         if method not in self._drafters:
             # Auto shares the Medusa and Kangaroo drafters this service holds.
             self._drafters[method] = (load_auto(self.lm, lambda _lm, m: self._drafter(m))
@@ -213,11 +245,13 @@ class Service:
                      "model": lm.fingerprint, "acceptance": request.params.acceptance}
             conv.messages.append(reply)
             accepted: list[int] = []  # per model step
+            token_ids: list[int] = []  # the reply's tokens
             ttft = 0.0
             try:
                 events = generate(lm, ids, request.params, drafter, self._cancel)
                 for i, event in enumerate(events):
                     reply["content"] = event.full_text
+                    token_ids += event.token_ids
                     notices += event.notices
                     if i == 0:
                         ttft = event.elapsed_s  # prefill and the first token
@@ -229,6 +263,7 @@ class Service:
                     if event.done:  # saved before the last update goes out
                         reply["stats"] = event.stats.to_json()
                         _save_reply(self.store, conv, reply)
+                        self._learn(reply, token_ids)
                     yield ReplyUpdate(conv, used, event.tokens, event.elapsed_s, ttft,
                                       list(accepted), event.done, event.stats, list(notices))
             finally:  # also when the consumer goes away mid-reply, or on an error

@@ -167,6 +167,9 @@ class Settings:
     max_new_tokens: int = 512  # reply length cap
     system: str = ""  # system prompt for new conversations
     last_conversation: str = ""  # id of the conversation open when the app was left
+    # Learn from my chats: the datastore learns each finished reply and is built from the
+    # stored chats with the model (the Train tab's checkbox starts from it)
+    learn_from_chats: bool = True
 
     @classmethod
     def from_json(cls, data: dict, source: str = "settings.json") -> Settings:

@@ -20,6 +20,8 @@ class GenerationStats:
     accepted: list[int] = field(default_factory=list)  # per step: draft tokens accepted
     drafted: list[int] = field(default_factory=list)  # per step: draft tokens proposed
     stop_reason: str = ""  # "eos" | "stop" | "length" | "cancelled"
+    datastore_drafted: int = 0  # draft tokens that came from the datastore of past replies
+    datastore_accepted: int = 0  # of which the model kept
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,4 +61,6 @@ class GenerationStats:
             "stop_reason": self.stop_reason,
             "accepted_histogram": self.accepted_histogram(),
             "ctar": [round(c, 4) for c in self.ctar()],
+            "datastore_drafted": self.datastore_drafted,
+            "datastore_accepted": self.datastore_accepted,
         }

@@ -21,6 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
 from engine.drafters.auto import KANGAROO, MEDUSA, AutoDrafter
+from engine.datastore import Datastore
+from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
@@ -52,7 +54,7 @@ FAMILIES = {
                                    n_positions=CONTEXT)),
     "qwen3-qknorm": ("qwen3", {**LLAMA_LIKE, "head_dim": 16}),
 }
-METHODS = ("lookup", "medusa", "medusa+lookup", "kangaroo", "kangaroo+lookup", "auto")
+METHODS = ("lookup", "datastore", "medusa", "medusa+lookup", "kangaroo", "kangaroo+lookup", "auto")
 
 
 def family_model(name: str, tokenizer):
@@ -72,6 +74,13 @@ def make_drafter(lm, method: str):
     settings = KangarooSettings(2, 0.0, 4)
     if method == "lookup":
         return LookupDrafter()
+    if method == "datastore":  # the prompts and earlier replies to them (and to a shorter
+        # version of each, so that some drafts are wrong)
+        store = Datastore("test")
+        asked = [*prompts().values(), *(p[2:] for p in prompts().values())]
+        store.add_all([*prompts().values(), *(run(lm, p, SamplingParams(max_new_tokens=24))[1]
+                                              for p in asked)])
+        return DatastoreDrafter(store)
     if method == "medusa":
         return MedusaDrafter(lm, heads, tree)
     if method == "medusa+lookup":
@@ -168,7 +177,7 @@ def test_greedy_to_the_end_of_the_context_matches_plain_decoding(family, method,
         # The cache holds every token but the last (chosen, never fed back).
         assert_same_cache(state.cache, one_by_one_cache(lm, state.ids[:-1]))
         drafted += sum(stats.drafted)
-    if "lookup" in method:
+    if "lookup" in method or method == "datastore":
         assert sum(stats.drafted) > 0  # the repetitive prompt made lookup draft
     assert drafted > 0  # the exactness above held while drafting, not by decoding plainly
 

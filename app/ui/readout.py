@@ -53,6 +53,9 @@ def live_readout(update: ReplyUpdate) -> str:
     if update.done and update.stats is not None:
         reason = STOP_REASONS.get(update.stats.stop_reason, update.stats.stop_reason)
         parts.append(_chip(f"{update.tokens} tokens · {reason}", "qd-done"))
+        if update.stats.datastore_drafted:
+            parts.append(_chip(f"datastore <b>{update.stats.datastore_accepted}</b> of "
+                               f"{update.stats.datastore_drafted} drafts kept", "qd-datastore"))
     else:
         parts.append(_chip(f"{update.tokens} tokens…", "qd-live"))
     notes = "".join(f'<div class="qd-note">{html.escape(n)}</div>' for n in update.notices)

@@ -22,7 +22,8 @@ and a Compare runs. **Retrain** starts from the accelerator already trained for 
 (with the data gathered so far plus anything new) instead of starting from nothing."""
 CHATS_LABEL = "Learn from my chats with this model (they stay on this computer)"
 CHATS_INFO = ("The model's own replies in your conversations with it are training data on "
-              "exactly the prompts you ask. Stopped replies are left out.")
+              "exactly the prompts you ask, and each finished reply joins the datastore that drafts "
+              "from what the model said before. Stopped replies are left out.")
 CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are slower "
             "while a run is going.")
 TICK_S = 1.0  # how often the page polls a running job
@@ -43,7 +44,8 @@ class TrainTab:
         self.prompts = gr.File(label="Extra prompts (optional): JSONL with one "
                                      '{"prompt": ...} per line, or one prompt per line',
                                file_types=[".jsonl", ".txt"], type="filepath", height=120)
-        self.chats = gr.Checkbox(True, label=CHATS_LABEL, info=CHATS_INFO,
+        self.chats = gr.Checkbox(self.service.settings().learn_from_chats, label=CHATS_LABEL,
+                                 info=CHATS_INFO,
                                  elem_id="qd-train-chats")
         with gr.Row():
             self.start_btn = gr.Button("Start training", variant="primary",
@@ -67,6 +69,9 @@ class TrainTab:
         self.start_btn.click(self.start, inputs, [self.status, self.timer], **fast)
         self.retrain_btn.click(self.retrain, inputs, [self.status, self.timer], **fast)
         self.cancel_btn.click(self.cancel, None, [self.status], **fast)
+        # the same switch keeps replies out of the datastore
+        self.chats.change(lambda on: self.service.remember(learn_from_chats=bool(on)) and None,
+                          [self.chats], None, **fast)
         self.timer.tick(self.tick, None, self.tick_outputs, **fast)
 
     @property

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.drafters.base import Drafter
+from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
 from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
@@ -37,6 +38,7 @@ METHODS = (
     Method("auto", "Auto", None),
     Method("off", "Off", lambda lm, ckpt: Drafter()),
     Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
+    Method("datastore", "Datastore", DatastoreDrafter.for_model),
     Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa"),
     Method("medusa+lookup", "Medusa+lookup", MedusaLookupDrafter.from_checkpoint, "medusa"),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",

@@ -1,0 +1,311 @@
+"""A datastore of the model's own outputs: drafts from everything it has already said.
+
+The text a local model writes next is often text it has written before (its openings and
+closings, list and code idioms, the user's recurring topics). The store keeps the model's
+replies as token documents and indexes every suffix of them (a suffix array, sorted by the
+first `SORT_DEPTH` tokens), so that for the latest tokens of a reply it finds the longest
+earlier match and the tree of what followed it, with counts (SuffixDecoding's drafting,
+arXiv 2411.04975, over a suffix array instead of a suffix tree).
+
+- Two tiers: `main` indexes the older documents and is rebuilt only when `recent` (every
+  document added since) outgrows `recent_cap`, so a reply is searchable as soon as it ends
+  at the cost of indexing that small tier again.
+- Bounded: at most `max_tokens` tokens; the oldest documents go first.
+- On disk: one safetensors file (token array, document lengths, main's suffix array) whose
+  header holds the format version and the model fingerprint; written to a temporary file
+  and renamed. A corrupt or foreign file is refused with one line and rebuilt from the
+  sources the caller names. No pickle anywhere.
+
+Memory: 4 bytes per token for the tokens, 4 for the suffix array and 8 for the sorted
+bigram keys, i.e. ~16 MB for 1M tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KIND = "quickdraft-datastore"
+SEP = -1  # ends every document; sorts before every token, never drafted
+SORT_DEPTH = 32  # suffixes are sorted by this many tokens: longest match + deepest draft
+
+
+@dataclass(frozen=True)
+class DatastoreParams:
+    """How much is kept and how the continuation tree is grown."""
+
+    max_tokens: int = 1_000_000  # the cap: oldest documents out beyond it (~16 MB in memory)
+    recent_cap: int = 65_536  # the small tier's size before it is folded into main
+    max_match: int = 16  # longest suffix of the context that is matched
+    min_match: int = 2  # shortest match still worth a draft
+    max_nodes: int = 16  # most drafted tokens per step
+    nodes_per_match: float = 2.0  # node budget per matched token (longer match, bigger tree)
+    min_prob: float = 0.15  # a node is drafted only if its path's estimated probability is
+    # at least this (count / parent count, multiplied down the path)
+    min_count: int = 1  # a continuation seen fewer times is not drafted
+
+
+@dataclass
+class Continuations:
+    """The tree of what followed the longest match (root = the context's last token)."""
+
+    tokens: list[int] = field(default_factory=list)  # node tokens, parents before children
+    parents: list[int] = field(default_factory=list)  # parent node (-1 = under the root)
+    probs: list[float] = field(default_factory=list)  # estimated path probability
+    counts: list[int] = field(default_factory=list)  # occurrences behind each node
+    match_len: int = 0  # tokens of the context that matched
+
+
+class SuffixIndex:
+    """Suffix array over a padded token array; documents end with SEP."""
+
+    def __init__(self, tokens: np.ndarray, sa: np.ndarray | None = None) -> None:
+        # Pad so that reading SORT_DEPTH tokens past any start stays in bounds.
+        self.tokens = np.concatenate([tokens.astype(np.int32),
+                                      np.full(SORT_DEPTH + 1, SEP, np.int32)])
+        n = len(tokens)
+        self.sa = suffix_array(self.tokens, n) if sa is None else sa.astype(np.int32)
+        t = self.tokens.astype(np.int64)
+        # (first, second) token of each sorted suffix as one sortable key: bigram ranges
+        # by one searchsorted.
+        self.keys = (t[self.sa] + 1) * (1 << 32) + (t[self.sa + 1] + 1)
+
+    @property
+    def size(self) -> int:
+        return len(self.sa)
+
+    def find(self, pattern: list[int]) -> tuple[int, int]:
+        """[lo, hi) of the suffixes starting with `pattern` (length >= 2)."""
+        key = (pattern[0] + 1) * (1 << 32) + (pattern[1] + 1)
+        lo, hi = np.searchsorted(self.keys, [key, key + 1])
+        for j in range(2, len(pattern)):
+            if lo >= hi:
+                break
+            col = self.tokens[self.sa[lo:hi] + j]
+            lo, hi = lo + np.searchsorted(col, pattern[j]), lo + np.searchsorted(
+                col, pattern[j], side="right")
+        return int(lo), int(hi)
+
+    def children(self, lo: int, hi: int, offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Distinct tokens at `offset` of the suffixes [lo, hi) (sorted there): (tokens,
+        starts, ends) of their sub-ranges; SEP (document end) included."""
+        col = self.tokens[self.sa[lo:hi] + offset]
+        cut = np.flatnonzero(col[1:] != col[:-1]) + 1
+        starts = np.concatenate([[0], cut])
+        ends = np.concatenate([cut, [len(col)]])
+        return col[starts], starts + lo, ends + lo
+
+
+def suffix_array(tokens: np.ndarray, n: int) -> np.ndarray:
+    """Start positions 0..n-1 sorted by their first SORT_DEPTH tokens (prefix doubling;
+    ties past that depth in any order). `tokens` is padded with SORT_DEPTH SEPs."""
+    if n == 0:
+        return np.zeros(0, np.int32)
+    rank = tokens.astype(np.int64)
+    k = 1
+    while True:
+        second = rank[np.arange(n) + k] if k < SORT_DEPTH else np.zeros(n, np.int64)
+        order = np.lexsort((second, rank[:n]))
+        a, b = rank[order], second[order]
+        new = np.empty(n, np.int64)
+        new[order] = np.concatenate([[0], np.cumsum((a[1:] != a[:-1]) | (b[1:] != b[:-1]))])
+        rank = np.concatenate([new, np.full(len(tokens) - n, -1, np.int64)])
+        k *= 2
+        if k >= SORT_DEPTH or new[order[-1]] == n - 1:
+            return order.astype(np.int32)
+
+
+class Datastore:
+    """The model's own outputs, searchable for drafting (see the module docstring)."""
+
+    def __init__(self, fingerprint: str, params: DatastoreParams | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.params = params or DatastoreParams()
+        self.docs: list[np.ndarray] = []  # int32 token documents, oldest first
+        self.main_docs = 0  # the first main_docs documents are in `main`
+        self.main = SuffixIndex(np.zeros(0, np.int32))
+        self.recent = SuffixIndex(np.zeros(0, np.int32))
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(d) for d in self.docs)
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Learn one document (a reply's tokens): searchable when this returns."""
+        doc = np.asarray(list(tokens), np.int32)
+        if len(doc) < 2:
+            return
+        self.docs.append(doc[: self.params.max_tokens])
+        over = self.tokens - self.params.max_tokens
+        if over > 0:  # oldest out (a tenth more, so that main is not rebuilt every reply)
+            over += self.params.max_tokens // 10
+            while over > 0 and len(self.docs) > 1:
+                over -= len(self.docs.pop(0))
+            self.main_docs = len(self.docs) - 1
+            self.main = SuffixIndex(_join(self.docs[: self.main_docs]))
+        recent = self.docs[self.main_docs:]
+        if sum(len(d) for d in recent) > self.params.recent_cap:
+            self.main_docs = len(self.docs)
+            self.main = SuffixIndex(_join(self.docs))
+            recent = []
+        self.recent = SuffixIndex(_join(recent))
+
+    def add_all(self, docs: Iterable[Iterable[int]]) -> None:
+        """Learn many documents with one index build (the newest last)."""
+        for doc in docs:
+            doc = np.asarray(list(doc), np.int32)
+            if len(doc) >= 2:
+                self.docs.append(doc)
+        while self.tokens > self.params.max_tokens and len(self.docs) > 1:
+            self.docs.pop(0)
+        self.main_docs = len(self.docs)
+        self.main = SuffixIndex(_join(self.docs))
+        self.recent = SuffixIndex(np.zeros(0, np.int32))
+
+    def continuations(self, context: list[int], max_nodes: int | None = None,
+                      max_depth: int = 16) -> Continuations:
+        """The longest suffix of `context` seen before and the tree of what followed it:
+        nodes taken greedily by estimated probability (count / parent count down the
+        path), at most nodes_per_match per matched token and `max_nodes` in all."""
+        p = self.params
+        budget = p.max_nodes if max_nodes is None else max_nodes
+        ranges, m = self._match(context)
+        out = Continuations(match_len=m)
+        if not ranges or budget <= 0 or max_depth <= 0:
+            return out
+        budget = min(budget, int(p.nodes_per_match * m))
+        # candidates: (-path prob, tiebreak, parent node, depth, token, ranges, count);
+        # the root (depth 0) is the context itself and is not drafted
+        heap = [(-1.0, 0, -1, 0, None, ranges, sum(hi - lo for _ix, lo, hi in ranges))]
+        tie = 1
+        while heap and len(out.tokens) < budget:
+            neg, _t, node, depth, token, rs, count = heapq.heappop(heap)
+            if depth > 0:
+                out.tokens.append(token)
+                out.parents.append(node)
+                out.probs.append(-neg)
+                out.counts.append(count)
+                node = len(out.tokens) - 1
+            if depth >= max_depth:
+                continue
+            for child, (sub, n) in _merged_children(rs, m + depth).items():
+                prob = -neg * n / count
+                if prob >= p.min_prob and n >= p.min_count:
+                    heapq.heappush(heap, (-prob, tie, node, depth + 1, child, sub, n))
+                    tie += 1
+        return out
+
+    def _match(self, context: list[int]) -> tuple[list[tuple], int]:
+        """Ranges (index, lo, hi) of the longest matching suffix of `context`, and its
+        length. Matches are monotone (a suffix of a match matches), so binary search."""
+        p = self.params
+        tiers = [ix for ix in (self.main, self.recent) if ix.size]
+        ctx = [int(t) for t in context[-p.max_match:]]
+        lo_len, hi_len, best = p.min_match, len(ctx), ([], 0)
+        while lo_len <= hi_len:
+            m = (lo_len + hi_len) // 2
+            found = [(ix, *ix.find(ctx[-m:])) for ix in tiers]
+            found = [f for f in found if f[2] > f[1]]
+            if found:
+                best, lo_len = (found, m), m + 1
+            else:
+                hi_len = m - 1
+        return best
+
+    # -- disk ------------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """Write atomically: a temporary file renamed over `path`."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lengths = np.array([len(d) for d in self.docs], np.int64)
+        meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": self.fingerprint,
+                "main_docs": str(self.main_docs), "params": json.dumps(self.params.__dict__)}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"tokens": _join_plain(self.docs), "lengths": lengths,
+                   "main_sa": self.main.sa}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+
+
+def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) -> Datastore:
+    """The store at `path`; ValueError (one line) for a corrupt, foreign or newer file."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+        arrays = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"unreadable datastore {path}: {exc}") from None
+    if meta.get("kind") != KIND or meta.get("version") != str(FORMAT_VERSION):
+        raise ValueError(f"{path} is not a version-{FORMAT_VERSION} datastore")
+    if meta.get("fingerprint") != fingerprint:
+        raise ValueError(f"{path} was built for another model")
+    tokens, lengths = arrays.get("tokens"), arrays.get("lengths")
+    if tokens is None or lengths is None or int(lengths.sum()) != len(tokens):
+        raise ValueError(f"{path} is corrupt: its documents do not add up")
+    store = Datastore(fingerprint, params)
+    store.docs = np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1]) if len(lengths) else []
+    store.main_docs = int(meta.get("main_docs", 0))
+    main = _join(store.docs[: store.main_docs])
+    sa = arrays.get("main_sa")
+    if sa is None or len(sa) != len(main) or (len(sa) and (sa.min() < 0 or sa.max() >= len(main))):
+        raise ValueError(f"{path} is corrupt: its index does not fit its tokens")
+    store.main = SuffixIndex(main, sa)
+    store.recent = SuffixIndex(_join(store.docs[store.main_docs:]))
+    return store
+
+
+def open_store(path: Path, fingerprint: str, sources: Callable[[], Iterable[list[int]]] | None,
+               params: DatastoreParams | None = None,
+               fallback: Path | None = None) -> Datastore:
+    """The store at `path`; if it is missing, corrupt or foreign: the `fallback` file (the
+    shipped one) or, failing that, a new store built from `sources` (documents, oldest
+    first) and saved. A refused file is reported in one log line."""
+    for candidate in (path, fallback):
+        if candidate is None or not Path(candidate).is_file():
+            continue
+        try:
+            return load(candidate, fingerprint, params)
+        except ValueError as exc:
+            log.warning("datastore refused, rebuilding it: %s", exc)
+    store = Datastore(fingerprint, params)
+    if sources is not None:
+        store.add_all(sources())
+        store.save(path)
+    return store
+
+
+def _join(docs: list[np.ndarray]) -> np.ndarray:
+    """Documents concatenated, each followed by SEP."""
+    if not docs:
+        return np.zeros(0, np.int32)
+    return np.concatenate([np.append(d, SEP).astype(np.int32) for d in docs])
+
+
+def _join_plain(docs: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
+
+
+def _merged_children(ranges: list[tuple], offset: int) -> dict[int, tuple[list, int]]:
+    """Children over all tiers: token -> ([(index, lo, hi)], occurrences); SEP left out."""
+    out: dict[int, tuple[list, int]] = {}
+    for ix, lo, hi in ranges:
+        toks, starts, ends = ix.children(lo, hi, offset)
+        for t, s, e in zip(toks.tolist(), starts.tolist(), ends.tolist()):
+            if t == SEP:
+                continue
+            sub, n = out.get(t, ([], 0))
+            out[t] = ([*sub, (ix, s, e)], n + e - s)
+    return out

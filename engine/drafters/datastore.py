@@ -1,0 +1,99 @@
+"""Drafting from the datastore of the model's own outputs (engine/datastore.py).
+
+Each step matches the longest suffix of the latest tokens against everything the model
+has said before and drafts the tree of what followed, as wide and deep as the counts make
+likely (SuffixDecoding). The tokens are point-mass proposals verified by the shared rules:
+greedy replies equal plain greedy decoding and sampling stays lossless.
+
+Where the store lives: `<data dir>/datastore/<fingerprint>/store.safetensors`, else the one
+shipped for the bundled model in `assets/accelerators/<fingerprint>-datastore/`, else an
+empty store (the app opens it with its sources, so it is rebuilt from them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.datastore import Continuations, Datastore, open_store
+from engine.drafters.base import Draft, Drafter
+from engine.paths import data_dir
+from engine.tree import build_tree
+
+STORE_FILE = "store.safetensors"
+
+
+def store_path(fingerprint: str) -> Path:
+    """The user's datastore for the model `fingerprint`."""
+    return data_dir() / "datastore" / fingerprint / STORE_FILE
+
+
+def store_file(lm) -> Path:
+    """Where the datastore of `lm` is saved."""
+    return store_path(lm.fingerprint)
+
+
+def shipped_path(fingerprint: str) -> Path:
+    """The datastore shipped beside the bundled model's accelerators."""
+    from engine.accelerators import shipped_root
+
+    return shipped_root() / f"{fingerprint}-datastore" / STORE_FILE
+
+
+def open_datastore(lm, sources=None) -> Datastore:
+    """The datastore of `lm` (see the module docstring); `sources` () -> documents rebuilds
+    a missing or refused one."""
+    fp = lm.fingerprint
+    return open_store(store_path(fp), fp, sources, fallback=shipped_path(fp))
+
+
+def tree_draft(root: int, found: Continuations, cache: dict) -> Draft:
+    """The continuation tree as a Draft rooted at `root` (tree buffers built once per shape,
+    kept in `cache`)."""
+    if not found.tokens:
+        return Draft.chain(root, [])
+    choices: list[tuple[int, ...]] = []
+    kids = [0] * (len(found.tokens) + 1)  # children seen so far, per node (+1: the root)
+    for parent in found.parents:
+        base = choices[parent] if parent >= 0 else ()
+        choices.append((*base, kids[parent + 1]))
+        kids[parent + 1] += 1
+    key = tuple(choices)
+    tree = cache.get(key)
+    if tree is None:
+        tree = cache[key] = build_tree(choices, max(len(c) for c in choices))
+    token_of = dict(zip(choices, found.tokens))
+    tokens = [root, *(token_of[c] for c in tree.choices[1:])]
+    return Draft(tokens, tree.children, tree.depths, tree.mask)
+
+
+class DatastoreDrafter(Drafter):
+    """Drafts the datastore's continuation tree of the latest tokens."""
+
+    name = "datastore"
+
+    def __init__(self, store: Datastore) -> None:
+        self.store = store
+        self._trees: dict = {}  # choices -> TreeBuffers
+        self.drafted = 0  # draft tokens from the store in the current reply
+        self.accepted = 0  # of which the model kept
+
+    @classmethod
+    def for_model(cls, lm, ckpt=None) -> DatastoreDrafter:
+        return cls(open_datastore(lm))
+
+    def start(self, state, prefill) -> None:
+        self.drafted = self.accepted = 0
+
+    def propose(self, state) -> Draft:
+        # room bounds the depth (positions), not the width
+        found = self.store.continuations(state.ids, max_depth=state.room)
+        return tree_draft(state.ids[-1], found, self._trees)
+
+    def commit(self, state, draft: Draft, path: list[int]) -> None:
+        super().commit(state, draft, path)
+        self.drafted += draft.size - 1
+        self.accepted += len(path)
+
+    def finish(self, stats) -> None:
+        stats.datastore_drafted += self.drafted
+        stats.datastore_accepted += self.accepted
