@@ -23,7 +23,7 @@ from engine.generate import run
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 ACCELERATORS = tuple(c for c in ACCEL_CHOICES if c != "off")  # the engine's drafters
-METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS)
+METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, "llama.cpp")
 BASELINE = "hf"  # every speedup is measured against this method
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens for hf-lookup
 
@@ -68,7 +68,7 @@ def method_names(text: str | None, with_assistant: bool) -> list[str]:
 def build_methods(lm, names: list[str], params: SamplingParams,
                   assistant=None) -> tuple[dict[str, Method], dict[str, str]]:
     """The method table for `names`, and {name: reason} for methods that cannot run here
-    (an accelerator not trained for this model)."""
+    (an accelerator not trained for this model, llama.cpp without its binding or GGUF file)."""
     methods: dict[str, Method] = {}
     skipped: dict[str, str] = {}
     for name in names:
@@ -81,6 +81,14 @@ def build_methods(lm, names: list[str], params: SamplingParams,
             methods[name] = hf_method(name, lm, params, assistant_model=assistant.model)
         elif name == "vanilla":
             methods[name] = engine_method(name, lm, params, Drafter())
+        elif name == "llama.cpp":
+            from engine.benchmark.llamacpp import llamacpp_method
+
+            method, reason = llamacpp_method(lm, params)
+            if method is None:
+                skipped[name] = reason
+            else:
+                methods[name] = method
         else:
             drafter, reason = _accelerator(lm, name)
             if drafter is None:

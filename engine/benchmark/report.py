@@ -27,6 +27,7 @@ from engine.stats import GenerationStats
 
 LOOKUP = "hf-lookup"  # the model-free speculative peer accelerators are also compared with
 OVERALL = "all"  # the column that pools every category
+LLAMACPP = "llama.cpp"  # the native peer every method's tok/s is also set against
 
 
 def summarize(results: list[Measurement], greedy: bool,
@@ -255,21 +256,31 @@ def _passes(n: int) -> str:
 
 
 def overall_table(report: dict) -> list[str]:
-    """Markdown rows: one per method, the pooled figures."""
-    rows = ["| method | tok/s | speedup vs hf | vs hf-lookup | tokens/step | CTAR(1) | "
+    """Markdown rows: one per method, the pooled figures; with a llama.cpp row, each
+    method's tok/s over llama.cpp's."""
+    peer = report["methods"].get(LLAMACPP)
+    rows = ["| method | tok/s | speedup vs hf | vs hf-lookup | "
+            + ("vs llama.cpp | " if peer else "") + "tokens/step | CTAR(1) | "
             "TTFT ms | peak MB (+ during generation) | greedy match (exact / prefix) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| --- | ---: | ---: | ---: | " + ("---: | " if peer else "")
+            + "---: | ---: | ---: | ---: | ---: |"]
     for name, f in report["methods"].items():
         ctar1 = _fmt(f["ctar"][0]) if f["ctar"] else "n/a"
         match = ("n/a (sampling)" if f["greedy_match_rate"] is None else
                  f"{f['greedy_match_rate']:.0%} / {f['prefix_match']:.1%}")
+        vs_peer = f"{_fmt(vs_llamacpp(f, peer), 'x')} | " if peer else ""
         rows.append(
             f"| {name} | {f['tokens_per_s']:.1f} | {f['speedup_vs_hf']:.2f}x | "
-            f"{_fmt(f['speedup_vs_hf_lookup'], 'x')} | {_fmt(f['mean_accepted'])} | {ctar1} | "
-            f"{f['ttft_s'] * 1000:.0f} | {f['peak_mem_mb']:.0f} (+{f['peak_mem_delta_mb']:.0f}) | "
-            f"{match} |"
+            f"{_fmt(f['speedup_vs_hf_lookup'], 'x')} | {vs_peer}{_fmt(f['mean_accepted'])} | "
+            f"{ctar1} | {f['ttft_s'] * 1000:.0f} | "
+            f"{f['peak_mem_mb']:.0f} (+{f['peak_mem_delta_mb']:.0f}) | {match} |"
         )
     return rows
+
+
+def vs_llamacpp(f: dict, peer: dict) -> float | None:
+    """A method's median tok/s over llama.cpp's (None when llama.cpp produced nothing)."""
+    return f["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
 
 
 def category_table(report: dict, key: str | Callable[[dict], str]) -> list[str]:

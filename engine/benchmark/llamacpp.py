@@ -1,0 +1,91 @@
+"""The llama.cpp peer: the same GGUF file the model was loaded from, decoded by llama.cpp
+through its Python binding (llama-cpp-python, optional and imported only when asked for).
+
+It is fed the engine's chat-template-encoded prompt ids as they are (never re-templated),
+decodes greedily one token per call with the same budget, and stops at the model's EOS.
+Its weights stay in the file's own quantization (Q4_1 for the bundled model), so its text
+is not expected to match hf's token for token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import torch
+
+from engine import gguf
+from engine.config import SamplingParams
+from engine.errors import QuickdraftError
+
+NAME = "llama.cpp"
+
+
+def gguf_file(lm) -> Path | None:
+    """The GGUF file `lm` was loaded from, or None when it came from a folder or hub repo."""
+    from engine.loading import BUNDLED_GGUF, BUNDLED_PACKAGE
+
+    source = lm.spec.source.strip()
+    if source == "default":
+        spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+        return path if path.is_file() else None
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path
+    hub = None if path.exists() else gguf.parse_hub(source)
+    if hub is not None:  # already in the cache: the model was loaded from it
+        return gguf.hub_file(*hub, lm.spec.revision)
+    return None
+
+
+def llamacpp_method(lm, params: SamplingParams):
+    """(Method, "") for llama.cpp on `lm`'s GGUF file, or (None, why it cannot run here)."""
+    from engine.benchmark.methods import Method, Outcome
+
+    if not params.greedy:
+        return None, "greedy only (run with --temperature 0)"
+    path = gguf_file(lm)
+    if path is None:
+        return None, f"the model was not loaded from a GGUF file ({lm.model_id})"
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        return None, f"the llama_cpp binding is not installed ({exc}); see README's speed table"
+    try:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=lm.context_len,
+                              n_threads=torch.get_num_threads(), verbose=False)
+    except (ValueError, RuntimeError) as exc:
+        raise QuickdraftError(f"llama.cpp could not load {path}: {exc}") from exc
+    eos = set(lm.eos_ids)
+
+    def generate(prompt_ids: list[int]) -> Outcome:
+        llm.reset()  # no prefix reuse: every call prefills its whole prompt
+        start = time.perf_counter()
+        ids: list[int] = []
+        ttft = 0.0
+        batch = prompt_ids
+        while len(ids) < params.max_new_tokens:
+            token = _argmax_after(llama_cpp, llm, batch)
+            if not ids:
+                ttft = time.perf_counter() - start
+            ids.append(token)
+            if token in eos:
+                break
+            batch = [token]
+        return Outcome(ids, ttft, None)
+
+    return Method(NAME, generate), ""
+
+
+def _argmax_after(llama_cpp, llm, tokens: list[int]) -> int:
+    """Feed `tokens`, return the greedy next token from the last position's logits."""
+    import numpy as np
+
+    llm.eval(tokens)
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                   shape=(llm.n_vocab(),))
+    return int(logits.argmax())

@@ -1,0 +1,60 @@
+"""The llama.cpp peer in the bench: accepted as a method, skipped with one line when it
+cannot run, and the report's "vs llama.cpp" column. None of this needs the binding."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from engine.benchmark.methods import METHOD_CHOICES, build_methods, method_names
+from engine.benchmark.report import build_report, notes, overall_table, summarize
+from engine.benchmark.runner import Measurement
+from engine.config import ModelSpec, SamplingParams
+from tests.conftest import make_tiny_model
+
+
+def test_method_list_accepts_llamacpp():
+    assert "llama.cpp" in METHOD_CHOICES
+    assert method_names("vanilla,llama.cpp", with_assistant=False) == [
+        "hf", "vanilla", "llama.cpp"]
+
+
+def _report(results, skipped):
+    return build_report({}, {"temperature": 0}, results, skipped)
+
+
+def _m(method, prompt, ids, wall):
+    return Measurement(method, prompt, "qa", 10, ids, wall, wall / 10, None, 100.0, 1.0)
+
+
+@pytest.mark.parametrize("source, why", [
+    ("default", "llama_cpp binding is not installed"),  # the bundled GGUF, no binding
+    (None, "not loaded from a GGUF file"),  # a model folder
+])
+def test_skipped_with_one_line(bundled_tokenizer, monkeypatch, source, why):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp fails
+    lm = make_tiny_model("llama-mha", bundled_tokenizer, num_layers=1)
+    if source is not None:
+        lm.spec = ModelSpec(source=source)
+    methods, skipped = build_methods(lm, ["hf", "llama.cpp"], SamplingParams(max_new_tokens=4))
+    assert list(methods) == ["hf"]
+    assert why in skipped["llama.cpp"] and "\n" not in skipped["llama.cpp"]
+    lines = notes(_report([_m("hf", 0, [1, 2], 1.0)], skipped))
+    assert [line for line in lines if "llama.cpp" in line] == [
+        f"- llama.cpp did not run: {skipped['llama.cpp']}"]
+
+
+def test_vs_llamacpp_column():
+    results = [_m("hf", 0, [1, 2, 3, 4], 1.0), _m("vanilla", 0, [1, 2, 3, 4], 0.5),
+               _m("llama.cpp", 0, [1, 2, 3, 5], 0.25)]  # 4, 8 and 16 tok/s
+    rows = overall_table(_report(results, {}))
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    col = header.index("vs llama.cpp")
+    cells = {r.strip("|").split("|")[0].strip(): r.strip("|").split("|")[col].strip()
+             for r in rows[2:]}
+    assert cells == {"hf": "0.25x", "vanilla": "0.50x", "llama.cpp": "1.00x"}
+    without = overall_table(_report(results[:2], {}))
+    assert "vs llama.cpp" not in without[0]
+    assert all(len(r.split("|")) == len(without[0].split("|")) for r in without)
+    assert summarize(results, greedy=True)["llama.cpp"]["greedy_match_rate"] == 0.0
