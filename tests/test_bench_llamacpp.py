@@ -58,3 +58,15 @@ def test_vs_llamacpp_column():
     assert "vs llama.cpp" not in without[0]
     assert all(len(r.split("|")) == len(without[0].split("|")) for r in without)
     assert summarize(results, greedy=True)["llama.cpp"]["greedy_match_rate"] == 0.0
+
+
+def test_llamacpp_text_differences_are_named_as_other_weights_not_mismatches():
+    from engine.benchmark.report import notes
+
+    peer = {"mismatched_prompts": ["p1", "p2"], "prompts": 3, "greedy_match_rate": 1 / 3}
+    report = {"settings": {"temperature": 0.0, "dtype": "bf16"}, "skipped": {},
+              "measurements": [], "methods": {"llama.cpp": peer}}
+    lines = notes(report)
+    assert lines == ["- llama.cpp decodes the GGUF file's own weights, so its text differs "
+                     "from hf on 2 of 3 prompts (exact match 33.3%)."]
+    assert not any("MISMATCH" in line or "near-tie" in line for line in lines)
