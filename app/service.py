@@ -27,7 +27,6 @@ from engine.accelerators import describe, is_shipped, measured_speedup
 from engine.chat import conversation, encode, fit_to_context
 from engine.config import ChatMessage, ModelSpec, SamplingParams
 from engine.config import Conversation as Prompt
-from engine.drafters.auto import AutoDrafter
 from engine.drafters.base import Drafter
 from engine.drafters.datastore import DatastoreDrafter, open_datastore, store_file
 from engine.drafters.registry import (
@@ -257,9 +256,9 @@ class Service:
                         ttft = event.elapsed_s  # prefill and the first token
                     else:
                         accepted.append(event.accepted)  # one event per model step
-                    if event.done and isinstance(drafter, AutoDrafter):
-                        used = reply["accel"] = f"auto:{drafter.current}"  # its arm
-                        notices.append(drafter.reason())
+                    if event.done:  # Auto says which arm it drafted with, and why
+                        used = reply["accel"] = drafter.used()
+                        notices += [line for line in [drafter.reason()] if line]
                     if event.done:  # saved before the last update goes out
                         reply["stats"] = event.stats.to_json()
                         _save_reply(self.store, conv, reply)
@@ -280,8 +279,8 @@ class Service:
             drafter, used, _notices = self._drafter_or_off(method)
             ids = encode(lm.tokenizer, Prompt(tuple(messages), system))
             for event in generate(lm, ids, params, drafter, cancel):
-                if event.done and isinstance(drafter, AutoDrafter):
-                    used = f"auto:{drafter.current}"
+                if event.done:
+                    used = drafter.used()
                 yield event, used
 
     @contextlib.contextmanager

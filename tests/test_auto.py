@@ -95,7 +95,7 @@ def test_the_reason_names_the_arm_its_gain_and_the_mix(tiny):
     a = AutoDrafter(MEDUSA, m, k, speedup=1.6)
     assert a.reason() == ("Auto copies from the conversation where it can, else drafts with "
                           "Medusa+lookup (1.60x Off when calibrated)")
-    a.used = Counter({MEDUSA: 9, COPY: 1})  # as a reply leaves it
+    a.steps = Counter({MEDUSA: 9, COPY: 1})  # as a reply leaves it
     a.finish(None)
     assert a.reason().endswith("; the last reply: Medusa+lookup 90%, copying 10% of the steps")
     with pytest.raises(ValueError, match="needs its trained drafter"):

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is None:
         return _interactive(lm, drafter, params, args.system)
     reply = _reply(lm, drafter, params, args.prompt, [], args.system, echo=not args.json)
-    used = _used(drafter, args.accel)
+    used = drafter.used()  # for Auto, "auto:<arm>"
     if args.json:
         text, ids, stats = reply
         print(json.dumps({"text": text, "token_ids": ids, "accel": used,
@@ -63,17 +63,9 @@ def _drafter(lm, method: str):
     return load_drafter(lm, method)
 
 
-def _used(drafter, method: str) -> str:
-    """The method a reply used: for Auto, the arm it drafts with, "auto:<method>"."""
-    from engine.drafters.auto import AutoDrafter
-
-    return f"auto:{drafter.current}" if isinstance(drafter, AutoDrafter) else method
-
-
 def _reply(lm, drafter, params, prompt, history, system, echo: bool):
     """Generate one reply; when `echo`, stream it to stdout and a summary to stderr."""
     from engine.chat import conversation, encode
-    from engine.drafters.auto import AutoDrafter
     from engine.generate import generate
 
     ids = encode(lm.tokenizer, conversation(prompt, history, system))
@@ -86,7 +78,7 @@ def _reply(lm, drafter, params, prompt, history, system, echo: bool):
             print(event.text, end="", flush=True)
         if event.done:
             stats = event.stats
-            if isinstance(drafter, AutoDrafter):  # Auto says how it drafted
+            if drafter.reason():  # Auto says how it drafted
                 print(f"note: {drafter.reason()}", file=sys.stderr)
             if echo:
                 print()

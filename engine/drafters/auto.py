@@ -69,7 +69,7 @@ class AutoDrafter(Drafter):
         self.kangaroo = kangaroo if arm == KANGAROO else None
         self.merge = TreeWithChain(medusa.tree) if self.medusa is not None else None
         self.wants_hidden = arm != "off"
-        self.used: Counter = Counter()  # steps per way of drafting in the current reply
+        self.steps: Counter = Counter()  # steps per way of drafting in the current reply
         self.last_reply: Counter = Counter()  # the same for the last finished reply
         self._round = "off"  # how this step drafts: COPY or the arm
         self._exits: torch.Tensor | None = None  # (1, n, H) layer-l states of a whole-model
@@ -80,11 +80,14 @@ class AutoDrafter(Drafter):
         """The arm it drafts with when not copying."""
         return self.arm
 
+    def used(self) -> str:
+        return f"auto:{self.arm}"
+
     # -- the decode loop's hooks ---------------------------------------------------------
 
     def start(self, state, prefill) -> None:
         self.source.reset()
-        self.used = Counter()
+        self.steps = Counter()
         if self.kangaroo is not None:
             self.kangaroo.start(state, prefill)
 
@@ -120,11 +123,11 @@ class AutoDrafter(Drafter):
                 self.kangaroo.absorb(self._exits[:, [0, *path]])
                 self._exits = None
                 kv_cache.rollback(state.cache, 0)  # trims sliding-window layers
-        self.used[self._round] += 1
+        self.steps[self._round] += 1
 
     def finish(self, stats) -> None:
         """Keep the reply's mix for the readout."""
-        self.last_reply = self.used
+        self.last_reply = self.steps
 
     def reason(self) -> str:
         """One line for the readout: how Auto drafts, and how the last reply did."""

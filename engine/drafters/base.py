@@ -114,6 +114,15 @@ class Drafter:
     def finish(self, stats: GenerationStats) -> None:
         """Called once when a generation ends (finished, stopped or cancelled)."""
 
+    def used(self) -> str:
+        """The method the last reply drafted with, as stored and shown: its name, or for a
+        drafter that chooses among others, "<name>:<choice>"."""
+        return self.name
+
+    def reason(self) -> str:
+        """One line for the readout on how it drafts; empty when there is nothing to say."""
+        return ""
+
 
 def forward_nodes(
     state: DecodeState, draft: Draft, want_hidden: bool
