@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -12,6 +14,17 @@ from engine.errors import ModelLoadError
 # Fraction of free GPU memory bf16 weights may take before "auto" picks 4-bit: the rest is
 # for activations, the KV cache and the drafter.
 GPU_WEIGHT_BUDGET = 0.7
+
+
+def cpu_name() -> str:
+    """The processor's model name (what a measurement on this machine is keyed and reported by)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def pick_device(requested: str) -> torch.device:

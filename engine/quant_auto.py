@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from engine import quant
+from engine import devices, quant
 from engine.paths import cache_dir
 
 HELDOUT = Path(__file__).resolve().parent.parent / "assets" / "heldout_text.txt"
@@ -42,17 +41,8 @@ class Choice:
 
 def machine_key(fingerprint: str) -> str:
     """The model, the torch build and the CPU a choice was measured on."""
-    return f"{fingerprint}|torch {torch.__version__}|{_cpu_name()}|{torch.get_num_threads()}t"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    threads = torch.get_num_threads()
+    return f"{fingerprint}|torch {torch.__version__}|{devices.cpu_name()}|{threads}t"
 
 
 def remembered(key: str) -> Choice | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine import neartie
+from engine import devices, neartie
 from engine.benchmark import stepcost
 from engine.benchmark.methods import BASELINE
 from engine.benchmark.runner import Measurement
@@ -152,7 +152,7 @@ def machine_info(device: torch.device) -> dict:
     import transformers
 
     return {
-        "cpu": _cpu_model(),
+        "cpu": devices.cpu_name(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -163,16 +163,6 @@ def machine_info(device: torch.device) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "load_avg_start": _load_avg(),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _load_avg() -> list[float] | None:
