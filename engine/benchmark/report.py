@@ -20,13 +20,12 @@ import torch
 
 from engine import neartie
 from engine.benchmark import stepcost
-from engine.benchmark.methods import BASELINE
+from engine.benchmark.methods import BASELINE, OVERALL
 from engine.benchmark.runner import Measurement
 from engine.neartie import Divergence
 from engine.stats import GenerationStats
 
 LOOKUP = "hf-lookup"  # the model-free speculative peer accelerators are also compared with
-OVERALL = "all"  # the column that pools every category
 
 
 def summarize(results: list[Measurement], greedy: bool,
