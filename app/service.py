@@ -28,14 +28,14 @@ from engine.chat import conversation, encode, fit_to_context
 from engine.config import ChatMessage, ModelSpec, SamplingParams
 from engine.config import Conversation as Prompt
 from engine.drafters.base import Drafter
-from engine.drafters.datastore import DatastoreDrafter, open_datastore, store_file
+from engine.drafters.datastore import open_datastore, store_file
 from engine.drafters.registry import (
     ACCEL_CHOICES,
     ACCEL_LABELS,
     TRAINED,
     base_method,
-    load_auto,
     load_drafter,
+    over_datastore,
 )
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import StepEvent, generate, run
@@ -204,11 +204,11 @@ class Service:
         if method == "off":
             return Drafter()
         if method == "datastore" and method not in self._drafters:
-            self._drafters[method] = DatastoreDrafter(self.datastore)
+            self._drafters[method] = over_datastore(self.datastore)
         if method not in self._drafters:
             # Auto shares the Medusa and Kangaroo drafters this service holds.
-            self._drafters[method] = (load_auto(self.lm, lambda _lm, m: self._drafter(m))
-                                      if method == "auto" else load_drafter(self.lm, method))
+            self._drafters[method] = load_drafter(self.lm, method,
+                                                  lambda _lm, m: self._drafter(m))
         return self._drafters[method]
 
     # -- chat ---------------------------------------------------------------------

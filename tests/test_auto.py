@@ -15,7 +15,7 @@ from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter, fastest_ar
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupParams
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.registry import load_drafter
+from engine.drafters.registry import ACCEL_LABELS, load_drafter
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.tree import build_tree
@@ -47,7 +47,7 @@ class Counting(AutoDrafter):
         self.all_steps = getattr(self, "all_steps", Counter())
 
     def commit(self, state, draft, path):
-        self.all_steps[self._round] += 1
+        self.all_steps[self.kind] += 1
         super().commit(state, draft, path)
 
 
@@ -92,7 +92,7 @@ def test_copying_is_the_full_lookup_continuation_and_adapts_nothing_else(tiny):
 
 def test_the_reason_names_the_arm_its_gain_and_the_mix(tiny):
     m, k = drafters(tiny)
-    a = AutoDrafter(MEDUSA, m, k, speedup=1.6)
+    a = AutoDrafter(MEDUSA, m, k, speedup=1.6, labels=ACCEL_LABELS)
     assert a.reason() == ("Auto copies from the conversation where it can, else drafts with "
                           "Medusa+lookup (1.60x Off when calibrated)")
     a.steps = Counter({MEDUSA: 9, COPY: 1})  # as a reply leaves it
@@ -121,17 +121,9 @@ def test_greedy_replies_stay_exact_as_copies_and_the_arm_alternate(name, arm,
 class Recording(kg.recording(AutoDrafter)):
     """Auto exposing its Kangaroo drafter's state to the cache check."""
 
-    @property
-    def run(self):
-        return self.kangaroo.run
-
-    @property
-    def settings(self):
-        return self.kangaroo.settings
-
-    @property
-    def adapter(self):
-        return self.kangaroo.adapter
+    run = property(lambda self: self.sources["kangaroo"].run)
+    settings = property(lambda self: self.sources["kangaroo"].settings)
+    adapter = property(lambda self: self.sources["kangaroo"].adapter)
 
 
 @pytest.mark.parametrize("exit_layer", [1, 2])
@@ -166,7 +158,7 @@ def test_registry_builds_auto_from_what_is_trained(bundled_tokenizer):
     lm = make_tiny_model("llama-gqa", bundled_tokenizer)
     a = load_drafter(lm, "auto")
     assert a.arm == "off"  # nothing trained yet
-    assert a.medusa is None and a.kangaroo is None and not a.wants_hidden
+    assert set(a.sources) == {"lookup"} and not a.wants_hidden
     with pytest.raises(AcceleratorError, match="train --method medusa"):
         load_drafter(lm, "medusa+lookup")
     with pytest.raises(AcceleratorError, match="train --method kangaroo"):

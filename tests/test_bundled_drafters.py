@@ -18,7 +18,7 @@ import torch
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter
-from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.medusa import MedusaDrafter
@@ -93,7 +93,8 @@ def test_kangaroo_trained_adapter(bundled_lm, prompts, plain, trained_adapter):
 
 def test_kangaroo_lookup(bundled_lm, prompts, plain, trained_adapter):
     adapter, vocab = trained_adapter
-    d = KangarooLookupDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4), vocab)
+    d = kangaroo_lookup(KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4),
+                                        vocab))
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 
@@ -105,7 +106,7 @@ def test_medusa(bundled_lm, prompts, plain):
 
 def test_medusa_lookup(bundled_lm, prompts, plain):
     heads = _random_heads(int(bundled_lm.model.config.hidden_size))
-    d = MedusaLookupDrafter(bundled_lm, heads, build_tree(TREE, 4))
+    d = medusa_lookup(MedusaDrafter(bundled_lm, heads, build_tree(TREE, 4)))
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 

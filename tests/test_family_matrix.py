@@ -23,7 +23,7 @@ from engine.config import ModelSpec, SamplingParams
 from engine.drafters.auto import KANGAROO, MEDUSA, AutoDrafter
 from engine.datastore import Datastore
 from engine.drafters.datastore import DatastoreDrafter
-from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
@@ -84,11 +84,11 @@ def make_drafter(lm, method: str):
     if method == "medusa":
         return MedusaDrafter(lm, heads, tree)
     if method == "medusa+lookup":
-        return MedusaLookupDrafter(lm, heads, tree)
+        return medusa_lookup(MedusaDrafter(lm, heads, tree))
     if method == "kangaroo":
         return KangarooDrafter(lm, Adapter(lm.model), settings)
     if method == "kangaroo+lookup":
-        return KangarooLookupDrafter(lm, Adapter(lm.model), settings)
+        return kangaroo_lookup(KangarooDrafter(lm, Adapter(lm.model), settings))
     try:
         kangaroo = KangarooDrafter(lm, Adapter(lm.model), settings)
     except AcceleratorError:

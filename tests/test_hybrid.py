@@ -10,9 +10,12 @@ import torch
 from engine import verify
 from engine.config import SamplingParams
 from engine.drafters.base import Draft
-from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter, TreeWithChain
-from engine.drafters.kangaroo import Adapter, KangarooSettings
+from engine.drafters.composite import Composite
+from engine.drafters.hybrid import TreeWithChain, medusa_lookup
+from engine.drafters.hybrid import kangaroo_lookup as compose_kangaroo_lookup
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter, LookupParams
+from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
 from engine.tree import build_tree, with_chain
 from tests import test_kangaroo as kg
@@ -72,7 +75,7 @@ def test_greedy_follows_the_deepest_branch_that_agrees():
 def test_medusa_lookup_matches_plain_greedy(name, bundled_tokenizer):
     lm = md.small_vocab_model(bundled_tokenizer, name, 64)
     prompt, params = repetitive_prompt(64), SamplingParams(max_new_tokens=48)
-    drafter = MedusaLookupDrafter(lm, md.random_heads(lm), build_tree(md.TREE, 4))
+    drafter = medusa_lookup(MedusaDrafter(lm, md.random_heads(lm), build_tree(md.TREE, 4)))
     _t, ids, stats = run(lm, prompt, params, drafter)
     assert ids == run(lm, prompt, params)[1]
     assert max(stats.drafted) > len(md.TREE)  # the lookup branch was verified too
@@ -81,8 +84,8 @@ def test_medusa_lookup_matches_plain_greedy(name, bundled_tokenizer):
 def test_medusa_lookup_without_a_tree_is_lookup(bundled_tokenizer):
     lm = md.small_vocab_model(bundled_tokenizer, "llama-gqa", 64)
     prompt, params = repetitive_prompt(64), SamplingParams(max_new_tokens=40)
-    drafter = MedusaLookupDrafter(lm, md.random_heads(lm), build_tree([], 4),
-                                  lookup=LookupParams())
+    drafter = medusa_lookup(MedusaDrafter(lm, md.random_heads(lm), build_tree([], 4)),
+                            lookup=LookupParams())
     _t, ids, stats = run(lm, prompt, params, drafter)
     _t, plain_lookup, lookup_stats = run(lm, prompt, params, LookupDrafter())
     assert ids == plain_lookup == run(lm, prompt, params)[1]
@@ -95,8 +98,8 @@ def medusa_sampling_case(bundled_tokenizer):
     lm = md.small_vocab_model(bundled_tokenizer, "llama-untied", 8, seed=3)
     prompt = [1, 5, 2, 6, 1, 5]
     tree = build_tree([(0,), (1,), (0, 0)], 4)
-    drafter = MedusaLookupDrafter(lm, md.random_heads(lm, seed=2), tree, lookup=LookupParams(
-        copy_len=3, short_len=3))
+    drafter = medusa_lookup(MedusaDrafter(lm, md.random_heads(lm, seed=2), tree),
+                            lookup=LookupParams(copy_len=3, short_len=3))
     return lm, prompt, drafter, md._exact_joint(lm, prompt, 3)
 
 
@@ -126,7 +129,7 @@ def break_pointmass(monkeypatch) -> None:
     monkeypatch.setattr(verify, "accept_pointmass", eager)
 
 
-class Counting(KangarooLookupDrafter):
+class Counting(KangarooDrafter):
     """Counts the rounds drafted by lookup."""
 
     lookups = 0
@@ -136,10 +139,24 @@ class Counting(KangarooLookupDrafter):
         return super().propose_chain(state, tokens)
 
 
-def kangaroo_lookup(lm, exit_layer=2, gamma=4, min_match=1, seed=0, cls=Counting):
+def exposing_kangaroo(cls):
+    """A composite `cls` exposing its Kangaroo source's state (the cache check reads it)."""
+
+    class Exposing(cls):
+        run = property(lambda self: self.sources["kangaroo"].run)
+        settings = property(lambda self: self.sources["kangaroo"].settings)
+        adapter = property(lambda self: self.sources["kangaroo"].adapter)
+        lookups = property(lambda self: self.sources["kangaroo"].lookups)
+
+    return Exposing
+
+
+def kangaroo_lookup(lm, exit_layer=2, gamma=4, min_match=1, seed=0, cls=None):
     torch.manual_seed(seed)
-    return cls(lm, Adapter(lm.model), KangarooSettings(exit_layer, 0.0, gamma),
-               min_match=min_match)
+    kangaroo = Counting(lm, Adapter(lm.model), KangarooSettings(exit_layer, 0.0, gamma))
+    d = compose_kangaroo_lookup(kangaroo, min_match=min_match)
+    d.__class__ = cls or exposing_kangaroo(Composite)  # a test view of the same drafter
+    return d
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -159,7 +176,7 @@ def test_kangaroo_lookup_matches_plain_greedy(name, exit_layer, min_match, bundl
 def test_kangaroo_lookup_caches_stay_consistent(bundled_tokenizer, monkeypatch):
     lm = make_tiny_model("qwen2", bundled_tokenizer, vocab_size=12)  # tokens recur often
     lm.eos_ids = ()
-    d = kangaroo_lookup(lm, cls=kg.recording(Counting))
+    d = kangaroo_lookup(lm, cls=exposing_kangaroo(kg.recording(Composite)))
     kept = kg.check_caches_after_random_accepts(lm, d, [5, 6, 7, 8, 9] * 3, monkeypatch)
     assert d.lookups > 0 and max(kept) > 1  # lookup rounds left states for the adapter
 

@@ -22,7 +22,7 @@ from engine.accelerators import (
     load_checkpoint,
 )
 from engine.config import SamplingParams
-from engine.drafters.registry import TRAINED, load_auto, load_drafter
+from engine.drafters.registry import TRAINED, load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
 from tests.test_accelerators import _save
@@ -57,7 +57,7 @@ def test_a_shipped_accelerator_loads_when_none_is_trained(lm, shipped):
     assert describe(lm, "medusa")["folder"] == str(folder)
     params = SamplingParams(max_new_tokens=16)
     (folder / METRICS).write_text(json.dumps({"speedup": 1.3}))  # as calibration measured
-    auto = load_auto(lm)
+    auto = load_drafter(lm, "auto")
     assert auto.arm == "medusa+lookup"  # Auto drafts with it from the first reply
     assert run(lm, [5, 6, 7], params, auto)[1] == run(lm, [5, 6, 7], params)[1]
 
@@ -126,7 +126,7 @@ def test_a_fresh_install_chats_with_auto_over_them_exactly(bundled_lm, monkeypat
     monkeypatch.setenv("QUICKDRAFT_SHIPPED_DIR", str(REPO_SHIPPED))
     for method in TRAINED:
         assert is_shipped(load_checkpoint(bundled_lm, method).folder)
-    auto = load_auto(bundled_lm)  # over those that pay in fp32 here
+    auto = load_drafter(bundled_lm, "auto")  # over those that pay in fp32 here
     params = SamplingParams(max_new_tokens=48)
     ids = encode(bundled_lm.tokenizer, conversation("Write a short poem about rain."))
     assert run(bundled_lm, ids, params, auto)[1] == run(bundled_lm, ids, params)[1]

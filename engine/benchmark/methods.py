@@ -25,6 +25,7 @@ HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 ACCELERATORS = tuple(c for c in ACCEL_CHOICES if c != "off")  # the engine's drafters
 METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, "llama.cpp")
 BASELINE = "hf"  # every speedup is measured against this method
+OVERALL = "all"  # the report column that pools every category
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens for hf-lookup
 
 
@@ -124,7 +125,8 @@ def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Me
 
     def generate(prompt_ids: list[int]) -> Outcome:
         _text, ids, stats = run(lm, prompt_ids, params, drafter)
-        used = getattr(drafter, "last_reply", None)  # Auto's mix of arms for this reply
+        # Auto's mix of arms for this reply (the other compositions keep one too)
+        used = getattr(drafter, "last_reply", None) if name == "auto" else None
         return Outcome(ids, stats.ttft_s, list(stats.accepted),
                        dict(used) if used is not None else None)
 

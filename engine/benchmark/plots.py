@@ -11,8 +11,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from engine.benchmark.methods import BASELINE
-from engine.benchmark.report import OVERALL
+from engine.benchmark.methods import BASELINE, OVERALL
 
 
 def write_plots(report: dict, out: Path) -> list[Path]:

@@ -20,13 +20,12 @@ import torch
 
 from engine import devices, neartie
 from engine.benchmark import stepcost
-from engine.benchmark.methods import BASELINE
+from engine.benchmark.methods import BASELINE, OVERALL
 from engine.benchmark.runner import Measurement
 from engine.neartie import Divergence
 from engine.stats import GenerationStats
 
 LOOKUP = "hf-lookup"  # the model-free speculative peer accelerators are also compared with
-OVERALL = "all"  # the column that pools every category
 LLAMACPP = "llama.cpp"  # the native peer every method's tok/s is also set against
 
 

@@ -25,23 +25,18 @@ lossless (the way a step drafts depends only on the past).
 
 from __future__ import annotations
 
-from collections import Counter
+from functools import partial
 
-import torch
-
-from engine import kv_cache
-from engine.drafters.base import Draft, Drafter, forward_layers
-from engine.drafters.hybrid import TreeWithChain
-from engine.drafters.kangaroo import KangarooDrafter
-from engine.drafters.lookup import LookupParams, LookupSource
-from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.registry import ACCEL_LABELS
+from engine.drafters.base import Draft, Drafter
+from engine.drafters.composite import Composite, Step
+from engine.drafters.hybrid import TreeWithChain, lookup_match, tree_or_copy
+from engine.drafters.lookup import LookupDrafter, LookupParams
 
 COPY = "copy"  # rounds that draft a 3-gram match's continuation alone
 # The trained arms, named for how they draft: Medusa's tree with the lookup continuation
-# hung beside it, and a round of the Kangaroo adapter alone.
+# hung beside it, and a round of the Kangaroo adapter alone; keyed by the source they need.
 MEDUSA, KANGAROO = "medusa+lookup", "kangaroo"
-ARM_OF = {"medusa": MEDUSA, "kangaroo": KANGAROO}  # trained accelerator -> its arm
+ARMS = {"medusa": MEDUSA, "kangaroo": KANGAROO}
 
 
 def fastest_arm(speedups: dict[str, float]) -> str:
@@ -51,29 +46,52 @@ def fastest_arm(speedups: dict[str, float]) -> str:
     return best if speedups.get(best, 0.0) > 1.0 else "off"
 
 
-class AutoDrafter(Drafter):
+def copy_or_alone(c: Composite, state, source: str | None) -> Step:
+    """Copy while a 3-gram match holds; else `source`'s draft alone (None: plain decoding)."""
+    chain, n = lookup_match(c, state)
+    if chain and c.sources["lookup"].source.copying(n):
+        return Step(COPY, "lookup", Draft.chain(state.ids[-1], chain))
+    if source is None:
+        return Step("off", None, Draft.chain(state.ids[-1], []))
+    return Step(ARMS[source], source, c.sources[source].propose(state))
+
+
+class AutoDrafter(Composite):
     """Copies while a 3-gram match holds; otherwise drafts with one arm (see module doc)."""
 
-    name = "auto"
-
-    def __init__(self, arm: str = "off", medusa: MedusaDrafter | None = None,
-                 kangaroo: KangarooDrafter | None = None, lookup: LookupParams | None = None,
-                 speedup: float | None = None):
-        needs = {MEDUSA: medusa, KANGAROO: kangaroo}
-        if arm != "off" and needs.get(arm) is None:
+    def __init__(self, arm: str = "off", medusa: Drafter | None = None,
+                 kangaroo: Drafter | None = None, lookup: LookupParams | None = None,
+                 speedup: float | None = None, labels: dict[str, str] | None = None):
+        trained = {"medusa": medusa, "kangaroo": kangaroo}
+        source = next((s for s, a in ARMS.items() if a == arm), None)
+        if arm != "off" and trained.get(source) is None:
             raise ValueError(f"Auto's arm {arm!r} needs its trained drafter")
+        sources = {"lookup": LookupDrafter(lookup or LookupParams())}
+        if source is not None:
+            sources[source] = trained[source]
+        choose = (partial(tree_or_copy, merge=TreeWithChain(medusa.tree)) if arm == MEDUSA
+                  else partial(copy_or_alone, source=source))
+        super().__init__("auto", sources, choose)
         self.arm = arm
         self.speedup = speedup  # the arm's calibrated speedup (None for off)
-        self.source = LookupSource(lookup or LookupParams())
-        self.medusa = medusa if arm == MEDUSA else None
-        self.kangaroo = kangaroo if arm == KANGAROO else None
-        self.merge = TreeWithChain(medusa.tree) if self.medusa is not None else None
-        self.wants_hidden = arm != "off"
-        self.steps: Counter = Counter()  # steps per way of drafting in the current reply
-        self.last_reply: Counter = Counter()  # the same for the last finished reply
-        self._round = "off"  # how this step drafts: COPY or the arm
-        self._exits: torch.Tensor | None = None  # (1, n, H) layer-l states of a whole-model
-        # round, which the adapter reads at its next round
+        self.labels = labels or {}  # method -> what people read
+
+    @classmethod
+    def over(cls, lm, trained: dict[str, Drafter], labels: dict[str, str]) -> AutoDrafter:
+        """Auto over the trained drafters of `lm` that pay here (source name -> drafter):
+        copying where a 3-gram match holds, else the one with the best calibrated speedup."""
+        from engine.accelerators import describe, measured_speedup
+
+        speedups, arms = {}, {}
+        for source, drafter in trained.items():
+            if drafter.pays:
+                arms[ARMS[source]] = drafter
+                metrics = (describe(lm, source) or {}).get("metrics", {})
+                speedups[ARMS[source]] = (drafter.retimed_speedup
+                                          or measured_speedup(metrics) or 1.0)
+        arm = fastest_arm(speedups)
+        return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), speedup=speedups.get(arm),
+                   labels=labels)
 
     @property
     def current(self) -> str:
@@ -83,64 +101,17 @@ class AutoDrafter(Drafter):
     def used(self) -> str:
         return f"auto:{self.arm}"
 
-    # -- the decode loop's hooks ---------------------------------------------------------
-
-    def start(self, state, prefill) -> None:
-        self.source.reset()
-        self.steps = Counter()
-        if self.kangaroo is not None:
-            self.kangaroo.start(state, prefill)
-
-    def propose(self, state) -> Draft:
-        chain, n = self.source.match(state.ids, state.room)
-        root = state.ids[-1]
-        copying = bool(chain) and self.source.copying(n)
-        self._round = COPY if copying else self.arm
-        if copying:
-            return Draft.chain(root, chain)
-        if self.arm == KANGAROO:
-            return self.kangaroo.propose(state)
-        if self.arm == MEDUSA:
-            return self.merge(self.medusa.propose(state), chain)
-        return Draft.chain(root, [])
-
-    def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._round == KANGAROO:
-            return self.kangaroo.score(state, draft)
-        logits, hidden = forward_layers(state, draft, self.wants_hidden)
-        if hidden is None:
-            return logits, None
-        if self.kangaroo is not None:
-            self._exits = hidden[self.kangaroo.settings.exit_layer]
-        return logits, hidden[-1][0]
-
-    def commit(self, state, draft: Draft, path: list[int]) -> None:
-        if self._round == KANGAROO:
-            self.kangaroo.commit(state, draft, path)
-        else:
-            kv_cache.keep_path(state.cache, state.cached, [0, *path])
-            if self._exits is not None:  # the adapter reads the kept tokens at its next round
-                self.kangaroo.absorb(self._exits[:, [0, *path]])
-                self._exits = None
-                kv_cache.rollback(state.cache, 0)  # trims sliding-window layers
-        self.steps[self._round] += 1
-
-    def finish(self, stats) -> None:
-        """Keep the reply's mix for the readout."""
-        self.last_reply = self.steps
-
     def reason(self) -> str:
         """One line for the readout: how Auto drafts, and how the last reply did."""
         gain = f" ({self.speedup:.2f}x Off when calibrated)" if self.speedup else ""
         line = f"Auto copies from the conversation where it can, else drafts with " \
-               f"{_label(self.arm)}{gain}"
+               f"{self._label(self.arm)}{gain}"
         total = sum(self.last_reply.values())
         if total:
-            mix = ", ".join(f"{_label(a)} {100 * n / total:.0f}%"
+            mix = ", ".join(f"{self._label(a)} {100 * n / total:.0f}%"
                             for a, n in self.last_reply.most_common())
             line += f"; the last reply: {mix} of the steps"
         return line
 
-
-def _label(arm: str) -> str:
-    return "copying" if arm == COPY else ACCEL_LABELS.get(arm, arm)
+    def _label(self, arm: str) -> str:
+        return "copying" if arm == COPY else self.labels.get(arm, arm)

@@ -88,6 +88,8 @@ class Drafter:
     wants_hidden = False  # True when the drafter reads hidden states (state.hidden, prefill)
     notice = ""  # one line for the user when it decodes plainly after all (does not pay here)
     retimed_speedup: float | None = None  # the speedup estimated at load, when re-timed here
+    verifies = False  # True when its score/commit must verify its own drafts (Kangaroo's
+    # layers above the early exit); a composite then routes them to it
 
     @property
     def pays(self) -> bool:
@@ -110,6 +112,12 @@ class Drafter:
     def commit(self, state: DecodeState, draft: Draft, path: list[int]) -> None:
         """Keep the cache entries of the root and the accepted nodes."""
         kv_cache.keep_path(state.cache, state.cached, [0, *path])
+
+    def observe(self, state: DecodeState, layers: tuple[torch.Tensor, ...] | None,
+                path: list[int]) -> None:
+        """In a composite, a step another source drafted was verified and `path` kept (the
+        cache already holds it). layers: every layer's (1, n, H) states over the draft when
+        the composite ran the whole model with them, else None."""
 
     def finish(self, stats: GenerationStats) -> None:
         """Called once when a generation ends (finished, stopped or cancelled)."""

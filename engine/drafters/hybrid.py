@@ -13,9 +13,12 @@ Both stay lossless through the shared acceptance rules: greedy follows the targe
 
 from __future__ import annotations
 
+from functools import partial
+
 from engine.drafters.base import Draft
+from engine.drafters.composite import Composite, Step
 from engine.drafters.kangaroo import KangarooDrafter
-from engine.drafters.lookup import LookupParams, LookupSource
+from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.medusa import MedusaDrafter
 from engine.tree import TreeShape, with_chain
 
@@ -39,44 +42,44 @@ class TreeWithChain:
         return Draft([*draft.tokens, *chain], shape.children, shape.depths, shape.mask)
 
 
-class MedusaLookupDrafter(MedusaDrafter):
+def lookup_match(c: Composite, state) -> tuple[list[int], int]:
+    """The lookup source's continuation and matched n-gram length for this step."""
+    return c.sources["lookup"].source.match(state.ids, state.room)
+
+
+def tree_or_copy(c: Composite, state, merge: TreeWithChain) -> Step:
+    """Medusa+lookup's choice: while a 3-gram match is being copied, its continuation alone
+    (the heads' guesses would only add verification cost); else the heads' tree with a
+    shorter match's continuation beside it."""
+    chain, n = lookup_match(c, state)
+    if chain and c.sources["lookup"].source.copying(n):
+        return Step("copy", "lookup", Draft.chain(state.ids[-1], chain))
+    medusa = c.sources["medusa"]
+    return Step("medusa+lookup", "medusa", merge(medusa.propose(state), chain))
+
+
+def adapter_or_lookup(c: Composite, state, min_match: int) -> Step:
+    """Kangaroo+lookup's choice: a round of the lookup continuation where a match of at
+    least `min_match` tokens exists (run through Kangaroo's shallow layers, which verify
+    it), else an adapter round."""
+    chain, n = lookup_match(c, state)
+    kangaroo = c.sources["kangaroo"]
+    if chain and (n >= min_match or kangaroo.off):
+        return Step("lookup", "kangaroo", kangaroo.propose_chain(state, chain))
+    return Step("kangaroo", "kangaroo", kangaroo.propose(state))
+
+
+def medusa_lookup(medusa: MedusaDrafter, lookup: LookupParams | None = None) -> Composite:
     """Medusa's tree with the lookup continuation beside it."""
-
-    name = "medusa+lookup"
-
-    def __init__(self, lm, heads, tree, retimed=None,
-                 lookup: LookupParams | None = None):
-        super().__init__(lm, heads, tree, retimed)
-        self.lookup = LookupSource(lookup or LookupParams())
-        self.merge = TreeWithChain(tree)
-
-    def start(self, state, prefill) -> None:
-        self.lookup.reset()
-
-    def propose(self, state) -> Draft:
-        chain, n = self.lookup.match(state.ids, state.room)
-        if chain and self.lookup.copying(n):
-            # A copy in progress: the heads' guesses would only add verification cost.
-            return Draft.chain(state.ids[-1], chain)
-        return self.merge(super().propose(state), chain)
+    return Composite("medusa+lookup", {"lookup": LookupDrafter(lookup or LookupParams()),
+                                       "medusa": medusa},
+                     partial(tree_or_copy, merge=TreeWithChain(medusa.tree)), lead="medusa")
 
 
-class KangarooLookupDrafter(KangarooDrafter):
+def kangaroo_lookup(kangaroo: KangarooDrafter, lookup: LookupParams | None = None,
+                    min_match: int = 2) -> Composite:
     """Kangaroo rounds, replaced by the lookup continuation where a long enough match exists."""
-
-    name = "kangaroo+lookup"
-
-    def __init__(self, *args, lookup: LookupParams | None = None, min_match: int = 2, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.lookup = LookupSource(lookup or LookupParams())
-        self.min_match = min_match  # shortest matched n-gram whose continuation is drafted
-
-    def start(self, state, prefill) -> None:
-        super().start(state, prefill)
-        self.lookup.reset()
-
-    def propose(self, state) -> Draft:
-        chain, n = self.lookup.match(state.ids, state.room)
-        if chain and (n >= self.min_match or self.off):
-            return self.propose_chain(state, chain)
-        return super().propose(state)
+    # min_match: the shortest matched n-gram whose continuation is drafted
+    return Composite("kangaroo+lookup", {"lookup": LookupDrafter(lookup or LookupParams()),
+                                         "kangaroo": kangaroo},
+                     partial(adapter_or_lookup, min_match=min_match), lead="kangaroo")

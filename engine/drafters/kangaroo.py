@@ -88,6 +88,7 @@ class KangarooDrafter(Drafter):
 
     name = "kangaroo"
     wants_hidden = True  # start() reads the prompt's layer-l states from the prefill
+    verifies = True  # runs only the layers above the early exit over its drafts
 
     def __init__(self, lm, adapter: Adapter, settings: KangarooSettings,
                  vocab: torch.Tensor | None = None, metrics: dict | None = None):
@@ -230,6 +231,14 @@ class KangarooDrafter(Drafter):
         did not draft (lookup, or another drafter's whole-model forward): the adapter reads
         them at its next round, so no layer runs twice for a token."""
         self.run.lag = torch.cat([self.run.lag, exits], dim=1)
+
+    def observe(self, state, layers, path: list[int]) -> None:
+        """After another source's whole-model round: the adapter reads the kept tokens'
+        layer-l states at its next round."""
+        if layers is None or self.off:
+            return
+        self.absorb(layers[self.settings.exit_layer][:, [0, *path]])
+        kv_cache.rollback(state.cache, 0)  # trims sliding-window layers
 
     def guesses(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The adapter's drafts over (n, H) adapter states: (n, Vd) float32 logits, the (n,)

@@ -8,9 +8,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.drafters.auto import AutoDrafter
 from engine.drafters.base import Drafter
 from engine.drafters.datastore import DatastoreDrafter
-from engine.drafters.hybrid import KangarooLookupDrafter, MedusaLookupDrafter
+from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
 from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
 from engine.drafters.medusa import MedusaDrafter
@@ -25,25 +26,30 @@ class Method:
 
     name: str  # what --accel, the API and the settings file say
     label: str  # what people read
-    # (lm, checkpoint or None) -> drafter; None for Auto, which composes the others
-    build: Callable | None
+    # (lm, checkpoint or None) -> drafter; for a method that composes others,
+    # (lm, {method: drafter}) over those of `composes` that load
+    build: Callable
     checkpoint: str | None = None  # the trained accelerator it loads; None: nothing to load
     # The module that trains that accelerator (trainer/ is imported only when training, and
     # the engine never imports it): it offers check(lm), prep_seconds_per_token(lm, options),
     # reserve_s(options) and train(...).
     trainer: str | None = None
+    composes: tuple[str, ...] = ()  # the methods whose drafters it chooses among
 
 
 METHODS = (
-    Method("auto", "Auto", None),
+    Method("auto", "Auto", lambda lm, parts: AutoDrafter.over(lm, parts, ACCEL_LABELS),
+           composes=("medusa", "kangaroo")),
     Method("off", "Off", lambda lm, ckpt: Drafter()),
     Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
     Method("datastore", "Datastore", DatastoreDrafter.for_model),
     Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa"),
-    Method("medusa+lookup", "Medusa+lookup", MedusaLookupDrafter.from_checkpoint, "medusa"),
+    Method("medusa+lookup", "Medusa+lookup",
+           lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
            "trainer.kangaroo"),
-    Method("kangaroo+lookup", "Kangaroo+lookup", KangarooLookupDrafter.from_checkpoint,
+    Method("kangaroo+lookup", "Kangaroo+lookup",
+           lambda lm, ckpt: kangaroo_lookup(KangarooDrafter.from_checkpoint(lm, ckpt)),
            "kangaroo"),
 )
 BY_NAME = {m.name: m for m in METHODS}
@@ -68,13 +74,22 @@ def base_method(name: str) -> str | None:
     return method(name).checkpoint
 
 
-def load_drafter(lm, name: str) -> Drafter:
+def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:
     """The drafter for method `name`; trained methods load their checkpoint for `lm`.
+    A method that composes others gets those that load (one that is not trained or is
+    unusable here is left out); `load` (lm, method) -> drafter lets a caller share the
+    drafters it already holds.
 
     Raises AcceleratorError (with the command that fixes it) when none is trained."""
     m = method(name)
-    if m.build is None:
-        return load_auto(lm)
+    if m.composes:
+        parts = {}
+        for part in m.composes:
+            try:
+                parts[part] = (load or load_drafter)(lm, part)
+            except AcceleratorError as exc:
+                log.info("%s leaves %s out: %s", m.label, part, exc)
+        return m.build(lm, parts)
     if m.checkpoint is None:
         return m.build(lm, None)
     from engine.accelerators import load_checkpoint
@@ -82,27 +97,6 @@ def load_drafter(lm, name: str) -> Drafter:
     return m.build(lm, load_checkpoint(lm, m.checkpoint))
 
 
-def load_auto(lm, load=None) -> Drafter:
-    """Auto over the trained accelerators of `lm` (one that is unusable or does not beat
-    plain decoding here is left out): copying where a 3-gram match holds, else the one
-    with the best calibrated speedup. `load` (lm, method) -> drafter lets a caller share
-    the drafters it already holds."""
-    from engine.accelerators import describe, measured_speedup
-    from engine.drafters.auto import ARM_OF, AutoDrafter, fastest_arm
-
-    load = load or load_drafter
-    speedups, trained = {}, {}
-    for base in TRAINED:
-        try:
-            drafter = load(lm, base)
-        except AcceleratorError as exc:
-            log.info("Auto leaves %s out: %s", base, exc)
-            continue
-        if drafter.pays:
-            trained[ARM_OF[base]] = drafter
-            metrics = (describe(lm, base) or {}).get("metrics", {})
-            speedups[ARM_OF[base]] = (drafter.retimed_speedup or measured_speedup(metrics)
-                                      or 1.0)
-    arm = fastest_arm(speedups)
-    return AutoDrafter(arm, trained.get("medusa+lookup"), trained.get("kangaroo"),
-                       speedup=speedups.get(arm))
+def over_datastore(store) -> Drafter:
+    """The datastore method's drafter over an open datastore (the caller keeps it)."""
+    return DatastoreDrafter(store)

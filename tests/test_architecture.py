@@ -1,0 +1,115 @@
+"""The code's shape, checked on its source: no import cycle among engine/, trainer/ and app/
+(imports inside functions count too), and app/ reaches drafters only through the registry
+and the Drafter interface, never by a drafter class's name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import engine.drafters
+from engine.drafters.base import Drafter
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "trainer", "app")
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of PACKAGES."""
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` outside `if TYPE_CHECKING:` blocks (imports there never run)."""
+    skip = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+            and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+            for stmt in block.body for n in ast.walk(stmt)}
+    return [n for n in ast.walk(tree) if id(n) not in skip]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere in its source."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, one level up per extra dot
+                    up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{up}.{base}" if base else up
+                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                          for a in node.names}
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a list of modules (first == last); [] when there is none."""
+    done: set[str] = set()
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        if node in stack:
+            return [*stack[stack.index(node):], node]
+        if node in done:
+            return []
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if cycle := visit(nxt):
+                return cycle
+        stack.pop()
+        done.add(node)
+        return []
+
+    for start in sorted(graph):
+        if cycle := visit(start):
+            return cycle
+    return []
+
+
+def test_the_finder_sees_a_cycle_through_a_lazy_import():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+    graph = import_graph()
+    assert "engine.accelerators" in graph["engine.drafters.registry"]  # imported in a function
+
+
+def test_engine_trainer_and_app_have_no_import_cycle():
+    assert find_cycle(import_graph()) == []
+
+
+def drafter_classes() -> set[str]:
+    """Names of every class of engine/drafters/ that drafts (the interface itself aside)."""
+    for info in pkgutil.iter_modules(engine.drafters.__path__):
+        importlib.import_module(f"engine.drafters.{info.name}")
+    found, todo = set(), [Drafter]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("engine.drafters."):
+                found.add(sub.__name__)
+            todo.append(sub)
+    return found
+
+
+def test_app_names_no_drafter_class():
+    classes = drafter_classes()
+    assert {"MedusaDrafter", "KangarooDrafter", "Composite", "DatastoreDrafter"} <= classes
+    for path in (ROOT / "app").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names |= {a.name.rpartition(".")[2] for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names}
+        assert not names & classes, f"{path.relative_to(ROOT)} names {names & classes}"
