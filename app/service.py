@@ -20,8 +20,7 @@ import torch
 from app import catalog
 from app.jobs import Job
 from app.replies import CompareResult, ReplyRequest, ReplyUpdate
-from app.store import (Conversation, Settings, Store, StoreError, own_reply,
-                       title_from_prompt)
+from app.store import Conversation, Settings, Store, StoreError, own_reply, title_from_prompt
 from engine import neartie
 from engine.accelerators import describe, is_shipped, measured_speedup
 from engine.chat import conversation, encode, fit_to_context

@@ -61,7 +61,7 @@ def tree_draft(root: int, found: Continuations, cache: dict) -> Draft:
     tree = cache.get(key)
     if tree is None:
         tree = cache[key] = build_tree(choices, max(len(c) for c in choices))
-    token_of = dict(zip(choices, found.tokens))
+    token_of = dict(zip(choices, found.tokens, strict=True))
     tokens = [root, *(token_of[c] for c in tree.choices[1:])]
     return Draft(tokens, tree.children, tree.depths, tree.mask)
 
