@@ -19,7 +19,6 @@ from engine import gguf
 from engine.config import SamplingParams
 from engine.errors import QuickdraftError
 
-NAME = "llama.cpp"
 
 
 def gguf_file(lm) -> Path | None:
@@ -42,10 +41,9 @@ def gguf_file(lm) -> Path | None:
     return None
 
 
-def llamacpp_method(lm, params: SamplingParams):
-    """(Method, "") for llama.cpp on `lm`'s GGUF file, or (None, why it cannot run here)."""
-    from engine.benchmark.methods import Method, Outcome
-
+def llamacpp_decoder(lm, params: SamplingParams):
+    """(decode, "") for llama.cpp on `lm`'s GGUF file, or (None, why it cannot run here);
+    decode(prompt ids) -> (generated ids, seconds to the first token)."""
     if not params.greedy:
         return None, "greedy only (run with --temperature 0)"
     path = gguf_file(lm)
@@ -62,7 +60,7 @@ def llamacpp_method(lm, params: SamplingParams):
         raise QuickdraftError(f"llama.cpp could not load {path}: {exc}") from exc
     eos = set(lm.eos_ids)
 
-    def generate(prompt_ids: list[int]) -> Outcome:
+    def decode(prompt_ids: list[int]) -> tuple[list[int], float]:
         llm.reset()  # no prefix reuse: every call prefills its whole prompt
         start = time.perf_counter()
         ids: list[int] = []
@@ -76,9 +74,9 @@ def llamacpp_method(lm, params: SamplingParams):
             if token in eos:
                 break
             batch = [token]
-        return Outcome(ids, ttft, None)
+        return ids, ttft
 
-    return Method(NAME, generate), ""
+    return decode, ""
 
 
 def _argmax_after(llama_cpp, llm, tokens: list[int]) -> int:

@@ -83,13 +83,13 @@ def build_methods(lm, names: list[str], params: SamplingParams,
         elif name == "vanilla":
             methods[name] = engine_method(name, lm, params, Drafter())
         elif name == "llama.cpp":
-            from engine.benchmark.llamacpp import llamacpp_method
+            from engine.benchmark.llamacpp import llamacpp_decoder
 
-            method, reason = llamacpp_method(lm, params)
-            if method is None:
+            decode, reason = llamacpp_decoder(lm, params)
+            if decode is None:
                 skipped[name] = reason
-            else:
-                methods[name] = method
+            else:  # tokens per step unknown: llama.cpp does not draft here
+                methods[name] = Method(name, lambda ids, d=decode: Outcome(*d(ids), None))
         else:
             drafter, reason = _accelerator(lm, name)
             if drafter is None:
