@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.store import Conversation
+from app.store import Conversation, Store, StoreError, title_from_prompt
 from engine.config import SamplingParams
 from engine.neartie import Divergence
 from engine.stats import GenerationStats
+
+COMPARE_PROMPT = "Explain in a few sentences how a rainbow forms."  # Compare with no chat yet
 
 
 @dataclass(frozen=True)
@@ -63,3 +65,32 @@ class CompareResult:
     @property
     def stopped(self) -> bool:
         return any(s is not None and s.stop_reason == "cancelled" for s in (self.off, self.on))
+
+
+def add_prompt(conv: Conversation, prompt: str | None) -> None:
+    """Append the new prompt, or (regenerate) drop the replies after the last prompt."""
+    if prompt is not None:
+        if not any(m["role"] == "user" for m in conv.messages):
+            conv.title = title_from_prompt(prompt)
+        conv.messages.append({"role": "user", "content": prompt})
+        return
+    while conv.messages and conv.messages[-1]["role"] == "assistant":
+        conv.messages.pop()
+    if not conv.messages:
+        raise StoreError("nothing to regenerate: send a message first")
+
+
+def save_reply(store: Store, conv: Conversation, reply: dict) -> None:
+    """Save the conversation; a reply stopped before its first character is dropped."""
+    if not reply["content"] and reply in conv.messages:
+        conv.messages.remove(reply)
+    store.save(conv)
+
+
+def last_prompt(conv: Conversation | None) -> tuple[str, list[dict], str | None]:
+    """(prompt, earlier turns, system) of the conversation's last user message."""
+    turns = conv.turns() if conv is not None else []
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i]["role"] == "user":
+            return turns[i]["content"], turns[:i], conv.system or None
+    return COMPARE_PROMPT, [], None

@@ -19,8 +19,15 @@ import torch
 
 from app import catalog
 from app.jobs import Job
-from app.replies import CompareResult, ReplyRequest, ReplyUpdate
-from app.store import Conversation, Settings, Store, StoreError, own_reply, title_from_prompt
+from app.replies import (
+    CompareResult,
+    ReplyRequest,
+    ReplyUpdate,
+    add_prompt,
+    last_prompt,
+    save_reply,
+)
+from app.store import Settings, Store, own_reply
 from engine import neartie
 from engine.accelerators import describe, is_shipped, measured_speedup
 from engine.chat import conversation, encode, fit_to_context
@@ -47,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Compare replays the conversation's last prompt; an empty conversation uses this one.
-COMPARE_PROMPT = "Explain in a few sentences how a rainbow forms."
 
 
 def accel_label(method: str) -> str:
@@ -230,7 +236,7 @@ class Service:
     def _reply(self, request: ReplyRequest, prompt: str | None) -> Iterator[ReplyUpdate]:
         with self._lock, self._owned(request.owner):
             conv = self.store.get(request.conv_id)  # under the lock: queued replies keep order
-            _add_prompt(conv, prompt)
+            add_prompt(conv, prompt)
             if request.system is not None:
                 conv.system = request.system.strip()
             lm = self.lm
@@ -260,13 +266,13 @@ class Service:
                         notices += [line for line in [drafter.reason()] if line]
                     if event.done:  # saved before the last update goes out
                         reply["stats"] = event.stats.to_json()
-                        _save_reply(self.store, conv, reply)
+                        save_reply(self.store, conv, reply)
                         self._learn(reply, token_ids)
                     yield ReplyUpdate(conv, used, event.tokens, event.elapsed_s, ttft,
                                       list(accepted), event.done, event.stats, list(notices))
             finally:  # also when the consumer goes away mid-reply, or on an error
                 if "stats" not in reply:
-                    _save_reply(self.store, conv, reply)
+                    save_reply(self.store, conv, reply)
 
     def complete(self, messages: list[ChatMessage], system: str | None, params: SamplingParams,
                  method: str, cancel: threading.Event) -> Iterator[tuple[StepEvent, str]]:
@@ -308,7 +314,7 @@ class Service:
                                   "against it")
         with self._lock, self._owned(request.owner):
             conv = self.store.get(request.conv_id) if request.conv_id else None
-            prompt, history, system = _last_prompt(conv)
+            prompt, history, system = last_prompt(conv)
             lm = self.lm
             if not self.accel_status(method).ready:
                 raise AcceleratorError(f"{accel_label(method)} is not trained for this model yet")
@@ -376,35 +382,6 @@ class Service:
 def model_name(lm: LoadedModel) -> str:
     """The short name people know a model by (repo name or folder name)."""
     return Path(lm.model_id).name or lm.model_id
-
-
-def _add_prompt(conv: Conversation, prompt: str | None) -> None:
-    """Append the new prompt, or (regenerate) drop the replies after the last prompt."""
-    if prompt is not None:
-        if not any(m["role"] == "user" for m in conv.messages):
-            conv.title = title_from_prompt(prompt)
-        conv.messages.append({"role": "user", "content": prompt})
-        return
-    while conv.messages and conv.messages[-1]["role"] == "assistant":
-        conv.messages.pop()
-    if not conv.messages:
-        raise StoreError("nothing to regenerate: send a message first")
-
-
-def _save_reply(store: Store, conv: Conversation, reply: dict) -> None:
-    """Save the conversation; a reply stopped before its first character is dropped."""
-    if not reply["content"] and reply in conv.messages:
-        conv.messages.remove(reply)
-    store.save(conv)
-
-
-def _last_prompt(conv: Conversation | None) -> tuple[str, list[dict], str | None]:
-    """(prompt, earlier turns, system) of the conversation's last user message."""
-    turns = conv.turns() if conv is not None else []
-    for i in range(len(turns) - 1, -1, -1):
-        if turns[i]["role"] == "user":
-            return turns[i]["content"], turns[:i], conv.system or None
-    return COMPARE_PROMPT, [], None
 
 
 def _ready_line(label: str, info: dict) -> str:

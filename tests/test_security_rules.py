@@ -1,0 +1,206 @@
+"""The security rules on their own, without a running server: allowed hosts and origins,
+the body cap and login throttling on the request guard (driven on a tiny ASGI app, clock
+injected), remote code bound to the start-up model, and one clear message for broken files.
+The server-level repros are in test_security.py.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from app.store import Settings, Store
+from engine.config import ModelSpec
+
+# -- the guard on its own: allowed hosts and origins, throttled logins ----------------------
+
+def _tiny_app():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def echo(request):
+        return PlainTextResponse(str(len(await request.body())))
+
+    async def login(request):
+        form = await request.form()
+        ok = form.get("password") == "right"
+        return JSONResponse({"ok": ok}, status_code=200 if ok else 400)
+
+    async def v1(request):
+        ok = request.headers.get("authorization") == "Bearer right-key"
+        return JSONResponse({}, status_code=200 if ok else 401)
+
+    return Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]),
+                             Route("/login", login, methods=["POST"]),
+                             Route("/v1/models", v1)])
+
+
+def _guarded(clock=time.monotonic, **policy):
+    from starlette.testclient import TestClient
+
+    from app.guard import Guard
+    from app.security import make_policy
+
+    guard = Guard(_tiny_app(), make_policy(**policy), clock=clock)
+    return TestClient(guard, base_url="http://127.0.0.1:7860")
+
+
+def test_allowed_hosts_and_origins_are_admitted(monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_ORIGINS", "https://app.example.com, http://localhost:3000")
+    client = _guarded(host="127.0.0.1", allowed_hosts=("box.lan",),
+                      allowed_origins=("http://tool.example:8080",))
+    assert client.get("/echo", headers={"Host": "box.lan:7860"}).status_code == 200
+    assert client.get("/echo", headers={"Host": "other.lan:7860"}).status_code == 403
+    for origin in ("http://tool.example:8080", "https://app.example.com", "http://localhost:3000"):
+        r = client.post("/echo", content=b"{}", headers={"Origin": origin})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert "access-control-allow-credentials" not in r.headers
+        pre = client.options("/echo", headers={"Origin": origin,
+                                               "Access-Control-Request-Method": "POST"})
+        assert pre.status_code < 300 and pre.headers["access-control-allow-origin"] == origin
+    r = client.post("/echo", content=b"{}", headers={"Origin": "http://localhost:3001"})
+    assert r.status_code == 403
+
+
+def test_an_open_host_admits_addresses_but_not_names():
+    client = _guarded(host="0.0.0.0")
+    assert client.get("/echo", headers={"Host": "192.168.1.20:7860"}).status_code == 200
+    assert client.get("/echo", headers={"Host": "rebound.example:7860"}).status_code == 403
+
+
+def test_the_body_cap_is_configurable():
+    from app.security import Limits
+
+    client = _guarded(host="127.0.0.1", limits=Limits(max_body_bytes=100))
+    assert client.post("/echo", content=b"x" * 100).text == "100"
+    assert client.post("/echo", content=b"x" * 101).status_code == 413
+    streamed = client.post("/echo", content=iter([b"x" * 60, b"x" * 60]))
+    assert streamed.status_code == 413
+
+
+def test_logins_are_throttled_per_client():
+    now = [1000.0]
+    client = _guarded(clock=lambda: now[0], host="127.0.0.1")
+    for _ in range(5):
+        assert client.post("/login", data={"password": "wrong"}).status_code == 400
+    locked = client.post("/login", data={"password": "right"})
+    assert locked.status_code == 429 and int(locked.headers["retry-after"]) > 0
+    assert client.get("/v1/models", headers={"Authorization": "Bearer right-key"}
+                      ).status_code == 429
+    now[0] += 3600
+    assert client.post("/login", data={"password": "right"}).status_code == 200
+    for _ in range(5):
+        assert client.get("/v1/models").status_code == 401  # wrong keys count too
+    assert client.get("/v1/models").status_code == 429
+
+
+# -- 7. Messages for broken files ---------------------------------------------------------------
+
+def test_a_huge_gguf_string_is_reported_as_too_long(tmp_path):
+    from engine.errors import QuickdraftError
+    from engine.gguf import inspect
+
+    path = tmp_path / "huge.gguf"
+    # magic, version 3, 0 tensors, 1 key; the key's name claims 2^40 bytes
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little")
+                     + (1).to_bytes(8, "little") + (2**40).to_bytes(8, "little") + b"k" * 64)
+    with pytest.raises(QuickdraftError) as err:
+        inspect(path)
+    assert "too long" in str(err.value) and "truncated (" not in str(err.value)
+
+
+def test_an_unknown_gguf_version_is_named(tmp_path):
+    from engine.errors import QuickdraftError
+    from engine.gguf import inspect
+
+    path = tmp_path / "v99.gguf"
+    path.write_bytes(b"GGUF" + (99).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(QuickdraftError, match="unsupported GGUF version 99"):
+        inspect(path)
+
+
+def test_settings_never_store_a_permission_to_run_code():
+    """A model's permission to run its code is never written to settings.json."""
+    assert "trust_remote_code" not in Settings.__dataclass_fields__
+
+
+def test_a_negative_head_count_is_an_invalid_value(bundled_tokenizer):
+    from engine.accelerators import INFO
+    from engine.drafters.registry import load_drafter
+    from engine.errors import AcceleratorError
+    from tests.conftest import make_tiny_model
+    from tests.test_accelerators import _save
+
+    lm = make_tiny_model("llama-mha", bundled_tokenizer)
+    _heads, folder = _save(lm, num_heads=4)
+    info = json.loads((folder / INFO).read_text())
+    info["settings"]["num_heads"] = -1
+    (folder / INFO).write_text(json.dumps(info))
+    with pytest.raises(AcceleratorError, match="num_heads -1 is not a positive count") as err:
+        load_drafter(lm, "medusa")
+    assert "expected (" not in str(err.value)
+
+
+def test_the_page_refuses_a_prompt_that_cannot_fit(tmp_path, bundled_tokenizer, monkeypatch):
+    import gradio as gr
+
+    from app.service import Service
+    from app.ui.chat import ChatTab
+    from tests.conftest import make_tiny_model
+
+    service = Service(Store(tmp_path), make_tiny_model("llama-mha", bundled_tokenizer))
+    with gr.Blocks():
+        tab = ChatTab(service)
+    monkeypatch.setattr(service, "chat", lambda *a: pytest.fail("the reply started"))
+    huge = "word " * (4 * service.lm.context_len)
+    updates = list(tab.send(huge, "", "", 0.7, 1.0, 0, 6, "auto", "off", None))
+    assert "characters" in str(updates[-1][tab.readout])
+
+
+def test_only_the_start_up_model_may_run_its_code(tmp_path, bundled_tokenizer, monkeypatch):
+    from app import service as service_module
+    from tests.conftest import make_tiny_model
+
+    specs = []
+    tiny = make_tiny_model("llama-mha", bundled_tokenizer)
+    monkeypatch.setattr(service_module, "load_model", lambda spec, report=None:
+                        specs.append(spec) or tiny)
+    opened = service_module.Service.open(Store(tmp_path),
+                                         ModelSpec("my/model", trust_remote_code=True))
+    assert specs[-1].trust_remote_code and opened.trusted == "my/model"
+    for source, trusted in (("other/model", False), ("my/model", True)):
+        job = opened.start_load(ModelSpec(source, trust_remote_code=True))
+        while job.running:
+            time.sleep(0.01)
+        assert specs[-1].source == source and specs[-1].trust_remote_code is trusted
+
+
+# -- secrets and remote code from the command line ----------------------------------------
+
+def test_secrets_come_from_the_environment_or_a_file(monkeypatch, tmp_path):
+    from app.cli import main as cli_main
+
+    got = []
+    monkeypatch.setattr("app.ui.launch.launch", lambda options, block=True: got.append(options))
+    key_file = tmp_path / "key"
+    key_file.write_text("file-key-0123456789\n")
+    monkeypatch.setenv("QUICKDRAFT_AUTH", "me:secret")
+    assert cli_main(["serve", "--host", "0.0.0.0", "--api-key-file", str(key_file)]) == 0
+    assert got[-1].auth == ("me", "secret") and got[-1].api_key == "file-key-0123456789"
+    monkeypatch.setenv("QUICKDRAFT_API_KEY", "env-key-0123456789")
+    assert cli_main(["serve", "--host", "0.0.0.0"]) == 0
+    assert got[-1].api_key == "env-key-0123456789"
+    auth_file = tmp_path / "auth"
+    auth_file.write_text("you:other\n")
+    assert cli_main(["serve", "--auth-file", str(auth_file)]) == 0
+    assert got[-1].auth == ("you", "other")
+
+
+def test_trust_remote_code_needs_the_model_it_applies_to(monkeypatch, capsys):
+    from app.cli import main as cli_main
+
+    monkeypatch.setattr("app.ui.launch.launch", lambda options, block=True: None)
+    assert cli_main(["serve", "--trust-remote-code"]) == 2
+    assert "--model" in capsys.readouterr().err
