@@ -52,18 +52,20 @@ def cpu_prefers_bf16() -> bool:
     """Time a decode-shaped matmul (one row times a wide matrix) in bf16 and fp32.
 
     CPUs with native bf16 (AVX512-BF16, AMX) run small-batch decoding ~1.5x faster in bf16;
-    others emulate it and lose. Measured once per process (~50 ms).
+    others emulate it and lose. Measured once per process (~100 ms): the two alternate and
+    each keeps its fastest round, so a busy machine slows both alike instead of flipping
+    the choice.
     """
-    timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(4, 1024, dtype=dtype)
-        w = torch.randn(1024, 4096, dtype=dtype)
-        for _ in range(3):
-            x @ w
-        start = time.perf_counter()
-        for _ in range(20):
-            x @ w
-        timings[dtype] = time.perf_counter() - start
+    shapes = {dtype: (torch.randn(4, 1024, dtype=dtype), torch.randn(1024, 4096, dtype=dtype))
+              for dtype in (torch.float32, torch.bfloat16)}
+    timings = {dtype: float("inf") for dtype in shapes}
+    for _ in range(5):
+        for dtype, (x, w) in shapes.items():
+            x @ w  # warm
+            start = time.perf_counter()
+            for _ in range(4):
+                x @ w
+            timings[dtype] = min(timings[dtype], time.perf_counter() - start)
     return timings[torch.bfloat16] < timings[torch.float32]
 
 
