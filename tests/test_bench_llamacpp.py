@@ -16,8 +16,8 @@ from tests.conftest import make_tiny_model
 
 def test_method_list_accepts_llamacpp():
     assert "llama.cpp" in METHOD_CHOICES
-    assert method_names("vanilla,llama.cpp", with_assistant=False) == [
-        "hf", "vanilla", "llama.cpp"]
+    assert method_names("vanilla,llama.cpp,llama.cpp-lookup", with_assistant=False) == [
+        "hf", "vanilla", "llama.cpp", "llama.cpp-lookup"]
 
 
 def _report(results, skipped):
@@ -37,12 +37,15 @@ def test_skipped_with_one_line(bundled_tokenizer, monkeypatch, source, why):
     lm = make_tiny_model("llama-mha", bundled_tokenizer, num_layers=1)
     if source is not None:
         lm.spec = ModelSpec(source=source)
-    methods, skipped = build_methods(lm, ["hf", "llama.cpp"], SamplingParams(max_new_tokens=4))
+    methods, skipped = build_methods(lm, ["hf", "llama.cpp", "llama.cpp-lookup"],
+                                     SamplingParams(max_new_tokens=4))
     assert list(methods) == ["hf"]
-    assert why in skipped["llama.cpp"] and "\n" not in skipped["llama.cpp"]
+    for peer in ("llama.cpp", "llama.cpp-lookup"):
+        assert why in skipped[peer] and "\n" not in skipped[peer]
     lines = notes(_report([_m("hf", 0, [1, 2], 1.0)], skipped))
     assert [line for line in lines if "llama.cpp" in line] == [
-        f"- llama.cpp did not run: {skipped['llama.cpp']}"]
+        f"- llama.cpp did not run: {skipped['llama.cpp']}",
+        f"- llama.cpp-lookup did not run: {skipped['llama.cpp-lookup']}"]
 
 
 def test_vs_llamacpp_column():

@@ -41,9 +41,13 @@ def gguf_file(lm) -> Path | None:
     return None
 
 
-def llamacpp_decoder(lm, params: SamplingParams):
+LOOKUP_TOKENS = 10  # llama-cpp-python's prompt-lookup default: tokens drafted per step
+
+
+def llamacpp_decoder(lm, params: SamplingParams, lookup: bool = False):
     """(decode, "") for llama.cpp on `lm`'s GGUF file, or (None, why it cannot run here);
-    decode(prompt ids) -> (generated ids, seconds to the first token)."""
+    decode(prompt ids) -> (generated ids, seconds to the first token). `lookup`: with the
+    binding's own draft-free speculation (prompt lookup, verified by llama.cpp)."""
     if not params.greedy:
         return None, "greedy only (run with --temperature 0)"
     path = gguf_file(lm)
@@ -53,12 +57,19 @@ def llamacpp_decoder(lm, params: SamplingParams):
         import llama_cpp
     except ImportError as exc:
         return None, f"the llama_cpp binding is not installed ({exc}); see README's speed table"
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
     try:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=lm.context_len,
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=lm.context_len, draft_model=draft,
                               n_threads=torch.get_num_threads(), verbose=False)
     except (ValueError, RuntimeError) as exc:
         raise QuickdraftError(f"llama.cpp could not load {path}: {exc}") from exc
     eos = set(lm.eos_ids)
+    if lookup:
+        return _generate_decoder(llm, eos, params.max_new_tokens), ""
 
     def decode(prompt_ids: list[int]) -> tuple[list[int], float]:
         llm.reset()  # no prefix reuse: every call prefills its whole prompt
@@ -77,6 +88,26 @@ def llamacpp_decoder(lm, params: SamplingParams):
         return ids, ttft
 
     return decode, ""
+
+
+def _generate_decoder(llm, eos: set[int], budget: int):
+    """decode through the binding's own generate loop (where its draft model runs), greedy."""
+
+    def decode(prompt_ids: list[int]) -> tuple[list[int], float]:
+        llm.reset()  # no prefix reuse: every call prefills its whole prompt
+        start = time.perf_counter()
+        ids: list[int] = []
+        ttft = 0.0
+        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                  repeat_penalty=1.0):
+            if not ids:
+                ttft = time.perf_counter() - start
+            ids.append(int(token))
+            if token in eos or len(ids) >= budget:
+                break
+        return ids, ttft
+
+    return decode
 
 
 def _argmax_after(llama_cpp, llm, tokens: list[int]) -> int:

@@ -23,7 +23,7 @@ from engine.generate import run
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 ACCELERATORS = tuple(c for c in ACCEL_CHOICES if c != "off")  # the engine's drafters
-METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, "llama.cpp")
+METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, "llama.cpp", "llama.cpp-lookup")
 BASELINE = "hf"  # every speedup is measured against this method
 OVERALL = "all"  # the report column that pools every category
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens for hf-lookup
@@ -82,10 +82,10 @@ def build_methods(lm, names: list[str], params: SamplingParams,
             methods[name] = hf_method(name, lm, params, assistant_model=assistant.model)
         elif name == "vanilla":
             methods[name] = engine_method(name, lm, params, Drafter())
-        elif name == "llama.cpp":
+        elif name in ("llama.cpp", "llama.cpp-lookup"):
             from engine.benchmark.llamacpp import llamacpp_decoder
 
-            decode, reason = llamacpp_decoder(lm, params)
+            decode, reason = llamacpp_decoder(lm, params, lookup=name.endswith("-lookup"))
             if decode is None:
                 skipped[name] = reason
             else:  # tokens per step unknown: llama.cpp does not draft here

@@ -307,9 +307,9 @@ def notes(report: dict) -> list[str]:
     greedy = report["settings"]["temperature"] == 0
     dtype = report["settings"].get("dtype", "")
     for name, f in report["methods"].items():
-        if greedy and f["mismatched_prompts"] and name == "llama.cpp":
+        if greedy and f["mismatched_prompts"] and name.startswith(LLAMACPP):
             # Its own decoder over the file's own quantized weights: other text is expected.
-            lines.append(f"- llama.cpp decodes the GGUF file's own weights, so its text differs "
+            lines.append(f"- {name} decodes the GGUF file's own weights, so its text differs "
                          f"from {BASELINE} on {len(f['mismatched_prompts'])} of {f['prompts']} "
                          f"prompts (exact match {f['greedy_match_rate']:.1%}).")
         elif greedy and f["mismatched_prompts"]:
