@@ -16,6 +16,7 @@ from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
 from engine.loading import fingerprint
+from tests.conftest import make_tiny_model
 from trainer.kangaroo.calibrate import KangarooCalibration
 from trainer.kangaroo.train import KangarooTrainConfig
 from trainer.medusa.calibrate import CalibrationConfig
@@ -23,7 +24,6 @@ from trainer.medusa.train import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.selfdistill import DataBudget
 from trainer.train import TrainConfig
-from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
