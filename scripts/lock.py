@@ -7,8 +7,8 @@
 
 - requirements.lock: torch's CPU build, taken from FOLDER (default: PIP_FIND_LINKS, the
   folder of wheels on the development and CI machines; PyTorch's CPU index serves the same
-  file). Its torch line also admits PyPI's files of that release (macOS and Windows, where
-  PyPI's torch is a CPU build with the same dependencies).
+  file). Its torch line also admits PyPI's macOS and Windows files of that release (CPU
+  builds with the same dependencies), not PyPI's Linux ones (CUDA builds).
 - requirements-cuda.lock: PyPI's CUDA build with its nvidia-*, cuda-* and triton wheels, for
   Linux x86_64 with an NVIDIA driver (the launcher picks it there); every other pin as in
   requirements.lock.
@@ -20,11 +20,13 @@ the chosen versions. Current pins are kept where requirements.in still allows th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,8 +39,8 @@ HEADER = """\
 # edit that file and rerun the script instead of editing this one.
 # {what}
 """
-CPU_WHAT = ("torch's CPU build (a local wheel folder or PyTorch's CPU index); PyPI's torch "
-            "files of the\n# same release are admitted too (macOS, Windows).")
+CPU_WHAT = ("torch's CPU build (a local wheel folder or PyTorch's CPU index); PyPI's macOS "
+            "and Windows\n# torch files of the same release are admitted too (CPU builds).")
 CUDA_WHAT = ("Linux x86_64 with an NVIDIA driver: PyPI's CUDA build of torch and its wheels; "
              "the rest as in\n# requirements.lock.")
 # A pinned requirement and the lines that continue it (its hashes and annotation).
@@ -64,16 +66,28 @@ def block(text: str, name: str) -> re.Match:
     raise SystemExit(f"lock.py: {name} is missing from the compiled lock")
 
 
-def merge_torch(cpu_text: str, cuda_text: str) -> str:
-    """The CPU lock's torch pinned without its local tag (pip still takes the local CPU
-    wheel where one is offered: a local version sorts above the release) and admitting
-    PyPI's files of the same release too."""
-    cpu, pypi = block(cpu_text, "torch"), block(cuda_text, "torch")
+def pypi_hashes(name: str, version: str, keep) -> list[str]:
+    """`--hash` options of PyPI's files of `name` `version` whose file name `keep` accepts
+    (PyPI's simple index, JSON form)."""
+    request = urllib.request.Request(f"https://pypi.org/simple/{name}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    return [f"--hash=sha256:{f['hashes']['sha256']}" for f in files
+            if f"-{version}-" in f["filename"] and keep(f["filename"])]
+
+
+def merge_torch(cpu_text: str) -> str:
+    """The CPU lock's torch pinned without its local tag, admitting the CPU wheel and PyPI's
+    macOS and Windows files of the same release (CPU builds). PyPI's Linux files are left
+    out on purpose: they are CUDA builds, and in --require-hashes mode pip prefers a file
+    whose index hash is admitted over a local wheel, so admitting them would take the CUDA
+    build (and its missing nvidia wheels) even where the CPU wheel lies on disk."""
+    cpu = block(cpu_text, "torch")
     release = cpu["version"].split("+")[0]
-    if pypi["version"] != release:
-        raise SystemExit(f"lock.py: torch {cpu['version']} (CPU) and {pypi['version']} differ")
-    hashes = sorted(set(re.findall(r"--hash=sha256:[0-9a-f]{64}", f"{cpu['body']} {pypi['body']}")))
-    merged = f"torch=={release} \\\n" + " \\\n".join(f"    {h}" for h in hashes) + "\n"
+    hashes = re.findall(r"--hash=sha256:[0-9a-f]{64}", cpu["body"] or "")
+    hashes += pypi_hashes("torch", release, lambda f: "macosx" in f or "win_amd64" in f)
+    merged = f"torch=={release} \\\n" + " \\\n".join(f"    {h}" for h in sorted(hashes)) + "\n"
     return cpu_text[:cpu.start()] + merged + cpu_text[cpu.end():]
 
 
@@ -98,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         # CUDA wheels differ.
         pins.write_text(pins_of(cpu))
         cuda = compile_lock(Path(tmp) / "cuda.txt", "--constraints", str(pins))
-    CPU_LOCK.write_text(HEADER.format(what=CPU_WHAT) + merge_torch(cpu, cuda))
+    CPU_LOCK.write_text(HEADER.format(what=CPU_WHAT) + merge_torch(cpu))
     CUDA_LOCK.write_text(HEADER.format(what=CUDA_WHAT) + cuda)
     return 0
 
