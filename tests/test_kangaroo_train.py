@@ -3,6 +3,9 @@ a tiny model (still exact), the whole pipeline, and the CLI with nothing trained
 
 from __future__ import annotations
 
+import itertools
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
 from trainer.features import Features, encode_conversations, hidden_states
+from trainer.kangaroo import calibrate as calibrate_mod
 from trainer.kangaroo.calibrate import (
     Costs,
     KangarooCalibration,
@@ -75,8 +79,9 @@ def test_the_cost_model_trades_drafts_for_tokens():
     assert choose(close, 0.0)["exit_layer"] == 1
 
 
-def test_two_calibrations_on_the_same_data_and_costs_choose_alike(bundled_tokenizer):
-    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+def test_two_calibrations_on_the_same_data_and_costs_choose_alike(bundled_tokenizer,
+                                                                  monkeypatch):
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)  # 4 layers
     adapters = {e: Adapter.from_model(lm.model, e) for e in (1, 2, 3)}
     prompts = [encode(lm.tokenizer, conversation(f"Question {i}: rivers?")) for i in range(2)]
     config = KangarooCalibration(prompts=2, max_new_tokens=16)
@@ -86,10 +91,16 @@ def test_two_calibrations_on_the_same_data_and_costs_choose_alike(bundled_tokeni
                      for _ in range(2))
     assert first.settings == second.settings and first.speedup == second.speedup
     assert first.settings.source_layer == first.settings.exit_layer  # the copied layer
+    # Injected timings: every timed piece (the layer stack, the head, an adapter step) lasts
+    # one second, so the costs are what the cost model makes of the layers' shares.
+    ticks = itertools.count()
+    monkeypatch.setattr(calibrate_mod, "time", SimpleNamespace(perf_counter=ticks.__next__))
     timed = calibrate(lm, adapters, None, prompts,
                       KangarooCalibration(prompts=2, max_new_tokens=16, repeats=2))
-    costs_ms = timed.table["costs_ms"]
-    assert set(costs_ms["draft"]) == {1, 2, 3} and costs_ms["plain"] > 0
+    assert timed.table["costs_ms"] == {
+        "plain": 2000.0,  # the stack and the head over one node
+        "draft": {e: e / 4 * 1000 + 1000 for e in (1, 2, 3)},  # shallow layers + adapter
+        "verify": {e: ((4 - e) / 4 * 1000 + 1000, 0.0) for e in (1, 2, 3)}}  # deep + head
 
 
 def _features(ids: list[list[int]], masks: list[list[bool]]) -> Features:
@@ -173,7 +184,6 @@ def test_each_trained_exit_layer_lowers_the_loss_and_stays_exact(bundled_tokeniz
 
 def test_pipeline_trains_calibrates_and_saves_a_loadable_drafter(bundled_tokenizer,
                                                                  monkeypatch):
-    from trainer.kangaroo import calibrate as calibrate_mod
     from trainer.pipeline import TrainOptions, train_accelerator
     from trainer.selfdistill import DataBudget
 
