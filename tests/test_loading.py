@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import ModelLoadError, QuickdraftError
@@ -63,11 +64,23 @@ def test_invalid_quantization_name():
         ModelSpec(quant="int3")
 
 
+def _greedy(model, lm, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy generate(): the reference for what a loaded model says."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                             max_new_tokens=n, do_sample=False, eos_token_id=list(lm.eos_ids),
+                             pad_token_id=lm.eos_ids[0])
+    return out[0, len(prompt):].tolist()
+
+
 def test_local_folder_loads_and_generates(tiny_folder):
     lm = load_model(ModelSpec(source=str(tiny_folder), quant="fp32"))
     assert lm.quant == "fp32" and lm.model.dtype == torch.float32
+    saved = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    for name, tensor in saved.state_dict().items():  # the folder's weights, not new ones
+        assert torch.equal(lm.model.state_dict()[name], tensor), name
     _text, ids, stats = run(lm, [1, 2, 3], SamplingParams(max_new_tokens=5))
-    assert stats.tokens == 5
+    assert stats.tokens == 5 and ids == _greedy(saved, lm, [1, 2, 3], 5)
 
 
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
@@ -76,7 +89,7 @@ def test_bitsandbytes_quantization_on_cpu(tiny_folder, quant):
     assert lm.quant == quant
     assert any("bitsandbytes" in type(m).__module__ for m in lm.model.modules())
     _text, ids, stats = run(lm, [1, 2, 3], SamplingParams(max_new_tokens=5))
-    assert stats.tokens == 5
+    assert stats.tokens == 5 and ids == _greedy(lm.model, lm, [1, 2, 3], 5)
 
 
 def test_fingerprint_ignores_dtype_but_not_weights(tiny_folder):

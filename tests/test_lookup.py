@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engine.config import SamplingParams
-from engine.drafters import lookup
+from engine.drafters import lookup, payoff
 from engine.drafters.lookup import (
     LookupDrafter,
     LookupParams,
@@ -59,14 +61,16 @@ def test_shorter_matches_draft_long_chains_only_where_they_cost_little(
     assert load_drafter(lm, "lookup").source.params.short_len == short_len
 
 
-def test_a_long_chain_is_timed_as_drafted(bundled_tokenizer):
+def test_a_long_chain_is_timed_as_drafted(bundled_tokenizer, monkeypatch):
     """The timed step verifies the pending token and ten drafts, every round."""
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
     chain = lookup._FixedChain(10)
     sizes = []
     score = chain.score
     chain.score = lambda state, draft: sizes.append(draft.size) or score(state, draft)
-    assert lookup.round_seconds(lm, chain, repeats=2) > 0
+    ticks = iter([0, 9, 9, 11, 11, 14])  # injected timings: rounds of 9 (warm-up), 2 and 3 s
+    monkeypatch.setattr(payoff, "time", SimpleNamespace(perf_counter=ticks.__next__))
+    assert lookup.round_seconds(lm, chain, repeats=2) == 2.5  # the timed rounds' median
     assert sizes == [11, 11, 11]  # the warm-up round and two timed ones
 
 

@@ -4,7 +4,9 @@ estimate does not beat plain decoding."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from engine.accelerators import Checkpoint, save_checkpoint
 from engine.config import SamplingParams
 from engine.drafters import kangaroo as kg
 from engine.drafters import medusa as md
+from engine.drafters import payoff
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.payoff import PAY_MARGIN, Payoff, round_seconds, timed_elsewhere
 from engine.drafters.registry import load_drafter
@@ -120,12 +123,23 @@ def test_medusa_re_timing_scales_its_estimate_by_what_calibration_measured(lm, m
     assert not load_drafter(lm, "medusa").pays
 
 
-def test_a_round_is_timed_without_disturbing_decoding(lm):
+def _clock(monkeypatch, rounds: list[float]) -> None:
+    """Injects timings: each timed round of round_seconds lasts the next of `rounds`."""
+    reads = iter([t for begin in itertools.accumulate([0.0, *rounds]) for t in (begin, begin)])
+    next(reads)  # a round reads the clock at its start and at its end
+    monkeypatch.setattr(payoff, "time", SimpleNamespace(perf_counter=lambda: next(reads)))
+
+
+def test_a_round_is_timed_without_disturbing_decoding(lm, monkeypatch):
+    # The warm-up round (5 s) is left out; the median of the three timed rounds is kept.
+    _clock(monkeypatch, [5.0, 0.3, 0.1, 0.2])
     drafter = KangarooDrafter(lm, Adapter(lm.model), KangarooSettings(2, 0.0, 3))
-    assert round_seconds(lm, drafter.with_schedule(eta=0.0, gamma=3), repeats=2) > 0
+    assert round_seconds(lm, drafter.with_schedule(eta=0.0, gamma=3), repeats=3) == \
+        pytest.approx(0.2)
     params = SamplingParams(max_new_tokens=16)
     assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
     heads = md.MedusaHeads(int(lm.model.config.hidden_size), md.MedusaSettings(4))
     tree = md.build_tree([(0,), (1,), (0, 0)], 4)
-    assert round_seconds(lm, md.MedusaDrafter(lm, heads, tree), repeats=2) > 0
+    _clock(monkeypatch, [9.0, 0.7, 0.4])
+    assert round_seconds(lm, md.MedusaDrafter(lm, heads, tree), repeats=2) == pytest.approx(0.55)
     assert torch.get_num_threads() == 1

@@ -4,13 +4,16 @@ duplicates after an interruption, and the held-out split by seed."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from engine.errors import QuickdraftError
 from tests.conftest import make_tiny_model
+from trainer import answering
 from trainer.features import conversation_tokens
 from trainer.selfdistill import (
     DataBudget,
@@ -135,13 +138,21 @@ def test_an_interrupted_run_resumes_without_duplicates(lm, tmp_path):
     assert generate_data(lm, out, None, SMALL, lambda p: None)["new"] == 0  # target reached
 
 
-def test_the_time_budget_counts_every_run_on_the_file(lm, tmp_path):
+def _ten_seconds_a_reading(monkeypatch) -> None:
+    """Injects timings: each reading of the data stage's clock is ten seconds after the last,
+    so a run's recorded time is never lost to rounding on a fast machine."""
+    ticks = itertools.count(step=10)
+    monkeypatch.setattr(answering, "time", SimpleNamespace(perf_counter=ticks.__next__))
+
+
+def test_the_time_budget_counts_every_run_on_the_file(lm, tmp_path, monkeypatch):
+    _ten_seconds_a_reading(monkeypatch)
     out = tmp_path / "conversations.jsonl"
     cancel = threading.Event()
     big = DataBudget(max_conversations=10**6, batch_size=2, max_new_tokens=4, max_seconds=600)
     first = generate_data(lm, out, None, big, lambda p: p.done and cancel.set(), cancel)
     spent = json.loads(out.with_suffix(".meta.json").read_text())["seconds"]
-    assert first["new"] >= 1 and spent > 0
+    assert first["new"] >= 1 and spent >= 10 and spent % 10 == 0 and first["seconds"] == spent
     # A budget this file has already used up adds nothing; a larger one carries on.
     used_up = dataclasses.replace(big, max_seconds=spent)
     assert generate_data(lm, out, None, used_up, lambda p: None)["new"] == 0

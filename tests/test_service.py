@@ -3,15 +3,18 @@ queued requests, accelerator switching, model loading, Compare and training jobs
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from app.replies import ReplyRequest
 from app.service import Service
 from app.store import Store, StoreError
+from engine import generate as generate_mod
 from engine.accelerators import checkpoint_dir
 from engine.chat import conversation, encode
 from engine.config import ModelSpec, SamplingParams
@@ -46,13 +49,18 @@ def _reference(lm, prompt, history=(), params=GREEDY) -> str:
     return run(lm, ids, params)[0]
 
 
-def test_reply_streams_and_is_saved(service, tiny):
+def test_reply_streams_and_is_saved(service, tiny, monkeypatch):
+    ticks = itertools.count()  # injected timings: each clock reading is one second later
+    monkeypatch.setattr(generate_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     conv = service.store.new()
     updates = list(service.chat(_ask(conv.id), "Tell me about rain"))
     last = updates[-1]
     assert last.done and not any(u.done for u in updates[:-1])
     assert len(updates) > 2  # streamed, one update per model step
-    assert last.stats.tokens == last.tokens and last.tokens_per_s > 0
+    # Read at the prefill's end and once per step after it (the first token's included).
+    assert last.ttft_s == 2 and last.elapsed_s == last.stats.steps + 2
+    assert last.stats.tokens == last.tokens
+    assert last.tokens_per_s == pytest.approx(last.tokens / (last.stats.steps + 2))
     assert len(last.accepted) == last.stats.steps and set(last.accepted) == {0}
     text = last.conversation.messages[-1]["content"]
     assert text == _reference(tiny, "Tell me about rain")
@@ -272,6 +280,23 @@ def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny)
         shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
 
 
+def _tree_always_wins(monkeypatch):
+    """Calibration's measured decoding, with the first tree reported twice as fast as plain
+    decoding and any other slower: which branch training takes is decided here, not by
+    the clock (the decoding itself still runs, exactly as measured)."""
+    from trainer.medusa import calibrate
+
+    real = calibrate.measure_decoding
+
+    def measured(*args, **kwargs):
+        figures = real(*args, **kwargs)
+        for name, f in figures.items():
+            f["speedup"] = {calibrate.PLAIN: 1.0, "tree-0": 2.0}.get(name, 0.5)
+        return figures
+
+    monkeypatch.setattr(calibrate, "measure_decoding", measured)
+
+
 def _fast_training(max_conversations: int):
     """Options that train Medusa on a tiny model in seconds (few short answers, a small
     calibration)."""
@@ -293,6 +318,7 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     from trainer.selfdistill import data_path
 
     monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path / "data"))
+    _tree_always_wins(monkeypatch)
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, seed=1)
     service = Service(Store(), lm)
 
@@ -318,10 +344,12 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     assert second.history and "loss" in str(second.history[-1])  # live figures for the plots
     assert service.accel_status("medusa").ready  # usable from the selector right away
     assert service.settings().accel == "auto"  # which now has Medusa to choose from
-    pays = load_drafter(lm, "medusa").pays  # Auto leaves out heads that do not pay here
-    assert ("Medusa+lookup" in service.accel_status("auto").message) == pays
+    assert load_drafter(lm, "medusa").pays  # the tree calibration was made to keep
+    assert "Medusa+lookup" in service.accel_status("auto").message
     conv = service.store.new()
-    assert _reply(service, conv.id, "hi", method="medusa").method == "medusa"
+    reply = _reply(service, conv.id, "hi", method="medusa")
+    assert reply.method == "medusa" and sum(reply.stats.drafted) > 0
+    assert reply.conversation.messages[-1]["content"] == _reference(lm, "hi")  # still exact
 
 
 def test_models_tab_figures_before_loading(tiny, tmp_path, monkeypatch):

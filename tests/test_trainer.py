@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
+from engine.tree import expected_tokens, marginal_accuracies
 from tests.conftest import make_tiny_model
 from trainer import features as features_mod
 from trainer.features import Features, encode_conversations, hidden_states
@@ -286,8 +287,18 @@ def test_calibration_keeps_the_fastest_measured_option(lm, monkeypatch, speedups
         return out
 
     monkeypatch.setattr(calibration, "measure_decoding", fake_measure)
+    # Injected step times: 10 ms plain, 1 ms more per tree node.
+    monkeypatch.setattr(calibration, "tree_step_seconds",
+                        lambda lm, heads, choices, ids, repeats: 0.010 + 0.001 * len(choices))
     cfg = calibration.CalibrationConfig(budgets=(1, 2, 4), finalists=2, step_repeats=1)
-    result = calibration.calibrate(lm, heads, [[0.5, 0.6], [0.3, 0.4]], [[1, 2, 3, 4]], cfg)
+    accuracies = [[0.5, 0.6], [0.3, 0.4]]
+    result = calibration.calibrate(lm, heads, accuracies, [[1, 2, 3, 4]], cfg)
     assert result.pays == want_tree and bool(result.tree) == want_tree
     assert result.chosen == ("tree-0" if want_tree else "plain")
-    assert len(result.estimates) == 3 and all(e["step_ms"] > 0 for e in result.estimates)
+    assert len(result.estimates) == 3
+    marginal = marginal_accuracies(accuracies)
+    for e in result.estimates:  # each estimate from the injected times and the accuracies
+        step_s = 0.010 + 0.001 * e["nodes"]
+        assert e["step_ms"] == round(step_s * 1e3, 2) and e["plain_step_ms"] == 10.0
+        tokens = expected_tokens([tuple(c) for c in e["tree"]], marginal)
+        assert e["estimated_speedup"] == round(tokens * 0.010 / step_s, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import threading
 from types import SimpleNamespace
 
@@ -132,11 +133,19 @@ def test_summary_says_plainly_when_the_heads_do_not_pay():
 
 
 @pytest.mark.parametrize("method", ["medusa", "kangaroo"])
-def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, method):
+def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, method,
+                                                                        monkeypatch):
     trainer = importlib.import_module(f"trainer.{method}")
     options = _options(method=method, max_minutes=10.0)
+    # Injected timings: every timed piece lasts one second on its own clock, so the figure is
+    # what the division makes of it: the feature forward's tokens (4 rows of min(256, the
+    # context) tokens), plus for Medusa one teacher chunk's positions.
+    for module in (features_mod, importlib.import_module(f"trainer.{method}.train")):
+        ticks = itertools.count()
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=ticks.__next__))
+    teacher = 1 / 2048 if method == "medusa" else 0.0
     per_token = trainer.prep_seconds_per_token(lm, options)
-    assert 0 < per_token < 0.1  # a timed forward (and teacher chunk) per token, tiny model
+    assert per_token == pytest.approx(1 / (4 * min(256, lm.context_len)) + teacher)
     chats = ([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}],)
     timed = SimpleNamespace(prep_seconds_per_token=lambda lm, options: 2.0)
     plain = _data_budget(lm, timed, options, 600.0)

@@ -33,4 +33,8 @@ def test_a_reply_samples_with_the_chosen_acceptance(tab, monkeypatch, choice):
                         real_chat(ask, message))
     updates = list(tab.send("Tell me about rain", "", "", 0.7, 1.0, 0, 6, choice, "off", None))
     assert asked[0].params.acceptance == choice and asked[0].params.temperature == 0.7
-    assert tab.readout in updates[-1]  # the reply streamed to its end
+    last = updates[-1]
+    assert tab.conv_list in last and "qd-error" not in last[tab.readout]  # streamed to its end
+    saved = tab.service.store.get(asked[0].conv_id).messages
+    assert last[tab.chatbot][-1]["content"] == saved[-1]["content"]  # the saved reply shown
+    assert 0 < saved[-1]["stats"]["tokens"] <= 6 and asked[0].params.max_new_tokens == 6
