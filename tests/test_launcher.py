@@ -124,6 +124,16 @@ def test_the_shipped_locks_pin_and_hash_every_requirement_alike():
     assert extra and all(k.startswith(("nvidia-", "triton", "cuda-")) for k in extra), extra
 
 
+def test_linux_cpu_installs_find_torch_on_pytorchs_cpu_index_unless_the_machine_names_one():
+    cpu = launcher.LOCK_FILE
+    assert launcher.torch_source(cpu, {}, "Linux") == ["--extra-index-url",
+                                                      launcher.TORCH_CPU_INDEX]
+    assert launcher.torch_source(cpu, {"PIP_FIND_LINKS": "/opt/wheels"}, "Linux") == []
+    assert launcher.torch_source(cpu, {"PIP_EXTRA_INDEX_URL": "https://x"}, "Linux") == []
+    assert launcher.torch_source(cpu, {}, "Darwin") == []  # PyPI's own torch is CPU there
+    assert launcher.torch_source(launcher.CUDA_LOCK_FILE, {}, "Linux") == []
+
+
 def test_ensure_env_creates_missing_venv(tmp_path, monkeypatch):
     venv_dir = tmp_path / ".venv"
     lock = _lock(tmp_path)
