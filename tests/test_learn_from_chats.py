@@ -95,8 +95,8 @@ def _chat_with(service: Service, prompt: str, fingerprint: str | None = None) ->
     from app.replies import ReplyRequest
 
     conv = service.store.new()
-    list(service.chat(ReplyRequest(conv.id, SamplingParams(temperature=0.0, max_new_tokens=6)),
-                      prompt))
+    ask = ReplyRequest(conv.id, SamplingParams(temperature=0.0, max_new_tokens=6))
+    list(service.replies.chat(ask, prompt))
     if fingerprint:  # as if another model had written it
         conv = service.store.get(conv.id)
         conv.messages[-1]["model"] = fingerprint
@@ -125,7 +125,7 @@ def test_chats_with_this_model_reach_training_unless_turned_off(lm, monkeypatch)
     rain = next(c for c in service.store.list() if c.title == "Tell me about rain")
     assert rain.messages[-1]["model"] == lm.fingerprint  # the reply says who wrote it
     for use in (True, False):
-        job = service.start_training(TrainOptions("medusa"), learn_from_chats=use)
+        job = service.training.start(TrainOptions("medusa"), learn_from_chats=use)
         assert job.wait(30) and job.state == "done", job.error
     with_chats, without = captured.options
     assert [c[0]["content"] for c in with_chats.chats] == ["Tell me about rain"]
@@ -335,7 +335,7 @@ def test_the_train_tab_says_chats_are_used_and_retrain_continues(lm, monkeypatch
     service = Service(Store(), lm)
     _chat_with(service, "Tell me about rain")
     asked = []
-    monkeypatch.setattr(service, "start_training",
+    monkeypatch.setattr(service.training, "start",
                         lambda options, learn_from_chats: asked.append((options,
                                                                          learn_from_chats)))
     monkeypatch.setattr("app.ui.train.readout.job_html", lambda job: "")

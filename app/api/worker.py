@@ -72,8 +72,8 @@ class ReplyWorker:
                 continue
             try:
                 req = reply.request
-                for item in self.service.complete(list(req.messages), req.system, req.params,
-                                                  req.accel, reply.cancel):
+                for item in self.service.replies.complete(list(req.messages), req.system,
+                                                          req.params, req.accel, reply.cancel):
                     reply.put(item)
             except QuickdraftError as exc:
                 reply.put(exc)

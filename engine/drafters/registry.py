@@ -74,6 +74,13 @@ def base_method(name: str) -> str | None:
     return method(name).checkpoint
 
 
+def checkpoints(name: str) -> tuple[str, ...]:
+    """The trained accelerators a method may load, those of the methods it composes included."""
+    m = method(name)
+    own = (m.checkpoint,) if m.checkpoint else ()
+    return own + tuple(c for part in m.composes for c in checkpoints(part))
+
+
 def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:
     """The drafter for method `name`; trained methods load their checkpoint for `lm`.
     A method that composes others gets those that load (one that is not trained or is
