@@ -87,8 +87,9 @@ def service(server):
 def generations(service, monkeypatch):
     """Counts the replies the API starts."""
     calls = []
-    real = service.replies.complete
-    monkeypatch.setattr(service.replies, "complete", lambda *a, **k: calls.append(a) or real(*a, **k))
+    replies = service.replies
+    real = replies.complete
+    monkeypatch.setattr(replies, "complete", lambda *a, **k: calls.append(a) or real(*a, **k))
     return calls
 
 
@@ -387,7 +388,6 @@ def test_the_api_is_routed_before_the_port_opens(monkeypatch, tmp_path, bundled_
     """The /v1 routes are on the app gradio serves when it starts serving it."""
     import gradio as gr
 
-    from app import service as service_module
     from tests.conftest import make_tiny_model
 
     tiny = make_tiny_model("llama-mha", bundled_tokenizer)
