@@ -418,3 +418,24 @@ def test_hub_model_is_downloaded_with_progress_then_loaded(service, tiny, tmp_pa
         ("download", 0.5), ("download", 1.0), ("load", 0.0), ("done", 1.0)]
     assert service.host.lm is lm and lm.model_id == "org/tiny"
     assert service.prefs.settings().model == "org/tiny"
+
+
+def test_a_failed_download_says_why_in_one_line_and_is_not_tried_again(service, tiny,
+                                                                      monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    tries = []
+
+    def failing_snapshot_download(repo_id, revision=None, allow_patterns=None,
+                                  local_files_only=False, tqdm_class=None):
+        if local_files_only:
+            raise LocalEntryNotFoundError("not in the cache")
+        tries.append(repo_id)
+        raise ConnectionError("connection reset by peer\nretry later")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", failing_snapshot_download)
+    with pytest.raises(ModelLoadError, match="could not download org/tiny: ConnectionError") \
+            as err:
+        service.host.load_model(ModelSpec(source="org/tiny", quant="fp32"))
+    assert "\n" not in str(err.value) and tries == ["org/tiny"]  # once, not again by loading
+    assert service.host.lm is tiny  # the old model stays
