@@ -19,14 +19,21 @@ def encode(tokenizer, conv: Conversation) -> list[int]:
     messages = [{"role": m.role, "content": m.content} for m in conv.messages]
     if conv.system:
         messages.insert(0, {"role": "system", "content": conv.system})
+    return render(tokenizer, messages, generation_prompt=True)
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """Token ids of {'role', 'content'} messages through the model's chat template, with
+    the start of the assistant's reply after them when `generation_prompt`."""
     if getattr(tokenizer, "chat_template", None):
         encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
         )
         return list(encoded["input_ids"])
     # No template (a base model): a plain transcript the model can continue.
-    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return tokenizer(("\n".join(lines) + "\nAssistant:"), add_special_tokens=True)["input_ids"]
+    text = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+    text += "\nAssistant:" if generation_prompt else ""
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
 def fit_to_context(ids: list[int], context_len: int, max_new_tokens: int) -> tuple[list[int], int]:

@@ -85,6 +85,7 @@ def test_plain_text_prompts(tmp_path):
 @pytest.mark.parametrize("content, message", [
     (None, "not found"),
     ("\n  \n", "holds no prompts"),
+    ('{"prompt": "a"}\n{"turns": ["b", "c"]}\n', "prompt 2 has several \"turns\""),
     ('{"prompt": "a"}\n{"prompt": \n', "line 2: not valid JSON"),
     ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: no \"prompt\""),
     ('{"prompt": "a"}\n["b"]\n', "line 2: expected a JSON object"),
