@@ -439,3 +439,14 @@ def test_a_failed_download_says_why_in_one_line_and_is_not_tried_again(service, 
         service.host.load_model(ModelSpec(source="org/tiny", quant="fp32"))
     assert "\n" not in str(err.value) and tries == ["org/tiny"]  # once, not again by loading
     assert service.host.lm is tiny  # the old model stays
+
+
+def test_the_app_takes_the_model_flags_every_command_takes(monkeypatch):
+    from app.cli import main as cli_main
+
+    got = []
+    monkeypatch.setattr("app.ui.launch.launch", lambda options, block=True: got.append(options))
+    assert cli_main(["serve", "--model", "org/repo", "--gguf-file", "m.gguf", "--quant", "int8",
+                     "--device", "cpu"]) == 0
+    assert got[-1].model == ModelSpec("org/repo:m.gguf", "int8", device="cpu")
+    assert cli_main(["serve"]) == 0 and got[-1].model is None  # the last model used

@@ -153,3 +153,12 @@ def test_calibration_decodes_only_the_prompts_its_time_allows():
     assert prompts_that_fit(100.0, 0.1, 3, config) == 4  # 19.2 s a prompt: all four fit
     assert prompts_that_fit(40.0, 0.1, 3, config) == 2
     assert prompts_that_fit(1.0, 0.1, 3, config) == 1  # at least one, or nothing is measured
+
+
+def test_every_trained_method_offers_what_the_pipeline_and_the_train_command_call():
+    from engine.drafters.registry import TRAINED, method
+
+    for name in TRAINED:
+        trainer = importlib.import_module(method(name).trainer)
+        for call in ("check", "prep_seconds_per_token", "reserve_s", "train", "summary_lines"):
+            assert callable(getattr(trainer, call, None)), (name, call)

@@ -32,7 +32,7 @@ class Method:
     checkpoint: str | None = None  # the trained accelerator it loads; None: nothing to load
     # The module that trains that accelerator (trainer/ is imported only when training, and
     # the engine never imports it): it offers check(lm), prep_seconds_per_token(lm, options),
-    # reserve_s(options) and train(...).
+    # reserve_s(options), train(...) and summary_lines(metrics, settings).
     trainer: str | None = None
     composes: tuple[str, ...] = ()  # the methods whose drafters it chooses among
 

@@ -1,6 +1,6 @@
 """The Kangaroo adapter: training per exit layer (train.py) and the choice of exit layer,
 eta and gamma on this machine (calibrate.py). The pipeline calls check,
-prep_seconds_per_token, reserve_s and train."""
+prep_seconds_per_token, reserve_s and train; the train command prints summary_lines."""
 
 from trainer.kangaroo.calibrate import KangarooCalibration
 from trainer.kangaroo.train import (
@@ -8,6 +8,7 @@ from trainer.kangaroo.train import (
     check,
     prep_seconds_per_token,
     reserve_s,
+    summary_lines,
     train,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "check",
     "prep_seconds_per_token",
     "reserve_s",
+    "summary_lines",
     "train",
 ]

@@ -1,6 +1,6 @@
 """Medusa-1 heads: training on cached final states (train.py) and the choice of their tree
 on this machine (calibrate.py). The pipeline calls check, prep_seconds_per_token,
-reserve_s and train."""
+reserve_s and train; the train command prints summary_lines."""
 
 from trainer.medusa.calibrate import CalibrationConfig
 from trainer.medusa.train import (
@@ -8,6 +8,7 @@ from trainer.medusa.train import (
     check,
     prep_seconds_per_token,
     reserve_s,
+    summary_lines,
     train,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "check",
     "prep_seconds_per_token",
     "reserve_s",
+    "summary_lines",
     "train",
 ]
