@@ -85,11 +85,11 @@ class Accelerators:
                                f"{label} is not trained for {model_name(self.host.lm)} yet: "
                                "train it once, then switch it on here.")
         try:
-            self.drafter(method)
+            drafter = self.drafter(method)
         except AcceleratorError as exc:
             return AccelStatus(method, False, trained in TRAINED,
                                f"{label} cannot be used: {exc}")
-        return AccelStatus(method, True, False, _ready_line(label, info))
+        return AccelStatus(method, True, False, _ready_line(label, info, drafter.pays))
 
     def _auto_status(self) -> AccelStatus:
         auto = self.drafter("auto")
@@ -177,8 +177,10 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return found.st_ino, found.st_mtime_ns
 
 
-def _ready_line(label: str, info: dict) -> str:
-    """Status of a trained accelerator from its description (speedup measured here)."""
+def _ready_line(label: str, info: dict, pays: bool) -> str:
+    """Status of a trained accelerator from its description (speedup measured here) and
+    whether its drafter pays here (Drafter.pays: calibration's verdict, or the re-timed
+    one in another dtype or on another device)."""
     metrics = info.get("metrics", {})
     line = f"{label} is ready."
     speedup = measured_speedup(metrics)
@@ -186,7 +188,6 @@ def _ready_line(label: str, info: dict) -> str:
         shipped = "folder" in info and is_shipped(info["folder"])
         where = "on the machine it was built on" if shipped else "when it was trained"
         line += f" Measured {speedup:.2f}× over plain decoding {where}."
-    pays = info.get("settings", {}).get("pays", metrics.get("pays"))
-    if pays is False:
+    if not pays:
         line += " It did not beat plain decoding on this machine: Off may be faster."
     return line

@@ -15,8 +15,7 @@ from app.host import ModelHost
 from app.store import Conversation, Store, StoreError, title_from_prompt
 from engine import neartie
 from engine.chat import conversation, encode, fit_to_context
-from engine.config import ChatMessage, SamplingParams
-from engine.config import Conversation as Prompt
+from engine.config import ChatMessage, ChatPrompt, SamplingParams
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import StepEvent, generate, run
 from engine.neartie import Divergence
@@ -155,7 +154,7 @@ class Replies:
         with self.host.lock:
             lm = self.host.lm
             drafter, used, _notices = self.accels.drafter_or_off(method)
-            ids = encode(lm.tokenizer, Prompt(tuple(messages), system))
+            ids = encode(lm.tokenizer, ChatPrompt(tuple(messages), system))
             for event in generate(lm, ids, params, drafter, cancel):
                 if event.done:
                     used = drafter.used()

@@ -1,20 +1,20 @@
-"""Conversation -> prompt token ids, through the model's own chat template."""
+"""ChatPrompt -> prompt token ids, through the model's own chat template."""
 
 from __future__ import annotations
 
-from engine.config import ChatMessage, Conversation
+from engine.config import ChatMessage, ChatPrompt
 from engine.errors import PromptError
 
 
-def conversation(prompt: str, history: list[dict] | None = None, system: str | None = None) -> Conversation:
-    """Build a Conversation from a new user prompt and earlier {'role', 'content'} turns."""
+def conversation(prompt: str, history: list[dict] | None = None, system: str | None = None) -> ChatPrompt:
+    """Build a ChatPrompt from a new user prompt and earlier {'role', 'content'} turns."""
     if not prompt or not prompt.strip():
         raise PromptError("the prompt is empty: type a message first")
     turns = [ChatMessage(h["role"], h["content"]) for h in history or []]
-    return Conversation(tuple(turns) + (ChatMessage("user", prompt),), system)
+    return ChatPrompt(tuple(turns) + (ChatMessage("user", prompt),), system)
 
 
-def encode(tokenizer, conv: Conversation) -> list[int]:
+def encode(tokenizer, conv: ChatPrompt) -> list[int]:
     """Token ids of the conversation, ending where the assistant's reply starts."""
     messages = [{"role": m.role, "content": m.content} for m in conv.messages]
     if conv.system:

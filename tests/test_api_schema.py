@@ -18,7 +18,7 @@ from app.host import model_name
 from app.service import Service
 from app.store import Store
 from engine.chat import encode
-from engine.config import ChatMessage, Conversation, SamplingParams
+from engine.config import ChatMessage, ChatPrompt, SamplingParams
 from engine.generate import run
 from tests.conftest import make_tiny_model
 
@@ -170,7 +170,7 @@ def test_loopback_without_a_key_serves_whole_and_streamed_replies(app):
     client = TestClient(app)
     body = {"model": "tiny-llama-mha", "temperature": 0, "max_tokens": 8, "accel": "off",
             "messages": [USER]}
-    ids = encode(lm.tokenizer, Conversation((ChatMessage("user", "hi"),)))
+    ids = encode(lm.tokenizer, ChatPrompt((ChatMessage("user", "hi"),)))
     text, tokens, _stats = run(lm, ids, SamplingParams(max_new_tokens=8))
     whole = client.post("/v1/chat/completions", json=body).json()
     assert whole["choices"][0]["message"]["content"] == text

@@ -24,8 +24,8 @@ from engine.drafters.medusa import MedusaHeads, MedusaSettings, heads_from_tenso
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
-from trainer.kangaroo import KangarooTrainConfig
 from trainer.kangaroo.calibrate import KangarooCalibration
+from trainer.kangaroo.train import KangarooTrainConfig
 from trainer.medusa.calibrate import CalibrationConfig
 from trainer.medusa.train import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
@@ -256,7 +256,7 @@ def test_a_continued_run_starts_from_the_old_heads_and_learns_the_chats(lm, monk
     messages = []
     with monkeypatch.context() as patch:
         patch.setattr(medusa_train, "train_module", record_start)
-        patch.setattr(importlib.import_module("trainer.medusa"), "train", record_split)
+        patch.setattr(importlib.import_module("trainer.medusa.train"), "train", record_split)
         second = train_accelerator(
             lm, dataclasses.replace(brief, chats=tuple(learn), continue_training=True),
             lambda p: messages.append(p.message))

@@ -275,6 +275,20 @@ def test_stored_accelerators_are_read_again_only_when_a_checkpoint_changes(servi
     assert not service.accels.status("medusa").ready  # removed: untrained again
 
 
+def test_a_stored_accelerator_that_does_not_pay_says_so(service, tiny):
+    from engine.accelerators import save_checkpoint
+    from engine.drafters.medusa import MedusaHeads, MedusaSettings
+
+    heads = MedusaHeads(int(tiny.model.config.hidden_size), MedusaSettings(2))
+    save_checkpoint(tiny, "medusa", heads.tensors(), {**heads.settings.to_json(), "tree": []},
+                    {"speedup": 1.0})  # calibration found no tree faster than plain decoding
+    try:
+        status = service.accels.status("medusa")
+        assert status.ready and "Off may be faster" in status.message
+    finally:
+        shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
+
+
 def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny):
     _untrained_medusa(tiny)
     try:

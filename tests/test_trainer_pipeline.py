@@ -133,7 +133,7 @@ def test_summary_says_plainly_when_the_heads_do_not_pay():
 
 @pytest.mark.parametrize("method", ["medusa", "kangaroo"])
 def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, method):
-    trainer = importlib.import_module(f"trainer.{method}")
+    trainer = importlib.import_module(f"trainer.{method}.train")
     options = _options(method=method, max_minutes=10.0)
     per_token = trainer.prep_seconds_per_token(lm, options)
     assert 0 < per_token < 0.1  # a timed forward (and teacher chunk) per token, tiny model

@@ -34,7 +34,7 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
     return prompts
 
 
-def interleave(prompts: list[BenchPrompt], limit: int | None = None) -> list[BenchPrompt]:
+def round_robin(prompts: list[BenchPrompt], limit: int | None = None) -> list[BenchPrompt]:
     """Round-robin over categories (in order of first appearance), cut to `limit`.
 
     Running categories interleaved keeps machine drift from landing on one category, and
