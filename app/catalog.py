@@ -30,9 +30,6 @@ BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 
                    "int8w": 3.05}
 # Headroom for activations, the KV cache of a long chat and a drafter, on top of weights.
 RUNTIME_OVERHEAD = 1.2
-# safetensors dtype names -> bytes per element (for the on-disk size of a folder)
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 Report = Callable[[str, float | None], None]  # (message, fraction done or None)
 

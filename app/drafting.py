@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.host import ModelHost, Preferences, model_name
+from app.host import ModelHost, model_name
 from app.store import Store, own_reply
 from engine.accelerators import (
     INFO,
@@ -56,9 +56,8 @@ class Accelerators:
     """Ready drafters, stored descriptions and the datastore for the host's model, kept until
     it changes."""
 
-    def __init__(self, store: Store, prefs: Preferences, host: ModelHost):
+    def __init__(self, store: Store, host: ModelHost):
         self.store = store
-        self.prefs = prefs
         self.host = host
         self._drafters: dict[str, Drafter] = {}  # ready drafters for host.lm, by method
         self._found: dict[str, tuple] = {}  # checkpoint -> (folder stamp, describe())
@@ -133,7 +132,7 @@ class Accelerators:
         from trainer.selfdistill import data_path, load_conversations
 
         convs = load_conversations(data_path(lm))
-        if self.prefs.settings().learn_from_chats:
+        if self.store.load_settings().learn_from_chats:
             convs += list(reversed(self.store.chats_with(lm.fingerprint)))  # oldest first
         return [lm.tokenizer.encode(m["content"], add_special_tokens=False)
                 for conv in convs for m in conv if m["role"] == "assistant"]
@@ -142,7 +141,7 @@ class Accelerators:
         """Put a finished reply in the datastore before the next request starts (the
         rules and the switch of training on chats apply)."""
         lm = self.host.lm
-        if own_reply(reply, lm.fingerprint) and self.prefs.settings().learn_from_chats:
+        if own_reply(reply, lm.fingerprint) and self.store.load_settings().learn_from_chats:
             store = self.datastore
             store.add(token_ids)
             store.save(store_file(lm))

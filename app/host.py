@@ -1,6 +1,5 @@
 """The model host: owns the loaded model, swaps it in the background, and holds the lock a
-generation or a model swap takes, so there is one at a time. The settings file the other
-parts of the service share is read and written through Preferences."""
+generation or a model swap takes, so there is one at a time."""
 
 from __future__ import annotations
 
@@ -14,36 +13,18 @@ import torch
 
 from app import catalog
 from app.jobs import Job
-from app.store import Settings, Store
+from app.store import Store
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 from engine.loading import LoadedModel, load_model
 from engine.progress import Progress, ProgressFn
 
 
-class Preferences:
-    """The settings kept for the next launch."""
-
-    def __init__(self, store: Store):
-        self.store = store
-        self._lock = threading.Lock()  # read-modify-write of the settings file
-
-    def settings(self) -> Settings:
-        return self.store.load_settings()
-
-    def remember(self, **changes) -> Settings:
-        """Save some settings for the next launch."""
-        with self._lock:
-            settings = dataclasses.replace(self.store.load_settings(), **changes)
-            self.store.save_settings(settings)
-        return settings
-
-
 class ModelHost:
     """Owns the loaded model; one generation (or model swap) at a time holds `lock`."""
 
-    def __init__(self, prefs: Preferences, lm: LoadedModel | None = None):
-        self.prefs = prefs
+    def __init__(self, store: Store, lm: LoadedModel | None = None):
+        self.store = store  # its settings file remembers the model for the next launch
         self._lm = lm
         self.lock = threading.Lock()  # held by the generation or model swap in progress
         self.loading: Job | None = None
@@ -91,7 +72,7 @@ class ModelHost:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.prefs.remember(model=spec.source, quant=spec.quant)
+        self.store.remember(model=spec.source, quant=spec.quant)
         report(Progress("done", 1, 1, f"loaded {lm.model_id} as {lm.quant} on {lm.device}"))
         return lm
 

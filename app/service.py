@@ -5,7 +5,7 @@ UI modules, CLI commands and the API use the part they need and only lay out res
 from __future__ import annotations
 
 from app.drafting import Accelerators
-from app.host import ModelHost, Preferences
+from app.host import ModelHost
 from app.replies import Replies
 from app.store import Store
 from app.training import Training
@@ -19,11 +19,10 @@ class Service:
 
     def __init__(self, store: Store, lm: LoadedModel | None = None):
         self.store = store
-        self.prefs = Preferences(store)
-        self.host = ModelHost(self.prefs, lm)
-        self.accels = Accelerators(store, self.prefs, self.host)
+        self.host = ModelHost(store, lm)
+        self.accels = Accelerators(store, self.host)
         self.replies = Replies(store, self.host, self.accels)
-        self.training = Training(store, self.prefs, self.host)
+        self.training = Training(store, self.host)
 
     @classmethod
     def open(cls, store: Store, spec: ModelSpec | None = None) -> Service:

@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from app.drafting import accel_label
-from app.host import ModelHost, Preferences, model_name
+from app.host import ModelHost, model_name
 from app.jobs import Job
 from app.store import Store
 from engine.accelerators import describe, is_shipped
@@ -22,9 +22,8 @@ class Training:
     """One training run at a time for the host's model (the host refuses a model swap
     while it runs; the accelerators notice the checkpoint it saves)."""
 
-    def __init__(self, store: Store, prefs: Preferences, host: ModelHost):
+    def __init__(self, store: Store, host: ModelHost):
         self.store = store
-        self.prefs = prefs
         self.host = host
 
     @property
@@ -54,7 +53,7 @@ class Training:
         def work():
             result = train_accelerator(lm, options, job.report, job.cancel)
             if not job.cancel.is_set():
-                self.prefs.remember(accel="auto")  # Auto now has the new accelerator to choose
+                self.store.remember(accel="auto")  # Auto now has the new accelerator to choose
             return result
 
         return job.start(work)

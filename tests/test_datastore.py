@@ -130,7 +130,7 @@ def test_chats_on_a_topic_make_the_next_one_draft_more(bundled_tokenizer, tmp_pa
     assert after.mean_accepted > before.mean_accepted
     assert after.datastore_accepted > 0
 
-    service.prefs.remember(learn_from_chats=False)  # the same switch as training on chats
+    service.store.remember(learn_from_chats=False)  # the same switch as training on chats
     tokens = service.accels.datastore.tokens
     ask("Tell me about the rivers of Poland.")
     assert service.accels.datastore.tokens == tokens

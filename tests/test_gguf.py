@@ -278,7 +278,7 @@ def test_models_tab_load_reports_the_conversion(tiny_files, tmp_path, monkeypatc
     assert job.state == "done", job.error
     assert any("first time only" in m for m in seen)
     assert service.host.lm.model_id == str(tiny_files[0].resolve())
-    assert service.prefs.settings().model == str(tiny_files[0])
+    assert service.store.load_settings().model == str(tiny_files[0])
 
 
 def test_gguf_file_flag_joins_repo_and_file():

@@ -167,6 +167,7 @@ def test_only_the_start_up_model_may_run_its_code(tmp_path, bundled_tokenizer, m
     tiny = make_tiny_model("llama-mha", bundled_tokenizer)
     monkeypatch.setattr("app.host.load_model", lambda spec, report=None:
                         specs.append(spec) or tiny)
+    monkeypatch.setattr("app.catalog.fetch_if_needed", lambda spec, report: None)  # no hub
     opened = service_module.Service.open(Store(tmp_path),
                                          ModelSpec("my/model", trust_remote_code=True))
     assert specs[-1].trust_remote_code and opened.host.trusted == "my/model"

@@ -157,7 +157,7 @@ def test_switching_acceleration_untrained_offers_training(service):
 
 
 def test_auto_is_the_default_and_the_reply_names_the_method_it_used(service, tiny):
-    assert service.prefs.settings().accel == "auto"
+    assert service.store.load_settings().accel == "auto"
     status = service.accels.status("auto")
     assert status.ready and "else drafts with Off" in status.message
     assert "Train an accelerator" in status.message
@@ -208,7 +208,7 @@ def test_bad_model_leaves_the_old_one_working(service, tiny, tmp_path):
     assert job.wait(60) and job.state == "failed" and "not found" in job.error
     assert service.host.lm is tiny
     assert _reply(service, conv.id, "still there?").stats.tokens > 0
-    assert service.prefs.settings().model == "default"  # a failed load is not remembered
+    assert service.store.load_settings().model == "default"  # a failed load is not remembered
 
 
 def test_loading_a_model_swaps_it_and_remembers_it(service, tiny, tmp_path):
@@ -219,7 +219,7 @@ def test_loading_a_model_swaps_it_and_remembers_it(service, tiny, tmp_path):
     assert job.wait(120) and job.state == "done", job.error
     assert service.host.lm is not tiny and service.host.lm.fingerprint == tiny.fingerprint
     assert job.progress.stage == "done"
-    assert service.prefs.settings().model == str(folder)
+    assert service.store.load_settings().model == str(folder)
     reopened = Service.open(service.store)  # the next launch loads the last model used
     assert reopened.host.lm.model_id == service.host.lm.model_id
 
@@ -354,7 +354,7 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     assert second.result.data["conversations"] == 24
     assert second.history and "loss" in str(second.history[-1])  # live figures for the plots
     assert service.accels.status("medusa").ready  # usable from the selector right away
-    assert service.prefs.settings().accel == "auto"  # which now has Medusa to choose from
+    assert service.store.load_settings().accel == "auto"  # which now has Medusa to choose from
     pays = load_drafter(lm, "medusa").pays  # Auto leaves out heads that do not pay here
     assert ("Medusa+lookup" in service.accels.status("auto").message) == pays
     conv = service.store.new()
@@ -431,7 +431,7 @@ def test_hub_model_is_downloaded_with_progress_then_loaded(service, tiny, tmp_pa
     assert [(p.stage, p.fraction) for p in reports] == [
         ("download", 0.5), ("download", 1.0), ("load", 0.0), ("done", 1.0)]
     assert service.host.lm is lm and lm.model_id == "org/tiny"
-    assert service.prefs.settings().model == "org/tiny"
+    assert service.store.load_settings().model == "org/tiny"
 
 
 def test_a_failed_download_says_why_in_one_line_and_is_not_tried_again(service, tiny,

@@ -84,7 +84,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
     grace = min(GRACE_SHARE * budget.max_seconds, GRACE_MAX_S)
     clock = time.perf_counter()
 
-    def job(conv: _Conversation) -> AnswerJob:
+    def job(conv: _SeedInProgress) -> AnswerJob:
         prompt = fit_prompt(lm, conv.ask_next(lm.tokenizer), answer_tokens)
         greedy = budget.temperature <= 0 or (budget.greedy_first_pass and conv.seed.sample == 0)
         return AnswerJob(prompt, greedy, answer_tokens, conv)
@@ -97,7 +97,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
             if seed is None:
                 return
             open_convs += 1
-            queue.append(job(_Conversation(seed)))
+            queue.append(job(_SeedInProgress(seed)))
 
     def keep_going() -> bool:
         # At the budget no new turn starts, and the answers under way get a short grace to
@@ -132,7 +132,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
 
 
 @dataclass
-class _Conversation:
+class _SeedInProgress:
     """A seed being answered turn by turn."""
 
     seed: Seed

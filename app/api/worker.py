@@ -57,11 +57,6 @@ class ReplyWorker:
             self._queue.put(reply)
         return reply
 
-    @property
-    def waiting(self) -> int:
-        """Replies queued behind the one running."""
-        return self._queue.qsize()
-
     def close(self) -> None:
         self._queue.put(None)
 

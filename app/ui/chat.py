@@ -31,7 +31,7 @@ class ChatTab:
 
     def __init__(self, service: Service):
         self.service = service
-        s = service.prefs.settings()
+        s = service.store.load_settings()
         self.conv_id = gr.State("")  # this browser's open conversation
         self.active = gr.State("off")  # the acceleration replies use
         self.pending = gr.State("")  # an untrained method the user picked: Train offers it
@@ -143,7 +143,7 @@ class ChatTab:
         except QuickdraftError as exc:
             yield {self.readout: readout.error_html(str(exc))}
             return
-        self.service.prefs.remember(system=system, temperature=params.temperature,
+        self.service.store.remember(system=system, temperature=params.temperature,
                                     top_p=params.top_p, top_k=params.top_k,
                                     max_new_tokens=params.max_new_tokens,
                                     last_conversation=conv.id)
@@ -203,7 +203,7 @@ class ChatTab:
         except QuickdraftError as exc:
             return {self.accel: active, self.accel_status: f"⚠ {exc}"}
         if status.ready:
-            self.service.prefs.remember(accel=method)
+            self.service.store.remember(accel=method)
             return {self.accel: method, self.active: method, self.accel_status: status.message,
                     self.train_btn: gr.Button(visible=False), self.pending: ""}
         return {self.accel: active, self.accel_status: f"⚠ {status.message}",
@@ -225,7 +225,7 @@ class ChatTab:
 
     def show(self, conv: Conversation) -> dict:
         """Everything the view shows for `conv`."""
-        self.service.prefs.remember(last_conversation=conv.id)
+        self.service.store.remember(last_conversation=conv.id)
         replies = [m for m in conv.messages if m["role"] == "assistant"]
         return {self.conv_id: conv.id, self.chatbot: conv.turns(),
                 self.conv_list: self._choices(conv.id), self.title_box: conv.title,
@@ -265,7 +265,7 @@ class ChatTab:
 
     def restore(self) -> dict:
         """On page load: the last conversation, settings and acceleration."""
-        s = self.service.prefs.settings()
+        s = self.service.store.load_settings()
         convs = self.service.store.list()
         last = next((c for c in convs if c.id == s.last_conversation), None)
         conv = last or (convs[0] if convs else self.service.store.new(system=s.system))

@@ -30,7 +30,7 @@ class ModelsTab:
 
     def __init__(self, service: Service):
         self.service = service
-        s = service.prefs.settings()
+        s = service.store.load_settings()
         self.current = gr.Markdown(elem_id="qd-model-current")
         with gr.Row(equal_height=True):
             self.source = gr.Dropdown([BUNDLED], value=s.model, allow_custom_value=True,
@@ -59,7 +59,7 @@ class ModelsTab:
 
     def refresh(self) -> dict:
         """On page load: the current model, the cached list, the startup notice."""
-        s = self.service.prefs.settings()
+        s = self.service.store.load_settings()
         notice = readout.error_html(self.service.host.notice) if self.service.host.notice else ""
         return {self.current: self.describe(), self.source: self.choices(s.model),
                 self.estimate: self.memory(s.model, s.quant), self.status: notice}

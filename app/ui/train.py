@@ -46,7 +46,8 @@ class TrainTab:
         self.prompts = gr.File(label="Extra prompts (optional): JSONL with one "
                                      '{"prompt": ...} per line, or one prompt per line',
                                file_types=[".jsonl", ".txt"], type="filepath", height=120)
-        self.chats = gr.Checkbox(self.service.prefs.settings().learn_from_chats, label=CHATS_LABEL,
+        learn = self.service.store.load_settings().learn_from_chats
+        self.chats = gr.Checkbox(learn, label=CHATS_LABEL,
                                  info=CHATS_INFO,
                                  elem_id="qd-train-chats")
         with gr.Row():
@@ -72,7 +73,7 @@ class TrainTab:
         self.retrain_btn.click(self.retrain, inputs, [self.status, self.timer], **fast)
         self.cancel_btn.click(self.cancel, None, [self.status], **fast)
         # the same switch keeps replies out of the datastore
-        remember = self.service.prefs.remember
+        remember = self.service.store.remember
         self.chats.change(lambda on: remember(learn_from_chats=bool(on)) and None,
                           [self.chats], None, **fast)
         self.timer.tick(self.tick, None, self.tick_outputs, **fast)
