@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import hub
 from engine.errors import ModelLoadError
 from engine.paths import cache_dir
 
@@ -158,6 +157,8 @@ def parse_hub(source: str) -> tuple[str, str] | None:
 
 def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
     """The GGUF file from the Hugging Face cache, downloaded there first if needed."""
+    from engine import hub
+
     return hub.fetch(repo_id, filename, revision)
 
 

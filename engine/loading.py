@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, hub, quant_auto
+from engine import devices, gguf, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.paths import cache_dir
@@ -151,6 +151,8 @@ def _check_folder(path: Path) -> None:
 
 def _hub_folder(repo_id: str, revision: str | None) -> Path:
     """Cached snapshot if present, else download into the ordinary Hugging Face cache."""
+    from engine import hub
+
     folder = hub.fetch(repo_id, revision=revision)
     _check_folder(folder)
     return folder
