@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from app.model_folders import FoundModel, ModelFolders, find_models
-from engine import devices, gguf
+from engine import devices, gguf, hub
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
-from engine.loading import HUB_PATTERNS, bundled_folder
+from engine.loading import bundled_folder
 from engine.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,6 @@ BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 
                    "int8w": 3.05}
 # Headroom for activations, the KV cache of a long chat and a drafter, on top of weights.
 RUNTIME_OVERHEAD = 1.2
-# safetensors dtype names -> bytes per element (for the on-disk size of a folder)
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 Report = Callable[[str, float | None], None]  # (message, fraction done or None)
 
@@ -92,9 +89,6 @@ def _gguf_need(params: int, quant: str) -> tuple[str, int]:
 def local_folder(spec: ModelSpec) -> Path | None:
     """The folder `spec` names when it is on this machine already (bundled, local, cached);
     for a GGUF on the hub, its file in the Hugging Face cache."""
-    from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     source = spec.source.strip()
     if source == "default":
         return bundled_folder()
@@ -103,18 +97,8 @@ def local_folder(spec: ModelSpec) -> Path | None:
         return path
     hub_gguf = gguf.parse_hub(source)
     if hub_gguf is not None:
-        try:
-            return Path(hf_hub_download(*hub_gguf, revision=spec.revision,
-                                        local_files_only=True))
-        except (LocalEntryNotFoundError, OSError, ValueError):
-            return None
-    if source.count("/") != 1:
-        return None
-    try:
-        return Path(snapshot_download(source, revision=spec.revision, allow_patterns=HUB_PATTERNS,
-                                      local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError):  # not cached, or not a repo id
-        return None
+        return hub.cached(*hub_gguf, revision=spec.revision)
+    return hub.cached(source, revision=spec.revision) if source.count("/") == 1 else None
 
 
 def count_parameters(folder: Path) -> int:
@@ -186,8 +170,8 @@ def _gguf_estimate(path: Path, spec: ModelSpec) -> str:
 
 def download(repo_id: str, revision: str | None, report: Report) -> Path:
     """Fetch a hub model (or, for "owner/name:file.gguf", that one file) into the ordinary
-    Hugging Face cache, reporting bytes as they come."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    Hugging Face cache, reporting bytes as they come; ModelLoadError (one line) when it
+    cannot."""
     from tqdm.auto import tqdm
 
     class Reporting(tqdm):
@@ -206,11 +190,8 @@ def download(repo_id: str, revision: str | None, report: Report) -> Path:
                 frac = min(1.0, self.n / self.total) if self.total else None
                 report(f"downloading {repo_id}: {_size(self.n)} of {_size(self.total or 0)}", frac)
 
-    hub_gguf = gguf.parse_hub(repo_id)
-    if hub_gguf is not None:
-        return Path(hf_hub_download(*hub_gguf, revision=revision, tqdm_class=Reporting))
-    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS,
-                                  tqdm_class=Reporting))
+    repo, filename = gguf.parse_hub(repo_id) or (repo_id, None)
+    return hub.download(repo, filename, revision, tqdm_class=Reporting)
 
 
 def _size(n: float) -> str:
@@ -222,8 +203,8 @@ def _size(n: float) -> str:
 
 
 def fetch_if_needed(spec: ModelSpec, report: ProgressFn) -> None:
-    """Download a hub model not yet in the cache, with byte progress. A failure is left to
-    load_model, which turns it into a one-line reason (offline, unknown id, gated)."""
+    """Download a hub model not yet in the cache, with byte progress; ModelLoadError (one
+    line: offline, unknown id, gated) when it cannot."""
     source = spec.source.strip()
     if source.count("/") != 1 or Path(source).expanduser().exists():
         return
@@ -233,7 +214,4 @@ def fetch_if_needed(spec: ModelSpec, report: ProgressFn) -> None:
     def on_bytes(message: str, fraction: float | None) -> None:
         report(Progress("download", fraction or 0.0, 1.0 if fraction is not None else 0, message))
 
-    try:
-        download(source, spec.revision, on_bytes)
-    except Exception as exc:  # the hub client raises many types; see the docstring
-        log.info("download of %s failed: %s", source, exc)
+    download(source, spec.revision, on_bytes)

@@ -1,11 +1,23 @@
-"""What a reply or a Compare is asked with, and what it streams back."""
+"""Replies: the page's chat (saved in its conversations), Compare, and the API's replies
+(kept out of them), with what each is asked with and streams back. Each takes the host's
+lock, so generations never interleave."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from app.drafting import Accelerators, accel_label
+from app.host import ModelHost
 from app.store import Conversation, Store, StoreError, title_from_prompt
-from engine.config import SamplingParams
+from engine import neartie
+from engine.chat import conversation, encode, fit_to_context
+from engine.config import ChatMessage, ChatPrompt, SamplingParams
+from engine.errors import AcceleratorError, QuickdraftError
+from engine.generate import StepEvent, generate, run
 from engine.neartie import Divergence
 from engine.stats import GenerationStats
 
@@ -65,6 +77,127 @@ class CompareResult:
     @property
     def stopped(self) -> bool:
         return any(s is not None and s.stop_reason == "cancelled" for s in (self.off, self.on))
+
+
+class Replies:
+    """Chat, Compare and API replies over the host's model."""
+
+    def __init__(self, store: Store, host: ModelHost, accels: Accelerators):
+        self.store = store
+        self.host = host
+        self.accels = accels
+        self._cancel = threading.Event()  # Stop: ends the running generation
+        self._owner: str | None = None  # the browser session whose generation is running
+
+    def chat(self, request: ReplyRequest, prompt: str) -> Iterator[ReplyUpdate]:
+        """Add `prompt` to the conversation and stream the reply. The reply is saved when it
+        ends, including a partial one after Stop."""
+        conversation(prompt)  # refuse an empty prompt before waiting for the model
+        return self._reply(request, prompt)
+
+    def regenerate(self, request: ReplyRequest) -> Iterator[ReplyUpdate]:
+        """Replace the last reply with a new one."""
+        return self._reply(request, None)
+
+    def stop(self, owner: str | None = None) -> None:
+        """End the running generation (its partial reply is kept). With `owner`, only when
+        that browser session started it: Stop in one tab leaves another tab's reply alone."""
+        if owner is None or owner == self._owner:
+            self._cancel.set()
+
+    def _reply(self, request: ReplyRequest, prompt: str | None) -> Iterator[ReplyUpdate]:
+        with self.host.lock, self._owned(request.owner):
+            conv = self.store.get(request.conv_id)  # under the lock: queued replies keep order
+            add_prompt(conv, prompt)
+            if request.system is not None:
+                conv.system = request.system.strip()
+            lm = self.host.lm
+            drafter, used, notices = self.accels.drafter_or_off(request.method)
+            turns = conv.turns()
+            ids = encode(lm.tokenizer, conversation(turns[-1]["content"], turns[:-1],
+                                                    conv.system or None))
+            # the model and acceptance rule: what its accelerator may learn from (app.store)
+            reply = {"role": "assistant", "content": "", "accel": used,
+                     "model": lm.fingerprint, "acceptance": request.params.acceptance}
+            conv.messages.append(reply)
+            accepted: list[int] = []  # per model step
+            token_ids: list[int] = []  # the reply's tokens
+            ttft = 0.0
+            try:
+                events = generate(lm, ids, request.params, drafter, self._cancel)
+                for i, event in enumerate(events):
+                    reply["content"] = event.full_text
+                    token_ids += event.token_ids
+                    notices += event.notices
+                    if i == 0:
+                        ttft = event.elapsed_s  # prefill and the first token
+                    else:
+                        accepted.append(event.accepted)  # one event per model step
+                    if event.done:  # Auto says which arm it drafted with, and why
+                        used = reply["accel"] = drafter.used()
+                        notices += [line for line in [drafter.reason()] if line]
+                    if event.done:  # saved before the last update goes out
+                        reply["stats"] = event.stats.to_json()
+                        save_reply(self.store, conv, reply)
+                        self.accels.learn(reply, token_ids)
+                    yield ReplyUpdate(conv, used, event.tokens, event.elapsed_s, ttft,
+                                      list(accepted), event.done, event.stats, list(notices))
+            finally:  # also when the consumer goes away mid-reply, or on an error
+                if "stats" not in reply:
+                    save_reply(self.store, conv, reply)
+
+    def complete(self, messages: list[ChatMessage], system: str | None, params: SamplingParams,
+                 method: str, cancel: threading.Event) -> Iterator[tuple[StepEvent, str]]:
+        """A reply for another tool (the HTTP API), kept out of the stored conversations.
+        Takes the same lock as the page's replies: generations never interleave. Yields each
+        step's event with the method in use (Auto's arm on the last one)."""
+        with self.host.lock:
+            lm = self.host.lm
+            drafter, used, _notices = self.accels.drafter_or_off(method)
+            ids = encode(lm.tokenizer, ChatPrompt(tuple(messages), system))
+            for event in generate(lm, ids, params, drafter, cancel):
+                if event.done:
+                    used = drafter.used()
+                yield event, used
+
+    @contextlib.contextmanager
+    def _owned(self, owner: str):
+        """Mark the running generation as `owner`'s; a fresh Stop state for it."""
+        self._cancel.clear()
+        self._owner = owner
+        try:
+            yield
+        finally:
+            self._owner = None
+
+    def compare(self, request: ReplyRequest) -> Iterator[CompareResult]:
+        """Replay the conversation's last prompt greedily (same length limit and stop
+        strings) with acceleration off, then with the request's method."""
+        method = request.method
+        if method == "off":
+            raise QuickdraftError("choose an acceleration method first: Compare runs Off "
+                                  "against it")
+        with self.host.lock, self._owned(request.owner):
+            conv = self.store.get(request.conv_id) if request.conv_id else None
+            prompt, history, system = last_prompt(conv)
+            lm = self.host.lm
+            if not self.accels.status(method).ready:
+                raise AcceleratorError(f"{accel_label(method)} is not trained for this model yet")
+            params = dataclasses.replace(request.params, temperature=0.0, seed=None)
+            ids = encode(lm.tokenizer, conversation(prompt, history, system))
+            dtype = str(lm.model.dtype).removeprefix("torch.")
+            drafter = self.accels.drafter(method)
+            warm = dataclasses.replace(params, max_new_tokens=2)
+            for each in (None, drafter):  # untimed: neither side pays first-call costs
+                run(lm, ids, warm, each, self._cancel)
+            _text, off_ids, off = run(lm, ids, params, None, self._cancel)
+            yield CompareResult(method, prompt, off, dtype=dtype)
+            _text, on_ids, on = run(lm, ids, params, drafter, self._cancel)
+            result = CompareResult(method, prompt, off, on, off_ids == on_ids, dtype=dtype)
+            if not result.identical and not result.stopped:  # measure the verdict, never assume
+                fitted = fit_to_context(ids, lm.context_len, params.max_new_tokens)[0]  # as run()
+                result.divergence = neartie.measure(lm, fitted, off_ids, on_ids)
+            yield result
 
 
 def add_prompt(conv: Conversation, prompt: str | None) -> None:

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from app.settings_rules import problem
@@ -204,6 +204,7 @@ class Store:
         self.root = Path(root) if root is not None else data_dir()
         self.conv_dir = self.root / "conversations"
         self.settings_path = self.root / "settings.json"
+        self._settings_lock = threading.Lock()  # read-modify-write of the settings file
         self.export_dir = self.root / "exports"
 
     # -- settings -------------------------------------------------------------------
@@ -223,6 +224,13 @@ class Store:
 
     def save_settings(self, settings: Settings) -> None:
         atomic_write_text(self.settings_path, json.dumps(asdict(settings), indent=2))
+
+    def remember(self, **changes) -> Settings:
+        """Save some settings for the next launch (one read-modify-write at a time)."""
+        with self._settings_lock:
+            settings = replace(self.load_settings(), **changes)
+            self.save_settings(settings)
+        return settings
 
     # -- conversations --------------------------------------------------------------
     def list(self) -> list[Conversation]:

@@ -148,17 +148,28 @@ def load_checkpoint(lm, method: str, folder: Path | None = None) -> Checkpoint:
 def _check_info(info: dict, lm, method: str, folder: Path, fix: str) -> None:
     if info.get("kind") != method:
         raise AcceleratorError(f"{folder} holds a {info.get('kind')!r} accelerator, not {method}")
-    version = info.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise AcceleratorError(
-            f"the {method} accelerator in {folder} has format {version!r}, newer than this "
-            f"Quickdraft understands ({FORMAT_VERSION}); update Quickdraft or {fix}"
-        )
+    check_format(info.get("version"), FORMAT_VERSION, method, folder, "checkpoint", older=True)
     if info.get("fingerprint") != lm.fingerprint:
         raise AcceleratorError(
             f"the {method} accelerator in {folder} was built for another model "
             f"({info.get('base_model_id')}); {fix}"
         )
+
+
+def check_format(found, expected: int, method: str, folder: Path, part: str,
+                 older: bool = False) -> None:
+    """Refuse, in one line, a layout (of the checkpoint, or of its drafter's weights) this
+    Quickdraft does not read: a newer one is unknown here, an older one's weights do not fit
+    (unless `older`: then it still reads). Retraining writes one it reads."""
+    if found == expected or (older and isinstance(found, int) and 0 < found < expected):
+        return
+    if not isinstance(found, int):
+        layout = "an unknown layout"
+    else:
+        layout = "newer than this Quickdraft reads" if found > expected else "an older layout"
+    raise AcceleratorError(
+        f"the {method} accelerator in {folder} has {part} format {found!r}, not {expected}; "
+        f"retrain it ({layout}): run: python launcher.py train --method {method}")
 
 
 def measured_speedup(metrics: dict) -> float | None:

@@ -1,32 +1,39 @@
-"""Conversation -> prompt token ids, through the model's own chat template."""
+"""ChatPrompt -> prompt token ids, through the model's own chat template."""
 
 from __future__ import annotations
 
-from engine.config import ChatMessage, Conversation
+from engine.config import ChatMessage, ChatPrompt
 from engine.errors import PromptError
 
 
-def conversation(prompt: str, history: list[dict] | None = None, system: str | None = None) -> Conversation:
-    """Build a Conversation from a new user prompt and earlier {'role', 'content'} turns."""
+def conversation(prompt: str, history: list[dict] | None = None, system: str | None = None) -> ChatPrompt:
+    """Build a ChatPrompt from a new user prompt and earlier {'role', 'content'} turns."""
     if not prompt or not prompt.strip():
         raise PromptError("the prompt is empty: type a message first")
     turns = [ChatMessage(h["role"], h["content"]) for h in history or []]
-    return Conversation(tuple(turns) + (ChatMessage("user", prompt),), system)
+    return ChatPrompt(tuple(turns) + (ChatMessage("user", prompt),), system)
 
 
-def encode(tokenizer, conv: Conversation) -> list[int]:
+def encode(tokenizer, conv: ChatPrompt) -> list[int]:
     """Token ids of the conversation, ending where the assistant's reply starts."""
     messages = [{"role": m.role, "content": m.content} for m in conv.messages]
     if conv.system:
         messages.insert(0, {"role": "system", "content": conv.system})
+    return render(tokenizer, messages, generation_prompt=True)
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """Token ids of {'role', 'content'} messages through the model's chat template, with
+    the start of the assistant's reply after them when `generation_prompt`."""
     if getattr(tokenizer, "chat_template", None):
         encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
         )
         return list(encoded["input_ids"])
     # No template (a base model): a plain transcript the model can continue.
-    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return tokenizer(("\n".join(lines) + "\nAssistant:"), add_special_tokens=True)["input_ids"]
+    text = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+    text += "\nAssistant:" if generation_prompt else ""
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
 def fit_to_context(ids: list[int], context_len: int, max_new_tokens: int) -> tuple[list[int], int]:

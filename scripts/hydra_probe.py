@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scaling import HELDOUT_FRACTION, model_and_data, shared_features  # noqa: E402
 
 from engine.drafters.medusa import MedusaHeads, pending_inputs  # noqa: E402
-from trainer.medusa import MedusaTrainConfig  # noqa: E402
+from trainer.medusa.train import MedusaTrainConfig  # noqa: E402
 from trainer.selfdistill import split_heldout  # noqa: E402
 from trainer.train import TrainConfig  # noqa: E402
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.benchmark.bench import bench_report  # noqa: E402
 from engine.benchmark.methods import build_methods, engine_method  # noqa: E402
-from engine.benchmark.prompts import DEFAULT_PROMPTS, interleave, load_prompts  # noqa: E402
+from engine.benchmark.prompts import DEFAULT_PROMPTS, load_prompts, round_robin  # noqa: E402
 from engine.benchmark.report import category_table  # noqa: E402
 from engine.config import ModelSpec, SamplingParams  # noqa: E402
 from engine.drafters.lookup import LookupDrafter, LookupParams  # noqa: E402
@@ -39,7 +39,7 @@ def main() -> None:
 
     lm = load_model(ModelSpec(quant=args.quant))
     params = SamplingParams(max_new_tokens=128)
-    prompts = interleave(load_prompts(DEFAULT_PROMPTS), args.limit)
+    prompts = round_robin(load_prompts(DEFAULT_PROMPTS), args.limit)
 
     def table():
         methods, _ = build_methods(lm, ["hf", "vanilla"], params)

@@ -35,8 +35,8 @@ from engine.drafters.kangaroo import Adapter  # noqa: E402
 from engine.drafters.kangaroo_adapter import draft_head  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from trainer.features import encode_conversations, hidden_states  # noqa: E402
-from trainer.kangaroo import KangarooTrainConfig  # noqa: E402
-from trainer.medusa import MedusaTrainConfig  # noqa: E402
+from trainer.kangaroo.train import KangarooTrainConfig  # noqa: E402
+from trainer.medusa.train import MedusaTrainConfig  # noqa: E402
 from trainer.selfdistill import data_path, split_heldout  # noqa: E402
 from trainer.train import TrainConfig  # noqa: E402
 from trainer.vocab import draft_vocabulary  # noqa: E402

@@ -136,7 +136,7 @@ def _reference(lm, prompt: str, max_new: int) -> tuple[str, list[int]]:
 def test_models_and_a_whole_reply(client, service):
     checked.clear()
     models = client.models.list()
-    assert [m.id for m in models.data] == [service.lm.model_id]
+    assert [m.id for m in models.data] == [service.host.lm.model_id]
     reply = client.chat.completions.create(
         model=models.data[0].id, messages=[{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": PROMPT}],
@@ -228,12 +228,12 @@ def test_a_missing_or_wrong_key_is_401(server):
 def test_503_while_a_model_loads(server, service):
     from app.jobs import Job
 
-    before, service.loading = service.loading, Job("load", "some/model")
+    before, service.host.loading = service.host.loading, Job("load", "some/model")
     try:
         r = httpx.get(server[1] + "/v1/models", headers=AUTH)
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
     finally:
-        service.loading = before
+        service.host.loading = before
 
 
 def test_no_key_off_loopback_is_refused_at_start(capsys):
@@ -291,20 +291,20 @@ def test_api_and_page_replies_queue_and_both_complete(server, service):
     # the page's Send: message, system, temperature, top-p, top-k, max new tokens, acceptance
     job = page_client.submit(page_prompt, "", 0.0, 1.0, 0, 40, "auto", api_name="/send",
                              result_callbacks=[on_update])
-    while not service.busy:  # the page's reply holds the model now
+    while not service.host.busy:  # the page's reply holds the model now
         time.sleep(0.005)
     api: dict = {}
     _stream(server[1], PROMPT, 12, api)
     chat = job.result(timeout=120)[0]
-    assert chat[-1]["content"][0]["text"] == _reference(service.lm, page_prompt, 40)[0]
-    assert api["text"] == _reference(service.lm, PROMPT, 12)[0] and api.get("done")
+    assert chat[-1]["content"][0]["text"] == _reference(service.host.lm, page_prompt, 40)[0]
+    assert api["text"] == _reference(service.host.lm, PROMPT, 12)[0] and api.get("done")
     # the API's reply waited for the page's (asked while the page's held the model)
     assert api["first"] >= page["first"]
 
 
 def test_twenty_streaming_clients_each_get_their_own_text_in_order(server, service):
     prompts = [f"Say something about the number {i}." for i in range(20)]
-    expected = [_reference(service.lm, p, 6)[0] for p in prompts]
+    expected = [_reference(service.host.lm, p, 6)[0] for p in prompts]
     _stream(server[1], "warm up", 6, {})
     rss = psutil.Process().memory_info().rss
     records = [{} for _ in prompts]
@@ -333,13 +333,13 @@ def test_a_client_that_disconnects_frees_the_queue(server, service):
             seen += '"content": "' in line and '"content": ""' not in line
             if seen >= 3:
                 break  # hang up mid-reply
-        assert service.busy
+        assert service.host.busy
     hung_up = time.monotonic()
-    while service.busy and time.monotonic() - hung_up < 5:
+    while service.host.busy and time.monotonic() - hung_up < 5:
         time.sleep(0.01)
     freed = time.monotonic() - hung_up
     print(f"queue freed {freed * 1000:.0f} ms after the client hung up")
-    assert not service.busy  # the 400-token reply ended early: its client had gone
+    assert not service.host.busy  # the 400-token reply ended early: its client had gone
     record: dict = {}
     _stream(server[1], PROMPT, 4, record)
     assert record.get("done") and record["text"]
@@ -358,12 +358,12 @@ def test_a_whole_reply_whose_client_hangs_up_is_cancelled(server, service):
                       f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
         deadline = time.monotonic() + 10
-        while not service.busy and time.monotonic() < deadline:
+        while not service.host.busy and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert service.busy
+        assert service.host.busy
     hung_up = time.monotonic()
-    while service.busy and time.monotonic() - hung_up < 5:
+    while service.host.busy and time.monotonic() - hung_up < 5:
         time.sleep(0.01)
     freed = time.monotonic() - hung_up
     print(f"whole reply: queue freed {freed * 1000:.0f} ms after the client hung up")
-    assert not service.busy
+    assert not service.host.busy

@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 from app.api import ApiOptions, mount
 from app.api.schema import ApiError, parse
 from app.api.worker import END, Reply, ReplyWorker
-from app.service import Service, model_name
+from app.host import model_name
+from app.service import Service
 from app.store import Store
 from engine.chat import encode
-from engine.config import ChatMessage, Conversation, SamplingParams
+from engine.config import ChatMessage, ChatPrompt, SamplingParams
 from engine.generate import run
 from tests.conftest import make_tiny_model
 
@@ -109,7 +110,7 @@ def test_a_body_that_is_not_json_gets_an_openai_error(served):
 
 def test_the_model_answers_to_its_id_its_short_name_and_default(served):
     client, service = served
-    assert model_name(service.lm) == "tiny-chat"
+    assert model_name(service.host.lm) == "tiny-chat"
     for name in ("/models/org/tiny-chat", "tiny-chat", "default"):
         r = client.post("/v1/chat/completions", json={**ASK, "model": name})
         assert r.status_code == 200, (name, r.text)
@@ -119,7 +120,7 @@ def test_the_model_answers_to_its_id_its_short_name_and_default(served):
 
 def test_a_generation_error_is_one_openai_error_and_the_worker_survives_it(served, monkeypatch):
     client, service = served
-    real = service.complete
+    real = service.replies.complete
     failures = iter([RuntimeError("boom\ntrace"), RuntimeError("bang")])
 
     def failing(*args):
@@ -128,7 +129,7 @@ def test_a_generation_error_is_one_openai_error_and_the_worker_survives_it(serve
             raise exc
         yield from real(*args)
 
-    monkeypatch.setattr(service, "complete", failing)
+    monkeypatch.setattr(service.replies, "complete", failing)
     r = client.post("/v1/chat/completions", json=ASK)  # a whole reply
     assert r.status_code == 500
     assert r.json()["error"] == {"message": "RuntimeError: boom", "type": "server_error",
@@ -169,7 +170,7 @@ def test_loopback_without_a_key_serves_whole_and_streamed_replies(app):
     client = TestClient(app)
     body = {"model": "tiny-llama-mha", "temperature": 0, "max_tokens": 8, "accel": "off",
             "messages": [USER]}
-    ids = encode(lm.tokenizer, Conversation((ChatMessage("user", "hi"),)))
+    ids = encode(lm.tokenizer, ChatPrompt((ChatMessage("user", "hi"),)))
     text, tokens, _stats = run(lm, ids, SamplingParams(max_new_tokens=8))
     whole = client.post("/v1/chat/completions", json=body).json()
     assert whole["choices"][0]["message"]["content"] == text

@@ -16,7 +16,7 @@ from engine.benchmark import runner as runner_mod
 from engine.benchmark.bench import bench_report
 from engine.benchmark.methods import (
     METHOD_CHOICES,
-    Method,
+    Contender,
     Outcome,
     StepRecorder,
     build_methods,
@@ -26,8 +26,8 @@ from engine.benchmark.methods import (
 from engine.benchmark.prompts import (
     DEFAULT_PROMPTS,
     BenchPrompt,
-    interleave,
     load_prompts,
+    round_robin,
 )
 from engine.benchmark.report import summarize, to_markdown, write_report
 from engine.benchmark.runner import Measurement
@@ -85,6 +85,7 @@ def test_plain_text_prompts(tmp_path):
 @pytest.mark.parametrize("content, message", [
     (None, "not found"),
     ("\n  \n", "holds no prompts"),
+    ('{"prompt": "a"}\n{"turns": ["b", "c"]}\n', "prompt 2 has several \"turns\""),
     ('{"prompt": "a"}\n{"prompt": \n', "line 2: not valid JSON"),
     ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: no \"prompt\""),
     ('{"prompt": "a"}\n["b"]\n', "line 2: expected a JSON object"),
@@ -116,13 +117,13 @@ def test_bundled_prompt_set():
     assert all(p.history for p in prompts if p.category == "chat")
 
 
-def test_interleave_takes_categories_in_turn():
+def test_round_robin_takes_categories_in_turn():
     prompts = [BenchPrompt(f"{c}{i}", c) for c in "abc" for i in range(3)]
-    assert [p.prompt for p in interleave(prompts)] == \
+    assert [p.prompt for p in round_robin(prompts)] == \
         ["a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2"]
-    assert [p.prompt for p in interleave(prompts, limit=4)] == ["a0", "b0", "c0", "a1"]
+    assert [p.prompt for p in round_robin(prompts, limit=4)] == ["a0", "b0", "c0", "a1"]
     with pytest.raises(QuickdraftError, match="--limit"):
-        interleave(prompts, limit=0)
+        round_robin(prompts, limit=0)
 
 
 # ---- the method table --------------------------------------------------------------------
@@ -245,14 +246,14 @@ class SlowDrafter(Drafter):
         return super().propose(state)
 
 
-def _corrupted(method: Method) -> Method:
+def _corrupted(method: Contender) -> Contender:
     """The same method with its last token changed: a greedy mismatch to be reported."""
 
     def generate(prompt_ids):
         out = method.generate(prompt_ids)
         return Outcome([*out.ids[:-1], out.ids[-1] + 1], out.ttft_s, out.accepted)
 
-    return Method("corrupt", generate)
+    return Contender("corrupt", generate)
 
 
 def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, tmp_path,

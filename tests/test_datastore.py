@@ -117,10 +117,10 @@ def test_chats_on_a_topic_make_the_next_one_draft_more(bundled_tokenizer, tmp_pa
 
     def ask(prompt):
         conv = service.store.new()
-        return list(service.chat(ReplyRequest(conv.id, greedy, "datastore"), prompt))[-1]
+        return list(service.replies.chat(ReplyRequest(conv.id, greedy, "datastore"), prompt))[-1]
 
     before = ask("Tell me about the rivers of France.").stats
-    assert service.datastore.tokens > 0  # learnt when the reply finished
+    assert service.accels.datastore.tokens > 0  # learnt when the reply finished
     assert store_file(lm).is_file()
     # (a tiny random model's replies share text only where its prompts do: the same
     # question again, in new chats)
@@ -130,7 +130,7 @@ def test_chats_on_a_topic_make_the_next_one_draft_more(bundled_tokenizer, tmp_pa
     assert after.mean_accepted > before.mean_accepted
     assert after.datastore_accepted > 0
 
-    service.remember(learn_from_chats=False)  # the same switch as training on chats
-    tokens = service.datastore.tokens
+    service.store.remember(learn_from_chats=False)  # the same switch as training on chats
+    tokens = service.accels.datastore.tokens
     ask("Tell me about the rivers of Poland.")
-    assert service.datastore.tokens == tokens
+    assert service.accels.datastore.tokens == tokens

@@ -269,7 +269,7 @@ def test_models_tab_load_reports_the_conversion(tiny_files, tmp_path, monkeypatc
 
     monkeypatch.setattr(qd_gguf, "cache_dir", lambda: tmp_path / "cache")
     service = Service(Store(tmp_path / "data"))
-    job = service.start_load(ModelSpec(str(tiny_files[0]), "fp32"))
+    job = service.host.start_load(ModelSpec(str(tiny_files[0]), "fp32"))
     seen = []
     while job.running:
         if job.progress is not None and job.progress.message not in seen:
@@ -277,8 +277,8 @@ def test_models_tab_load_reports_the_conversion(tiny_files, tmp_path, monkeypatc
         time.sleep(0.01)
     assert job.state == "done", job.error
     assert any("first time only" in m for m in seen)
-    assert service.lm.model_id == str(tiny_files[0].resolve())
-    assert service.settings().model == str(tiny_files[0])
+    assert service.host.lm.model_id == str(tiny_files[0].resolve())
+    assert service.store.load_settings().model == str(tiny_files[0])
 
 
 def test_gguf_file_flag_joins_repo_and_file():

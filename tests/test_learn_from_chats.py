@@ -24,8 +24,8 @@ from engine.drafters.medusa import MedusaHeads, MedusaSettings, heads_from_tenso
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
-from trainer.kangaroo import KangarooTrainConfig
 from trainer.kangaroo.calibrate import KangarooCalibration
+from trainer.kangaroo.train import KangarooTrainConfig
 from trainer.medusa.calibrate import CalibrationConfig
 from trainer.medusa.train import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
@@ -95,8 +95,8 @@ def _chat_with(service: Service, prompt: str, fingerprint: str | None = None) ->
     from app.replies import ReplyRequest
 
     conv = service.store.new()
-    list(service.chat(ReplyRequest(conv.id, SamplingParams(temperature=0.0, max_new_tokens=6)),
-                      prompt))
+    ask = ReplyRequest(conv.id, SamplingParams(temperature=0.0, max_new_tokens=6))
+    list(service.replies.chat(ask, prompt))
     if fingerprint:  # as if another model had written it
         conv = service.store.get(conv.id)
         conv.messages[-1]["model"] = fingerprint
@@ -125,7 +125,7 @@ def test_chats_with_this_model_reach_training_unless_turned_off(lm, monkeypatch)
     rain = next(c for c in service.store.list() if c.title == "Tell me about rain")
     assert rain.messages[-1]["model"] == lm.fingerprint  # the reply says who wrote it
     for use in (True, False):
-        job = service.start_training(TrainOptions("medusa"), learn_from_chats=use)
+        job = service.training.start(TrainOptions("medusa"), learn_from_chats=use)
         assert job.wait(30) and job.state == "done", job.error
     with_chats, without = captured.options
     assert [c[0]["content"] for c in with_chats.chats] == ["Tell me about rain"]
@@ -256,7 +256,7 @@ def test_a_continued_run_starts_from_the_old_heads_and_learns_the_chats(lm, monk
     messages = []
     with monkeypatch.context() as patch:
         patch.setattr(medusa_train, "train_module", record_start)
-        patch.setattr(importlib.import_module("trainer.medusa"), "train", record_split)
+        patch.setattr(importlib.import_module("trainer.medusa.train"), "train", record_split)
         second = train_accelerator(
             lm, dataclasses.replace(brief, chats=tuple(learn), continue_training=True),
             lambda p: messages.append(p.message))
@@ -335,7 +335,7 @@ def test_the_train_tab_says_chats_are_used_and_retrain_continues(lm, monkeypatch
     service = Service(Store(), lm)
     _chat_with(service, "Tell me about rain")
     asked = []
-    monkeypatch.setattr(service, "start_training",
+    monkeypatch.setattr(service.training, "start",
                         lambda options, learn_from_chats: asked.append((options,
                                                                          learn_from_chats)))
     monkeypatch.setattr("app.ui.train.readout.job_html", lambda job: "")

@@ -11,7 +11,7 @@ import torch
 from stats_util import chi_square_pvalue
 from test_family_matrix import family_model
 
-from trainer.sampler import Job, SamplerConfig, answers, supports_refill
+from trainer.sampler import AnswerJob, SamplerConfig, answers, supports_refill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,18 +27,18 @@ def alone(lm, prompt: list[int], max_new: int) -> list[int]:
     return next((answer[:i] for i, t in enumerate(answer) if t in lm.eos_ids), answer)
 
 
-def jobs(n: int, greedy: bool = True) -> list[Job]:
+def jobs(n: int, greedy: bool = True) -> list[AnswerJob]:
     """Prompts of different lengths and answer caps, so rows finish at different steps
     and refills join rows of different widths."""
     g = torch.Generator().manual_seed(1)
     out = []
     for i in range(n):
         prompt = torch.randint(5, 95, (3 + (i * 7) % 23,), generator=g).tolist()
-        out.append(Job(prompt, greedy, 4 + (i * 5) % 13, tag=i))
+        out.append(AnswerJob(prompt, greedy, 4 + (i * 5) % 13, tag=i))
     return out
 
 
-def run_all(lm, todo: list[Job], batch: int, temperature: float = 0.7, seed: int = 0):
+def run_all(lm, todo: list[AnswerJob], batch: int, temperature: float = 0.7, seed: int = 0):
     gen = torch.Generator(device=lm.device).manual_seed(seed)
     config = SamplerConfig(batch_size=batch, temperature=temperature)
     return {job.tag: answer for job, answer in answers(lm, deque(todo), config, gen,
@@ -80,8 +80,8 @@ def test_sampled_rows_draw_from_the_model_distribution(bundled_tokenizer):
     temperature = 1.5  # flatter than the random model's own peaks: many outcomes
     prompt = [11, 12, 13, 14, 15]
     n = 600
-    todo = [Job(prompt, False, 2, tag=("s", i)) for i in range(n)]
-    todo += [Job(j.prompt, True, j.max_new, tag=("g", j.tag)) for j in jobs(30)]
+    todo = [AnswerJob(prompt, False, 2, tag=("s", i)) for i in range(n)]
+    todo += [AnswerJob(j.prompt, True, j.max_new, tag=("g", j.tag)) for j in jobs(30)]
     order = [todo[i] for i in torch.randperm(len(todo), generator=torch.Generator().manual_seed(0))]
     got = run_all(lm, order, batch=16, temperature=temperature)
     with torch.no_grad():

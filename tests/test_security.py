@@ -87,8 +87,9 @@ def service(server):
 def generations(service, monkeypatch):
     """Counts the replies the API starts."""
     calls = []
-    real = service.complete
-    monkeypatch.setattr(service, "complete", lambda *a, **k: calls.append(a) or real(*a, **k))
+    replies = service.replies
+    real = replies.complete
+    monkeypatch.setattr(replies, "complete", lambda *a, **k: calls.append(a) or real(*a, **k))
     return calls
 
 
@@ -141,15 +142,15 @@ def test_rebinding_load_with_remote_code_is_refused_and_runs_nothing(url, servic
 
 def test_a_correct_host_cannot_switch_remote_code_on_either(url, service, tmp_path):
     folder, marker = _evil_folder(tmp_path)
-    before = service.lm.model_id
+    before = service.host.lm.model_id
     for data in ([str(folder), "auto", True], [str(folder), "auto"]):
         r = _call(url, "load", data)
         if r.status_code == 200:
             _result(url, "load", r.json()["event_id"])
-        while service.loading is not None and service.loading.running:
+        while service.host.loading is not None and service.host.loading.running:
             time.sleep(0.05)
         assert not marker.exists()
-    assert service.lm.model_id == before  # the bundled model still serves
+    assert service.host.lm.model_id == before  # the bundled model still serves
 
 
 def test_the_load_event_takes_no_trust_input(url):
@@ -254,10 +255,10 @@ def test_the_app_starts_with_bad_settings(tmp_path, monkeypatch, bundled_tokeniz
     (tmp_path / "settings.json").write_text(json.dumps(BAD_SETTINGS))
     specs = []
     tiny = make_tiny_model("llama-mha", bundled_tokenizer)
-    monkeypatch.setattr(service_module, "load_model", lambda spec, report=None:
+    monkeypatch.setattr("app.host.load_model", lambda spec, report=None:
                         specs.append(spec) or tiny)
     opened = service_module.Service.open(Store(tmp_path))
-    assert opened.lm is tiny and specs[0].quant == "auto"
+    assert opened.host.lm is tiny and specs[0].quant == "auto"
 
 
 def test_the_folder_is_synced_after_the_rename(tmp_path, monkeypatch):
@@ -311,7 +312,7 @@ def test_a_streamed_body_is_counted(url, generations):
 
 def test_a_long_prompt_is_refused_before_tokenizing(url, service, generations, monkeypatch):
     encoded = []
-    tokenizer = service.lm.tokenizer
+    tokenizer = service.host.lm.tokenizer
     monkeypatch.setattr(tokenizer, "apply_chat_template",
                         lambda *a, **k: encoded.append(1) or type(tokenizer).apply_chat_template(
                             tokenizer, *a, **k))
@@ -387,11 +388,10 @@ def test_the_api_is_routed_before_the_port_opens(monkeypatch, tmp_path, bundled_
     """The /v1 routes are on the app gradio serves when it starts serving it."""
     import gradio as gr
 
-    from app import service as service_module
     from tests.conftest import make_tiny_model
 
     tiny = make_tiny_model("llama-mha", bundled_tokenizer)
-    monkeypatch.setattr(service_module, "load_model", lambda spec, report=None: tiny)
+    monkeypatch.setattr("app.host.load_model", lambda spec, report=None: tiny)
     seen = {}
 
     def fake_launch(self, **kwargs):

@@ -153,8 +153,8 @@ def test_the_page_refuses_a_prompt_that_cannot_fit(tmp_path, bundled_tokenizer, 
     service = Service(Store(tmp_path), make_tiny_model("llama-mha", bundled_tokenizer))
     with gr.Blocks():
         tab = ChatTab(service)
-    monkeypatch.setattr(service, "chat", lambda *a: pytest.fail("the reply started"))
-    huge = "word " * (4 * service.lm.context_len)
+    monkeypatch.setattr(service.replies, "chat", lambda *a: pytest.fail("the reply started"))
+    huge = "word " * (4 * service.host.lm.context_len)
     updates = list(tab.send(huge, "", "", 0.7, 1.0, 0, 6, "auto", "off", None))
     assert "characters" in str(updates[-1][tab.readout])
 
@@ -165,13 +165,14 @@ def test_only_the_start_up_model_may_run_its_code(tmp_path, bundled_tokenizer, m
 
     specs = []
     tiny = make_tiny_model("llama-mha", bundled_tokenizer)
-    monkeypatch.setattr(service_module, "load_model", lambda spec, report=None:
+    monkeypatch.setattr("app.host.load_model", lambda spec, report=None:
                         specs.append(spec) or tiny)
+    monkeypatch.setattr("app.catalog.fetch_if_needed", lambda spec, report: None)  # no hub
     opened = service_module.Service.open(Store(tmp_path),
                                          ModelSpec("my/model", trust_remote_code=True))
-    assert specs[-1].trust_remote_code and opened.trusted == "my/model"
+    assert specs[-1].trust_remote_code and opened.host.trusted == "my/model"
     for source, trusted in (("other/model", False), ("my/model", True)):
-        job = opened.start_load(ModelSpec(source, trust_remote_code=True))
+        job = opened.host.start_load(ModelSpec(source, trust_remote_code=True))
         while job.running:
             time.sleep(0.01)
         assert specs[-1].source == source and specs[-1].trust_remote_code is trusted

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.errors import QuickdraftError
+from engine.prompt_files import PromptRecord, read_prompt_file
 from tests.conftest import make_tiny_model
 from trainer import answering
 from trainer.features import conversation_tokens
@@ -20,7 +21,6 @@ from trainer.selfdistill import (
     build_seeds,
     generate_data,
     load_conversations,
-    read_prompt_file,
     split_heldout,
 )
 
@@ -66,33 +66,36 @@ def test_prompt_files_in_jsonl_and_plain_text(tmp_path):
     jsonl.write_text(
         '{"prompt": "Name a colour.", "category": "qa"}\n\n{"turns": ["Hi", "And then?"]}\n'
     )
-    assert read_prompt_file(jsonl) == [
-        {"turns": ["Name a colour."], "category": "qa"},
-        {"turns": ["Hi", "And then?"], "category": "user"},
+    assert read_prompt_file(jsonl, "user") == [
+        PromptRecord(("Name a colour.",), "qa"),
+        PromptRecord(("Hi", "And then?"), "user"),
     ]
     text = tmp_path / "p.txt"
     text.write_text("First prompt\n\nSecond prompt\n")
-    assert [r["turns"] for r in read_prompt_file(text)] == [["First prompt"], ["Second prompt"]]
+    assert [r.turns for r in read_prompt_file(text, "user")] == [("First prompt",),
+                                                                 ("Second prompt",)]
 
 
 @pytest.mark.parametrize(
     "content, words",
     [
         ('{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
-        ('{"text": "no prompt key"}\n', 'line 1: expected {"prompt"'),
-        ("\n\n", "has no prompts"),
+        ('{"text": "no prompt key"}\n', 'line 1: no "prompt"'),
+        ('{"turns": ["a"]}\n[1, 2]\n', "line 2: expected a JSON object"),  # not an object
+        ("\n\n", "holds no prompts"),
     ],
 )
 def test_bad_prompt_files_get_one_clear_line(tmp_path, content, words):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    with pytest.raises(QuickdraftError, match=words):
-        read_prompt_file(path)
+    with pytest.raises(QuickdraftError, match=words) as err:
+        read_prompt_file(path, "user")
+    assert "\n" not in str(err.value)
 
 
 def test_missing_prompt_file(tmp_path):
-    with pytest.raises(QuickdraftError, match="cannot read the prompts file"):
-        read_prompt_file(tmp_path / "nope.txt")
+    with pytest.raises(QuickdraftError, match="prompt file not found"):
+        read_prompt_file(tmp_path / "nope.txt", "user")
 
 
 def test_generation_writes_conversations_with_the_models_answers(lm, tmp_path):
@@ -197,3 +200,11 @@ def test_the_budget_includes_what_the_features_will_cost(lm, tmp_path):
     fresh = tmp_path / "fresh.jsonl"
     half = dataclasses.replace(budget, prep_s_per_token=1200 / tokens)
     assert 1 <= generate_data(lm, fresh, None, half, lambda p: None)["new"] <= 9
+
+
+def test_a_line_with_history_seeds_its_user_turns_in_order(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "And then?", "history": [{"role": "user", "content": "Hi"}, '
+                    '{"role": "assistant", "content": "Hello"}]}\n')
+    seeds = build_seeds([path], DataBudget(samples_per_seed=1))
+    assert [s.turns for s in seeds if "And then?" in s.turns] == [("Hi", "And then?")]

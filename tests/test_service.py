@@ -41,7 +41,7 @@ def _ask(conv_id, params=GREEDY, method="off", **kw) -> ReplyRequest:
 
 
 def _reply(service, conv_id, prompt, params=GREEDY, method="off"):
-    return list(service.chat(_ask(conv_id, params, method), prompt))[-1]
+    return list(service.replies.chat(_ask(conv_id, params, method), prompt))[-1]
 
 
 def _reference(lm, prompt, history=(), params=GREEDY) -> str:
@@ -53,7 +53,7 @@ def test_reply_streams_and_is_saved(service, tiny, monkeypatch):
     ticks = itertools.count()  # injected timings: each clock reading is one second later
     monkeypatch.setattr(generate_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     conv = service.store.new()
-    updates = list(service.chat(_ask(conv.id), "Tell me about rain"))
+    updates = list(service.replies.chat(_ask(conv.id), "Tell me about rain"))
     last = updates[-1]
     assert last.done and not any(u.done for u in updates[:-1])
     assert len(updates) > 2  # streamed, one update per model step
@@ -73,7 +73,7 @@ def test_reply_streams_and_is_saved(service, tiny, monkeypatch):
 def test_empty_prompt_is_refused_before_anything_is_saved(service):
     conv = service.store.new()
     with pytest.raises(PromptError):
-        service.chat(_ask(conv.id), "   ")
+        service.replies.chat(_ask(conv.id), "   ")
     assert service.store.get(conv.id).messages == []
 
 
@@ -81,10 +81,10 @@ def test_stop_keeps_the_partial_reply(service):
     conv = service.store.new()
     long = SamplingParams(temperature=0.0, max_new_tokens=400)
     seen = []
-    for update in service.chat(_ask(conv.id, long), "Write a long story"):
+    for update in service.replies.chat(_ask(conv.id, long), "Write a long story"):
         seen.append(update.conversation.messages[-1]["content"])
         if len(seen) == 4:
-            service.stop()
+            service.replies.stop()
     assert update.done and update.stats.stop_reason == "cancelled"
     assert 0 < update.tokens < 400
     saved = service.store.get(conv.id).messages
@@ -97,11 +97,11 @@ def test_stop_keeps_the_partial_reply(service):
 
 def test_consumer_leaving_mid_reply_saves_and_frees_the_model(service):
     conv = service.store.new()
-    stream = service.chat(_ask(conv.id, SamplingParams(max_new_tokens=200)), "hello")
+    stream = service.replies.chat(_ask(conv.id, SamplingParams(max_new_tokens=200)), "hello")
     for _ in range(3):
         partial = next(stream).conversation.messages[-1]["content"]
     stream.close()  # the browser tab went away
-    assert not service.busy
+    assert not service.host.busy
     assert service.store.get(conv.id).messages[-1]["content"] == partial
 
 
@@ -113,14 +113,14 @@ def test_two_requests_run_one_after_the_other(service, tiny):
     first_started = threading.Event()
 
     def client(name, prompt):
-        for update in service.chat(_ask(conv.id), prompt):
+        for update in service.replies.chat(_ask(conv.id), prompt):
             log.append((name, update.done))
             first_started.set()
 
     a = threading.Thread(target=client, args=("a", "first question"))
     a.start()
     first_started.wait(60)
-    assert service.busy
+    assert service.host.busy
     b = threading.Thread(target=client, args=("b", "second question"))
     b.start()
     a.join(60)
@@ -138,21 +138,21 @@ def test_regenerate_replaces_the_last_reply(service):
     conv = service.store.new()
     _reply(service, conv.id, "hi")
     sampled = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
-    last = list(service.regenerate(_ask(conv.id, sampled, system="be kind")))[-1]
+    last = list(service.replies.regenerate(_ask(conv.id, sampled, system="be kind")))[-1]
     messages = service.store.get(conv.id).messages
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert messages[-1]["content"] == last.conversation.messages[-1]["content"]
     assert service.store.get(conv.id).system == "be kind"
     empty = service.store.new()
     with pytest.raises(StoreError, match="nothing to regenerate"):
-        list(service.regenerate(_ask(empty.id)))
+        list(service.replies.regenerate(_ask(empty.id)))
 
 
 def test_switching_acceleration_untrained_offers_training(service):
-    off = service.accel_status("off")
+    off = service.accels.status("off")
     assert off.ready and not off.train_needed
     for method in ("medusa", "kangaroo"):
-        status = service.accel_status(method)
+        status = service.accels.status(method)
         assert not status.ready and status.train_needed
         assert "not trained" in status.message
     # a reply asked for with an untrained method still comes, unaccelerated, and says so
@@ -161,15 +161,15 @@ def test_switching_acceleration_untrained_offers_training(service):
     assert last.method == "off" and any("plain decoding" in n for n in last.notices)
     assert service.store.get(conv.id).messages[-1]["accel"] == "off"
     with pytest.raises(QuickdraftError, match="unknown acceleration"):
-        service.accel_status("warp")
+        service.accels.status("warp")
 
 
 def test_auto_is_the_default_and_the_reply_names_the_method_it_used(service, tiny):
-    assert service.settings().accel == "auto"
-    status = service.accel_status("auto")
+    assert service.store.load_settings().accel == "auto"
+    status = service.accels.status("auto")
     assert status.ready and "else drafts with Off" in status.message
     assert "Train an accelerator" in status.message
-    hybrid = service.accel_status("medusa+lookup")  # needs trained Medusa heads
+    hybrid = service.accels.status("medusa+lookup")  # needs trained Medusa heads
     assert not hybrid.ready and hybrid.train_needed
     conv = service.store.new()
     last = _reply(service, conv.id, "Tell me about rain", method="auto")
@@ -186,7 +186,7 @@ def test_accelerator_for_another_model_is_refused_cleanly(service, tiny):
     (folder / "drafter.json").write_text(json.dumps(
         {"kind": "medusa", "version": 1, "fingerprint": "someone-else", "base_model_id": "x"}))
     try:
-        status = service.accel_status("medusa")
+        status = service.accels.status("medusa")
         assert not status.ready and status.train_needed
         assert "another model" in status.message
     finally:
@@ -197,10 +197,10 @@ def test_accelerator_for_another_model_is_refused_cleanly(service, tiny):
 def test_compare_needs_a_trained_method(service):
     conv = service.store.new()
     with pytest.raises(QuickdraftError, match="choose an acceleration method"):
-        list(service.compare(_ask(conv.id, method="off")))
+        list(service.replies.compare(_ask(conv.id, method="off")))
     with pytest.raises(AcceleratorError, match="not trained"):
-        list(service.compare(_ask(conv.id, method="medusa")))
-    assert not service.busy
+        list(service.replies.compare(_ask(conv.id, method="medusa")))
+    assert not service.host.busy
 
 
 def test_bad_model_leaves_the_old_one_working(service, tiny, tmp_path):
@@ -210,26 +210,26 @@ def test_bad_model_leaves_the_old_one_working(service, tiny, tmp_path):
     (empty / "config.json").write_text("{}")
     for source in (str(tmp_path / "missing"), str(empty), "not a model"):
         with pytest.raises(ModelLoadError):
-            service.load_model(ModelSpec(source=source))
-        assert service.lm is tiny
-    job = service.start_load(ModelSpec(source=str(tmp_path / "missing")))
+            service.host.load_model(ModelSpec(source=source))
+        assert service.host.lm is tiny
+    job = service.host.start_load(ModelSpec(source=str(tmp_path / "missing")))
     assert job.wait(60) and job.state == "failed" and "not found" in job.error
-    assert service.lm is tiny
+    assert service.host.lm is tiny
     assert _reply(service, conv.id, "still there?").stats.tokens > 0
-    assert service.settings().model == "default"  # a failed load is not remembered
+    assert service.store.load_settings().model == "default"  # a failed load is not remembered
 
 
 def test_loading_a_model_swaps_it_and_remembers_it(service, tiny, tmp_path):
     folder = tmp_path / "tiny-folder"
     tiny.model.save_pretrained(folder)
     tiny.tokenizer.save_pretrained(folder)
-    job = service.start_load(ModelSpec(source=str(folder), quant="fp32"))
+    job = service.host.start_load(ModelSpec(source=str(folder), quant="fp32"))
     assert job.wait(120) and job.state == "done", job.error
-    assert service.lm is not tiny and service.lm.fingerprint == tiny.fingerprint
+    assert service.host.lm is not tiny and service.host.lm.fingerprint == tiny.fingerprint
     assert job.progress.stage == "done"
-    assert service.settings().model == str(folder)
+    assert service.store.load_settings().model == str(folder)
     reopened = Service.open(service.store)  # the next launch loads the last model used
-    assert reopened.lm.model_id == service.lm.model_id
+    assert reopened.host.lm.model_id == service.host.lm.model_id
 
 
 def test_stop_only_ends_the_reply_of_the_session_that_asked(service):
@@ -238,10 +238,10 @@ def test_stop_only_ends_the_reply_of_the_session_that_asked(service):
 
     def reply_with_stop_from(session):
         updates = []
-        for update in service.chat(ask, "hello"):
+        for update in service.replies.chat(ask, "hello"):
             updates.append(update)
             if len(updates) == 3:
-                service.stop(session)
+                service.replies.stop(session)
         return updates[-1].stats.stop_reason
 
     assert reply_with_stop_from("tab-b") == "length"  # another browser tab's Stop
@@ -260,16 +260,53 @@ def _untrained_medusa(lm, num_heads: int = 2) -> None:
                     {"speedup": 1.25, "pays": True})
 
 
+def test_stored_accelerators_are_read_again_only_when_a_checkpoint_changes(service, tiny,
+                                                                          monkeypatch):
+    import app.drafting as drafting
+
+    reads = []
+    real = drafting.describe
+    monkeypatch.setattr(drafting, "describe", lambda lm, m: reads.append(m) or real(lm, m))
+    for _ in range(3):
+        assert not service.accels.status("medusa").ready
+    assert reads == ["medusa"]  # read once, kept while nothing changes
+    _untrained_medusa(tiny)  # a training run saves its checkpoint
+    try:
+        assert service.accels.status("medusa").ready and reads == ["medusa", "medusa"]
+        medusa, auto = service.accels.drafter("medusa"), service.accels.drafter("auto")
+        assert service.accels.drafter("medusa") is medusa  # kept while nothing changes
+        _untrained_medusa(tiny)  # retrained: the drafters that load it are rebuilt
+        assert service.accels.drafter("medusa") is not medusa
+        assert service.accels.drafter("auto") is not auto  # Auto composes Medusa
+    finally:
+        shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
+    assert not service.accels.status("medusa").ready  # removed: untrained again
+
+
+def test_a_stored_accelerator_that_does_not_pay_says_so(service, tiny):
+    from engine.accelerators import save_checkpoint
+    from engine.drafters.medusa import MedusaHeads, MedusaSettings
+
+    heads = MedusaHeads(int(tiny.model.config.hidden_size), MedusaSettings(2))
+    save_checkpoint(tiny, "medusa", heads.tensors(), {**heads.settings.to_json(), "tree": []},
+                    {"speedup": 1.0})  # calibration found no tree faster than plain decoding
+    try:
+        status = service.accels.status("medusa")
+        assert status.ready and "Off may be faster" in status.message
+    finally:
+        shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
+
+
 def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny):
     _untrained_medusa(tiny)
     try:
-        status = service.accel_status("medusa")
+        status = service.accels.status("medusa")
         assert status.ready and "1.25×" in status.message
         conv = service.store.new()
         last = _reply(service, conv.id, "Tell me about rain", method="medusa")
         assert last.method == "medusa" and not last.notices
         assert last.conversation.messages[-1]["content"] == _reference(tiny, "Tell me about rain")
-        results = list(service.compare(_ask(conv.id, method="medusa")))
+        results = list(service.replies.compare(_ask(conv.id, method="medusa")))
         assert results[0].on is None and results[0].off is not None  # Off reported first
         final = results[-1]
         assert final.prompt == "Tell me about rain"
@@ -322,30 +359,30 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, seed=1)
     service = Service(Store(), lm)
 
-    first = service.start_training(_fast_training(24))
+    first = service.training.start(_fast_training(24))
     with pytest.raises(QuickdraftError, match="already in progress"):
-        service.start_training(_fast_training(24))
+        service.training.start(_fast_training(24))
     # Cancel once the first conversation is written (answers under way are dropped).
     while first.running and not (first.progress and first.progress.stage == "data"
                                  and first.progress.done > 0):
         first.wait(0.05)
-    service.cancel_training()
+    service.training.cancel()
     assert first.wait(120) and first.state == "cancelled" and first.result.cancelled
     kept = data_path(lm).read_text().splitlines()
     assert 0 < len(kept) < 24
-    assert not service.accel_status("medusa").ready
+    assert not service.accels.status("medusa").ready
 
-    second = service.start_training(_fast_training(24))
+    second = service.training.start(_fast_training(24))
     assert second.wait(300), "training did not finish"
     assert second.state == "done", second.error
     assert data_path(lm).read_text().splitlines()[: len(kept)] == kept  # resumed, not redone
     assert second.result.data["new"] == 24 - len(kept)
     assert second.result.data["conversations"] == 24
     assert second.history and "loss" in str(second.history[-1])  # live figures for the plots
-    assert service.accel_status("medusa").ready  # usable from the selector right away
-    assert service.settings().accel == "auto"  # which now has Medusa to choose from
+    assert service.accels.status("medusa").ready  # usable from the selector right away
+    assert service.store.load_settings().accel == "auto"  # which now has Medusa to choose from
     assert load_drafter(lm, "medusa").pays  # the tree calibration was made to keep
-    assert "Medusa+lookup" in service.accel_status("auto").message
+    assert "Medusa+lookup" in service.accels.status("auto").message
     conv = service.store.new()
     reply = _reply(service, conv.id, "hi", method="medusa")
     assert reply.method == "medusa" and sum(reply.stats.drafted) > 0
@@ -417,9 +454,41 @@ def test_hub_model_is_downloaded_with_progress_then_loaded(service, tiny, tmp_pa
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
     reports = []
-    lm = service.load_model(ModelSpec(source="org/tiny", quant="fp32"), reports.append)
+    lm = service.host.load_model(ModelSpec(source="org/tiny", quant="fp32"), reports.append)
     assert cached == ["org/tiny"]  # downloaded once, then loaded from the cache
     assert [(p.stage, p.fraction) for p in reports] == [
         ("download", 0.5), ("download", 1.0), ("load", 0.0), ("done", 1.0)]
-    assert service.lm is lm and lm.model_id == "org/tiny"
-    assert service.settings().model == "org/tiny"
+    assert service.host.lm is lm and lm.model_id == "org/tiny"
+    assert service.store.load_settings().model == "org/tiny"
+
+
+def test_a_failed_download_says_why_in_one_line_and_is_not_tried_again(service, tiny,
+                                                                      monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    tries = []
+
+    def failing_snapshot_download(repo_id, revision=None, allow_patterns=None,
+                                  local_files_only=False, tqdm_class=None):
+        if local_files_only:
+            raise LocalEntryNotFoundError("not in the cache")
+        tries.append(repo_id)
+        raise ConnectionError("connection reset by peer\nretry later")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", failing_snapshot_download)
+    with pytest.raises(ModelLoadError, match="could not download org/tiny: ConnectionError") \
+            as err:
+        service.host.load_model(ModelSpec(source="org/tiny", quant="fp32"))
+    assert "\n" not in str(err.value) and tries == ["org/tiny"]  # once, not again by loading
+    assert service.host.lm is tiny  # the old model stays
+
+
+def test_the_app_takes_the_model_flags_every_command_takes(monkeypatch):
+    from app.cli import main as cli_main
+
+    got = []
+    monkeypatch.setattr("app.ui.launch.launch", lambda options, block=True: got.append(options))
+    assert cli_main(["serve", "--model", "org/repo", "--gguf-file", "m.gguf", "--quant", "int8",
+                     "--device", "cpu"]) == 0
+    assert got[-1].model == ModelSpec("org/repo:m.gguf", "int8", device="cpu")
+    assert cli_main(["serve"]) == 0 and got[-1].model is None  # the last model used

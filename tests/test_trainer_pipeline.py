@@ -135,7 +135,7 @@ def test_summary_says_plainly_when_the_heads_do_not_pay():
 @pytest.mark.parametrize("method", ["medusa", "kangaroo"])
 def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, method,
                                                                         monkeypatch):
-    trainer = importlib.import_module(f"trainer.{method}")
+    trainer = importlib.import_module(f"trainer.{method}.train")
     options = _options(method=method, max_minutes=10.0)
     # Injected timings: every timed piece lasts one second on its own clock, so the figure is
     # what the division makes of it: the feature forward's tokens (4 rows of min(256, the
@@ -162,3 +162,12 @@ def test_calibration_decodes_only_the_prompts_its_time_allows():
     assert prompts_that_fit(100.0, 0.1, 3, config) == 4  # 19.2 s a prompt: all four fit
     assert prompts_that_fit(40.0, 0.1, 3, config) == 2
     assert prompts_that_fit(1.0, 0.1, 3, config) == 1  # at least one, or nothing is measured
+
+
+def test_every_trained_method_offers_what_the_pipeline_and_the_train_command_call():
+    from engine.drafters.registry import TRAINED, method
+
+    for name in TRAINED:
+        trainer = importlib.import_module(method(name).trainer)
+        for call in ("check", "prep_seconds_per_token", "reserve_s", "train", "summary_lines"):
+            assert callable(getattr(trainer, call, None)), (name, call)

@@ -28,8 +28,8 @@ def test_typical_acceptance_is_offered_beside_the_lossless_default(tab):
 @pytest.mark.parametrize("choice", ["auto", "typical"])
 def test_a_reply_samples_with_the_chosen_acceptance(tab, monkeypatch, choice):
     asked = []
-    real_chat = tab.service.chat
-    monkeypatch.setattr(tab.service, "chat", lambda ask, message: asked.append(ask) or
+    real_chat = tab.service.replies.chat
+    monkeypatch.setattr(tab.service.replies, "chat", lambda ask, message: asked.append(ask) or
                         real_chat(ask, message))
     updates = list(tab.send("Tell me about rain", "", "", 0.7, 1.0, 0, 6, choice, "off", None))
     assert asked[0].params.acceptance == choice and asked[0].params.temperature == 0.7

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.chat import encode
-from engine.config import ChatMessage, Conversation
+from engine.config import ChatMessage, ChatPrompt
 from trainer.context import answer_room, fit_prompt
 from trainer.features import conversation_tokens
-from trainer.sampler import Job, SamplerConfig, answers, rows_that_fit, supports_refill
+from trainer.sampler import AnswerJob, SamplerConfig, answers, rows_that_fit, supports_refill
 
 if TYPE_CHECKING:
     from trainer.selfdistill import DataBudget, Seed
@@ -84,10 +84,10 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
     grace = min(GRACE_SHARE * budget.max_seconds, GRACE_MAX_S)
     clock = time.perf_counter()
 
-    def job(conv: _Conversation) -> Job:
+    def job(conv: _SeedInProgress) -> AnswerJob:
         prompt = fit_prompt(lm, conv.ask_next(lm.tokenizer), answer_tokens)
         greedy = budget.temperature <= 0 or (budget.greedy_first_pass and conv.seed.sample == 0)
-        return Job(prompt, greedy, answer_tokens, conv)
+        return AnswerJob(prompt, greedy, answer_tokens, conv)
 
     def admit() -> None:
         nonlocal open_convs
@@ -97,7 +97,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
             if seed is None:
                 return
             open_convs += 1
-            queue.append(job(_Conversation(seed)))
+            queue.append(job(_SeedInProgress(seed)))
 
     def keep_going() -> bool:
         # At the budget no new turn starts, and the answers under way get a short grace to
@@ -132,7 +132,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
 
 
 @dataclass
-class _Conversation:
+class _SeedInProgress:
     """A seed being answered turn by turn."""
 
     seed: Seed
@@ -142,7 +142,7 @@ class _Conversation:
     def ask_next(self, tokenizer) -> list[int]:
         """Add the seed's next user turn; the conversation so far as the model's prompt."""
         self.messages.append({"role": "user", "content": self.seed.turns[len(self.messages) // 2]})
-        conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in self.messages))
+        conv = ChatPrompt(tuple(ChatMessage(m["role"], m["content"]) for m in self.messages))
         return encode(tokenizer, conv)
 
     def answered(self, text: str, tokens: int) -> None:
@@ -181,7 +181,7 @@ def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed,
         prompts = []
         for i in active:
             history[i].append({"role": "user", "content": batch[i].turns[turn]})
-            conv = Conversation(tuple(ChatMessage(m["role"], m["content"]) for m in history[i]))
+            conv = ChatPrompt(tuple(ChatMessage(m["role"], m["content"]) for m in history[i]))
             prompts.append(encode(lm.tokenizer, conv))
         for i, answer in zip(active, _sample(lm, prompts, batch, budget), strict=True):
             history[i].append(

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from engine import timing
+from engine.chat import render
 from engine.errors import QuickdraftError
 from engine.paths import cache_dir
 from engine.progress import Eta, Progress, ProgressFn, ignore
@@ -82,13 +83,13 @@ def encode_conversations(
     """
     all_ids, all_masks = [], []
     for messages in conversations:
-        ids = fit_sequence(lm, _template(lm.tokenizer, messages, generation_prompt=False))
+        ids = fit_sequence(lm, render(lm.tokenizer, messages, generation_prompt=False))
         mask = [False] * len(ids)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = len(_template(lm.tokenizer, messages[:i], generation_prompt=True))
-            end = len(_template(lm.tokenizer, messages[: i + 1], generation_prompt=False))
+            start = len(render(lm.tokenizer, messages[:i], generation_prompt=True))
+            end = len(render(lm.tokenizer, messages[: i + 1], generation_prompt=False))
             for j in range(start, min(end, len(ids))):
                 mask[j] = True
         all_ids.append(ids)
@@ -98,19 +99,7 @@ def encode_conversations(
 
 def conversation_tokens(lm, messages: list[dict]) -> int:
     """Tokens the features stage reads for one conversation (encode_conversations' ids)."""
-    return len(fit_sequence(lm, _template(lm.tokenizer, messages, generation_prompt=False)))
-
-
-def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
-        )
-        return list(out["input_ids"])
-    # No template (a base model): the plain transcript engine.chat.encode also uses.
-    text = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
-    text += "\nAssistant:" if generation_prompt else ""
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
+    return len(fit_sequence(lm, render(lm.tokenizer, messages, generation_prompt=False)))
 
 
 def hidden_states(
@@ -244,16 +233,7 @@ def forward_seconds_per_token(lm, rows: int = 4, width: int = 256) -> float:
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, vocab, (rows, width), generator=gen).tolist()
     _forward(lm, [batch[0][:16]], 16)
-    _sync(lm)
-    start = time.perf_counter()
-    _forward(lm, batch, width)
-    _sync(lm)
-    return (time.perf_counter() - start) / (rows * width)
-
-
-def _sync(lm) -> None:
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)
+    return timing.seconds(lm.device, _forward, lm, batch, width) / (rows * width)
 
 
 def _read_shard(path: Path, layers: list[int]) -> Features:

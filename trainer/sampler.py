@@ -33,7 +33,7 @@ PAD_SLACK = 1.3
 
 
 @dataclass(frozen=True)
-class Job:
+class AnswerJob:
     """One prompt to answer."""
 
     prompt: list[int]  # token ids, already fitted to the context with room for the answer
@@ -76,7 +76,7 @@ def supports_refill(lm) -> bool:
 class _Rows:
     """The running batch: one entry per row, finished rows included until the next refill."""
 
-    jobs: list[Job]
+    jobs: list[AnswerJob]
     answers: list[list[int]]
     alive: list[bool]
     cache: DynamicCache
@@ -86,8 +86,8 @@ class _Rows:
     finished: list[int] = field(default_factory=list)  # rows that finished this step
 
 
-def answers(lm, queue: deque[Job], config: SamplerConfig, generator: torch.Generator,
-            keep_going: Callable[[], bool]) -> Iterator[tuple[Job, list[int]]]:
+def answers(lm, queue: deque[AnswerJob], config: SamplerConfig, generator: torch.Generator,
+            keep_going: Callable[[], bool]) -> Iterator[tuple[AnswerJob, list[int]]]:
     """Answer the jobs in `queue` (the caller may push more between answers), yielding
     (job, answer ids without EOS) as each finishes. Stops when the queue and the batch
     are empty, or as soon as keep_going() says so (unfinished answers are dropped)."""
@@ -159,7 +159,7 @@ def _choose(logits: torch.Tensor, greedy: torch.Tensor, temperature: float,
     return torch.where(greedy, top, drawn)
 
 
-def _join(lm, rows: _Rows | None, new: list[Job], config: SamplerConfig,
+def _join(lm, rows: _Rows | None, new: list[AnswerJob], config: SamplerConfig,
           generator: torch.Generator) -> _Rows:
     """The running rows that are still alive followed by the `new` jobs, prefilled."""
     kept = [] if rows is None else [r for r, alive in enumerate(rows.alive) if alive]
@@ -197,10 +197,10 @@ def _join(lm, rows: _Rows | None, new: list[Job], config: SamplerConfig,
     return joined
 
 
-def _length_groups(jobs: list[Job]) -> list[list[Job]]:
+def _length_groups(jobs: list[AnswerJob]) -> list[list[AnswerJob]]:
     """Length-sorted jobs cut into prefill groups that pad little: a later turn of a long
     conversation would otherwise pad every short new prompt to its length."""
-    groups: list[list[Job]] = []
+    groups: list[list[AnswerJob]] = []
     for job in jobs:
         group = groups[-1] if groups else None
         if group and len(job.prompt) * (len(group) + 1) <= PAD_SLACK * (
@@ -211,7 +211,7 @@ def _length_groups(jobs: list[Job]) -> list[list[Job]]:
     return groups
 
 
-def _prefill(lm, jobs: list[Job]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+def _prefill(lm, jobs: list[AnswerJob]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
     """Prompts left-padded together through the model: (cache, mask, last logits)."""
     width = max(len(j.prompt) for j in jobs)
     ids = torch.zeros((len(jobs), width), dtype=torch.long)

@@ -16,13 +16,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import QuickdraftError
 from engine.paths import data_dir
 from engine.progress import Eta, Progress, ProgressFn
+from engine.prompt_files import PromptRecord, read_prompt_file
 from trainer.answering import Run, answer_seeds
 from trainer.features import conversation_tokens
 
 SEED_FILE = Path(__file__).resolve().parent.parent / "assets" / "seed_prompts.jsonl"
+SEED_CATEGORY = "user"  # for prompts whose file gives no category
 
 
 @dataclass(frozen=True)
@@ -63,61 +64,36 @@ def data_path(lm) -> Path:
     return data_dir() / "selfdistill" / lm.fingerprint / "conversations.jsonl"
 
 
-def read_prompt_file(path: Path) -> list[dict]:
-    """A user prompt file: JSONL with {"prompt"} (or {"turns"}) per line, or plain text with
-    one prompt per line. Returns seed records {"turns": [...], "category": ...}."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QuickdraftError(f"cannot read the prompts file {path}: {exc}") from exc
-    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not lines:
-        raise QuickdraftError(f"the prompts file {path} has no prompts")
-    if not lines[0][1].startswith("{"):
-        return [{"turns": [line], "category": "user"} for _n, line in lines]
-    records = []
-    for n, line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise QuickdraftError(f"{path}, line {n}: not valid JSON ({exc})") from exc
-        turns = obj.get("turns") or (
-            [obj["prompt"]] if isinstance(obj.get("prompt"), str) else None
-        )
-        if (
-            not isinstance(obj, dict)
-            or not turns
-            or not all(isinstance(t, str) and t.strip() for t in turns)
-        ):
-            raise QuickdraftError(
-                f'{path}, line {n}: expected {{"prompt": "..."}} or {{"turns": [...]}}'
-            )
-        records.append({"turns": list(turns), "category": str(obj.get("category", "user"))})
-    return records
+def _user_turns(record: PromptRecord) -> tuple[str, ...]:
+    """What the model answers for a record: a "history"'s user turns come first, answered
+    by the model itself (its own answers are what self-distillation learns from)."""
+    earlier = tuple(t["content"] for t in record.history if t["role"] == "user")
+    return earlier + record.turns
 
 
 def build_seeds(prompt_files: list[Path] | None, budget: DataBudget) -> list[Seed]:
     """All (seed, pass) pairs in generation order: pass by pass, each pass shuffled, so a
     time-limited run still covers every category."""
-    records = read_prompt_file(SEED_FILE)
+    records = read_prompt_file(SEED_FILE, SEED_CATEGORY)
     for path in prompt_files or []:
-        records += read_prompt_file(path)
+        records += read_prompt_file(path, SEED_CATEGORY)
+    turns_of = [_user_turns(r) for r in records]
     rng = random.Random(budget.seed)
     seeds: list[Seed] = []
     for sample in range(budget.samples_per_seed):
-        for i in _pass_order(records, budget.batch_size, rng):
-            turns = tuple(records[i]["turns"])
+        for i in _pass_order(turns_of, budget.batch_size, rng):
+            turns = turns_of[i]
             digest = hashlib.sha1(json.dumps(turns).encode()).hexdigest()[:12]
-            seeds.append(Seed(f"{digest}#{sample}", sample, turns, records[i]["category"]))
+            seeds.append(Seed(f"{digest}#{sample}", sample, turns, records[i].category))
     return seeds
 
 
-def _pass_order(records: list[dict], batch: int, rng: random.Random) -> list[int]:
+def _pass_order(turns_of: list[tuple[str, ...]], batch: int, rng: random.Random) -> list[int]:
     """One pass over the seeds, shuffled, in batch-sized blocks of single-turn or of
     multi-turn seeds (later turns then batch well), the multi-turn blocks spread evenly
     so that a run cut short by its time budget still has both kinds and every category."""
-    single = [i for i, r in enumerate(records) if len(r["turns"]) == 1]
-    multi = [i for i, r in enumerate(records) if len(r["turns"]) > 1]
+    single = [i for i, turns in enumerate(turns_of) if len(turns) == 1]
+    multi = [i for i, turns in enumerate(turns_of) if len(turns) > 1]
     rng.shuffle(single)
     rng.shuffle(multi)
     blocks = [single[j : j + batch] for j in range(0, len(single), batch)]

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.schema import ApiError, check_prompt_size, parse
 from app.api.worker import END, Reply, ReplyWorker
-from app.service import Service, model_name
+from app.host import model_name
+from app.service import Service
 from engine.config import SamplingParams
 from engine.errors import QuickdraftError
 from engine.loading import LoadedModel
@@ -107,12 +108,12 @@ async def _json(request: Request) -> object:
 
 def _ready(service: Service) -> LoadedModel:
     """The loaded model; 503 while one is loading (the page's Models tab swaps it)."""
-    loading = service.loading
+    loading = service.host.loading
     if loading is not None and loading.running:
         raise ApiError(503, f"a model is loading ({loading.title}): retry in a moment", None,
                        "model_loading", "service_unavailable")
     try:
-        return service.lm
+        return service.host.lm
     except QuickdraftError as exc:
         raise ApiError(503, str(exc), None, "no_model", "service_unavailable") from exc
 

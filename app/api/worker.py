@@ -57,11 +57,6 @@ class ReplyWorker:
             self._queue.put(reply)
         return reply
 
-    @property
-    def waiting(self) -> int:
-        """Replies queued behind the one running."""
-        return self._queue.qsize()
-
     def close(self) -> None:
         self._queue.put(None)
 
@@ -72,8 +67,8 @@ class ReplyWorker:
                 continue
             try:
                 req = reply.request
-                for item in self.service.complete(list(req.messages), req.system, req.params,
-                                                  req.accel, reply.cancel):
+                for item in self.service.replies.complete(list(req.messages), req.system,
+                                                          req.params, req.accel, reply.cancel):
                     reply.put(item)
             except QuickdraftError as exc:
                 reply.put(exc)

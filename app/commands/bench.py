@@ -64,7 +64,7 @@ def execute(args: argparse.Namespace, command: str) -> int:
     """Check the arguments, load, run, print the table and write the outputs."""
     from engine.benchmark.bench import bench_report
     from engine.benchmark.methods import build_methods, method_names
-    from engine.benchmark.prompts import DEFAULT_PROMPTS, interleave, load_prompts
+    from engine.benchmark.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
     from engine.benchmark.report import notes, overall_table, write_report
 
     # Everything that can be wrong with the arguments fails before the model loads.
@@ -74,7 +74,7 @@ def execute(args: argparse.Namespace, command: str) -> int:
     if args.passes < 1:
         raise QuickdraftError("--passes must be at least 1")
     prompt_file = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
-    prompts = interleave(load_prompts(prompt_file), args.limit)
+    prompts = round_robin(load_prompts(prompt_file), args.limit)
     lm = load(args)
     assistant = _load_assistant(args) if "hf-assisted" in names else None
     methods, skipped = build_methods(lm, names, params, assistant)

@@ -8,7 +8,7 @@ import sys
 
 from app.commands.common import add_model_args, load
 from engine.config import SamplingParams
-from engine.drafters.registry import ACCEL_CHOICES
+from engine.drafters.registry import ACCEL_CHOICES, load_drafter
 
 HELP = "one reply in the terminal (no --prompt: an interactive terminal chat)"
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         conversation(args.prompt)  # refuse an empty prompt before loading anything
     lm = load(args)
-    drafter = _drafter(lm, args.accel)
+    drafter = load_drafter(lm, args.accel)
     if drafter.notice:  # e.g. it does not pay in this dtype here: plain decoding
         print(f"quickdraft: {drafter.notice}", file=sys.stderr)
     if args.prompt is None:
@@ -55,12 +55,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"text": text, "token_ids": ids, "accel": used,
                           "stats": stats.to_json()}))
     return 0
-
-
-def _drafter(lm, method: str):
-    from engine.drafters.registry import load_drafter
-
-    return load_drafter(lm, method)
 
 
 def _reply(lm, drafter, params, prompt, history, system, echo: bool):

@@ -9,17 +9,20 @@ from engine.config import QUANT_CHOICES, ModelSpec
 from engine.errors import QuickdraftError
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default",
+def add_model_args(parser: argparse.ArgumentParser, start: bool = False) -> None:
+    """The model flags; `start`: the model the app starts with (default: the last one used)."""
+    parser.add_argument("--model", default=None if start else "default",
                         help="'default' (bundled SmolLM2-135M-Instruct), a local folder, a .gguf "
-                             "file, a repo id, or REPO:FILE.gguf")
+                             "file, a repo id, or REPO:FILE.gguf"
+                             + (" (default: the last one used)" if start else ""))
     parser.add_argument("--gguf-file", metavar="NAME", default=None,
                         help="with a repo id as --model: the GGUF file of that repo to use")
     parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
                         help="weights: auto picks per device (default: auto)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow code shipped with a hub model to run (off by default)")
+                        help="allow code shipped with the --model to run, for that model only "
+                             "(off by default; the page cannot switch it on)")
 
 
 def gguf_source(model: str, gguf_file: str | None) -> str:
@@ -32,7 +35,10 @@ def gguf_source(model: str, gguf_file: str | None) -> str:
     return f"{model}:{gguf_file}"
 
 
-def model_spec(args: argparse.Namespace) -> ModelSpec:
+def model_spec(args: argparse.Namespace) -> ModelSpec | None:
+    """The model the flags name; None when --model was left to its default of None."""
+    if args.model is None:
+        return None
     return ModelSpec(source=gguf_source(args.model, getattr(args, "gguf_file", None)),
                      quant=args.quant, device=args.device,
                      trust_remote_code=args.trust_remote_code)

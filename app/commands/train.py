@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 import time
 import traceback
@@ -12,7 +13,7 @@ from pathlib import Path
 from app.commands.common import add_model_args, load
 from app.jobs import one_line
 from app.store import Store
-from engine.drafters.registry import TRAINED
+from engine.drafters.registry import TRAINED, method
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
 
@@ -155,37 +156,5 @@ def summary(result) -> str:
         lines.append(
             "time: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in times.items())
         )
-    if result.method == "medusa":
-        lines += _medusa_lines(m, s)
-    elif result.method == "kangaroo":
-        from trainer.kangaroo.train import summary_lines
-
-        lines += summary_lines(m, s)
-    elif s.get("pays") is False:
-        lines.append(
-            "On this machine the accelerator does not make decoding faster: "
-            "acceleration stays available but will not speed up replies."
-        )
+    lines += importlib.import_module(method(result.method).trainer).summary_lines(m, s)
     return "\n".join(lines)
-
-
-def _medusa_lines(m: dict, s: dict) -> list[str]:
-    lines = ["held-out accuracy per head (top-1 / top-5):"]
-    for k, (t1, t5) in enumerate(zip(m.get("top1", []), m.get("top5", []), strict=False), 1):
-        lines.append(f"  head {k}: {t1 * 100:5.1f}% / {t5 * 100:5.1f}%")
-    calibration = m.get("calibration", {})
-    measured = calibration.get("measured", {})
-    if s.get("pays"):
-        chosen = measured[calibration["chosen"]]
-        lines.append(
-            f"tree: {len(s['tree'])} nodes, measured {chosen['speedup']:.2f}x plain decoding, "
-            f"{chosen['mean_accepted']:.2f} tokens per step"
-        )
-    else:
-        best = max((v["speedup"] for k, v in measured.items() if k != "plain"), default=None)
-        tried = f" (the best tree measured {best:.2f}x)" if best is not None else ""
-        lines.append(
-            f"The Medusa heads do not pay on this machine{tried}: --accel medusa will decode "
-            "exactly like plain decoding, never slower."
-        )
-    return lines

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from app.commands.common import gguf_source
+from app.commands.common import add_model_args, model_spec
 from app.security import Limits
-from engine.config import QUANT_CHOICES, ModelSpec
 from engine.errors import QuickdraftError
 
 HELP = "start the app in the browser (the default when no command is given)"
@@ -41,15 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-mb", type=float, default=Limits().max_body_bytes / 2**20,
                         help="largest request body accepted, in MiB (default %(default)g)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
-    parser.add_argument("--model", default=None,
-                        help="model to start with: 'default', a local folder, a .gguf file, "
-                             "a repo id or REPO:FILE.gguf (default: the last one used)")
-    parser.add_argument("--gguf-file", metavar="NAME", default=None,
-                        help="with a repo id as --model: the GGUF file of that repo to use")
-    parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES)
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow code shipped with the --model to run, for that model only "
-                             "(off by default; the page cannot switch it on)")
+    add_model_args(parser, start=True)
 
 
 def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
@@ -61,10 +52,7 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
                               "add --model NAME")
     if not args.max_body_mb > 0:
         raise QuickdraftError("--max-body-mb must be a positive number")
-    model = None
-    if args.model is not None:
-        model = ModelSpec(source=gguf_source(args.model, args.gguf_file), quant=args.quant,
-                          trust_remote_code=args.trust_remote_code)
+    model = model_spec(args)
     if open_browser is None:
         open_browser = not args.no_browser
     auth = secret("auth", args.auth, args.auth_file, AUTH_ENV, os.environ)

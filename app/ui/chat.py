@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import gradio as gr
 
+from app.drafting import accel_label
 from app.replies import ReplyRequest
 from app.security import prompt_too_long
-from app.service import Service, accel_label
+from app.service import Service
 from app.store import Conversation
 from app.ui import readout
 from engine.config import SamplingParams
@@ -30,7 +31,7 @@ class ChatTab:
 
     def __init__(self, service: Service):
         self.service = service
-        s = service.settings()
+        s = service.store.load_settings()
         self.conv_id = gr.State("")  # this browser's open conversation
         self.active = gr.State("off")  # the acceleration replies use
         self.pending = gr.State("")  # an untrained method the user picked: Train offers it
@@ -135,16 +136,17 @@ class ChatTab:
              method, request: gr.Request):
         try:
             params = _params(temperature, top_p, top_k, max_new, acceptance)
-            _check_length(message, system, self.service.lm.context_len)
+            _check_length(message, system, self.service.host.lm.context_len)
             conv = self._conversation(conv_id)
             ask = ReplyRequest(conv.id, params, method, system, _session(request))
-            stream = self.service.chat(ask, message)
+            stream = self.service.replies.chat(ask, message)
         except QuickdraftError as exc:
             yield {self.readout: readout.error_html(str(exc))}
             return
-        self.service.remember(system=system, temperature=params.temperature,
-                              top_p=params.top_p, top_k=params.top_k,
-                              max_new_tokens=params.max_new_tokens, last_conversation=conv.id)
+        self.service.store.remember(system=system, temperature=params.temperature,
+                                    top_p=params.top_p, top_k=params.top_k,
+                                    max_new_tokens=params.max_new_tokens,
+                                    last_conversation=conv.id)
         shown = conv.turns() + [{"role": "user", "content": message}]
         yield {self.chatbot: shown, self.msg: "", self.conv_id: conv.id,
                self.plots: gr.Row(visible=False), self.readout: readout.live_readout_waiting()}
@@ -155,15 +157,15 @@ class ChatTab:
         try:
             params = _params(temperature, top_p, top_k, max_new, acceptance)
             conv = self._conversation(conv_id)
-            stream = self.service.regenerate(ReplyRequest(conv.id, params, method, system,
-                                                          _session(request)))
+            ask = ReplyRequest(conv.id, params, method, system, _session(request))
+            stream = self.service.replies.regenerate(ask)
         except QuickdraftError as exc:
             yield {self.readout: readout.error_html(str(exc))}
             return
         yield from self._stream(stream, conv.id)
 
     def stop(self, request: gr.Request):
-        self.service.stop(_session(request))
+        self.service.replies.stop(_session(request))
 
     def _stream(self, stream, conv_id: str):
         try:
@@ -188,7 +190,7 @@ class ChatTab:
         try:
             params = SamplingParams(temperature=0.0, max_new_tokens=int(max_new))
             ask = ReplyRequest(conv_id or "", params, method, owner=_session(request))
-            for result in self.service.compare(ask):
+            for result in self.service.replies.compare(ask):
                 yield readout.compare_html(result)
         except QuickdraftError as exc:
             yield readout.error_html(str(exc))
@@ -197,11 +199,11 @@ class ChatTab:
     def select_accel(self, method, active):
         """Use `method` if it is ready; otherwise keep the current one and offer training."""
         try:
-            status = self.service.accel_status(method)
+            status = self.service.accels.status(method)
         except QuickdraftError as exc:
             return {self.accel: active, self.accel_status: f"⚠ {exc}"}
         if status.ready:
-            self.service.remember(accel=method)
+            self.service.store.remember(accel=method)
             return {self.accel: method, self.active: method, self.accel_status: status.message,
                     self.train_btn: gr.Button(visible=False), self.pending: ""}
         return {self.accel: active, self.accel_status: f"⚠ {status.message}",
@@ -223,7 +225,7 @@ class ChatTab:
 
     def show(self, conv: Conversation) -> dict:
         """Everything the view shows for `conv`."""
-        self.service.remember(last_conversation=conv.id)
+        self.service.store.remember(last_conversation=conv.id)
         replies = [m for m in conv.messages if m["role"] == "assistant"]
         return {self.conv_id: conv.id, self.chatbot: conv.turns(),
                 self.conv_list: self._choices(conv.id), self.title_box: conv.title,
@@ -263,7 +265,7 @@ class ChatTab:
 
     def restore(self) -> dict:
         """On page load: the last conversation, settings and acceleration."""
-        s = self.service.settings()
+        s = self.service.store.load_settings()
         convs = self.service.store.list()
         last = next((c for c in convs if c.id == s.last_conversation), None)
         conv = last or (convs[0] if convs else self.service.store.new(system=s.system))

@@ -117,7 +117,8 @@ def launch(options: LaunchOptions, block: bool = True):
 
     log.info("loading the model…")
     service = Service.open(Store(), options.model)
-    log.info("model ready: %s (%s on %s)", service.lm.model_id, service.lm.quant, service.lm.device)
+    lm = service.host.lm
+    log.info("model ready: %s (%s on %s)", lm.model_id, lm.quant, lm.device)
     demo = build_app(service)
     demo.queue(default_concurrency_limit=1)
     if not is_loopback(options.host):

@@ -11,7 +11,8 @@ import time
 import gradio as gr
 
 from app import catalog
-from app.service import Service, model_name
+from app.host import model_name
+from app.service import Service
 from app.ui import readout
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
@@ -29,7 +30,7 @@ class ModelsTab:
 
     def __init__(self, service: Service):
         self.service = service
-        s = service.settings()
+        s = service.store.load_settings()
         self.current = gr.Markdown(elem_id="qd-model-current")
         with gr.Row(equal_height=True):
             self.source = gr.Dropdown([BUNDLED], value=s.model, allow_custom_value=True,
@@ -42,7 +43,7 @@ class ModelsTab:
                               info="Auto: bf16 or fp32 on this CPU, bf16 or 4-bit on a GPU "
                                    "depending on free memory")
         self.estimate = gr.Markdown(elem_id="qd-model-estimate")
-        self.trust = gr.Markdown(trust_note(service.trusted), elem_id="qd-model-trust")
+        self.trust = gr.Markdown(trust_note(service.host.trusted), elem_id="qd-model-trust")
         self.load_btn = gr.Button("Load model", variant="primary", elem_id="qd-model-load")
         self.status = gr.HTML(elem_id="qd-model-status")
 
@@ -58,14 +59,14 @@ class ModelsTab:
 
     def refresh(self) -> dict:
         """On page load: the current model, the cached list, the startup notice."""
-        s = self.service.settings()
-        notice = readout.error_html(self.service.notice) if self.service.notice else ""
+        s = self.service.store.load_settings()
+        notice = readout.error_html(self.service.host.notice) if self.service.host.notice else ""
         return {self.current: self.describe(), self.source: self.choices(s.model),
                 self.estimate: self.memory(s.model, s.quant), self.status: notice}
 
     def describe(self) -> str:
         try:
-            lm = self.service.lm
+            lm = self.service.host.lm
         except QuickdraftError as exc:
             return f"**No model loaded.** {exc}"
         params = sum(p.numel() for p in lm.model.parameters())
@@ -91,7 +92,7 @@ class ModelsTab:
         """Load in the background and report progress; on failure the old model stays. The
         service decides whether the model may run its own code (the command line's choice)."""
         try:
-            job = self.service.start_load(ModelSpec(source=source or "default", quant=quant))
+            job = self.service.host.start_load(ModelSpec(source=source or "default", quant=quant))
         except QuickdraftError as exc:
             yield readout.error_html(str(exc)), gr.skip()
             return
@@ -99,7 +100,7 @@ class ModelsTab:
             yield readout.job_html(job), gr.skip()
             time.sleep(POLL_S)
         if job.state == "failed":
-            still = model_name(self.service.lm)
+            still = model_name(self.service.host.lm)
             yield readout.error_html(f"{job.error} (still using {still})"), gr.skip()
             return
         done = html.escape(job.progress.message if job.progress else "loaded")

@@ -7,9 +7,9 @@ import html
 
 import pandas as pd
 
+from app.drafting import accel_label
 from app.jobs import Job
 from app.replies import CompareResult, ReplyUpdate
-from app.service import accel_label
 from engine.stats import CTAR_WINDOWS, GenerationStats
 
 STOP_REASONS = {"eos": "finished", "length": "hit the token limit", "stop": "stop string",

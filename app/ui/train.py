@@ -8,7 +8,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.service import Service, accel_label, model_name
+from app.drafting import accel_label
+from app.host import model_name
+from app.service import Service
 from app.training import training_summary
 from app.ui import readout
 from engine.drafters.registry import TRAINED
@@ -44,7 +46,8 @@ class TrainTab:
         self.prompts = gr.File(label="Extra prompts (optional): JSONL with one "
                                      '{"prompt": ...} per line, or one prompt per line',
                                file_types=[".jsonl", ".txt"], type="filepath", height=120)
-        self.chats = gr.Checkbox(self.service.settings().learn_from_chats, label=CHATS_LABEL,
+        learn = self.service.store.load_settings().learn_from_chats
+        self.chats = gr.Checkbox(learn, label=CHATS_LABEL,
                                  info=CHATS_INFO,
                                  elem_id="qd-train-chats")
         with gr.Row():
@@ -70,7 +73,8 @@ class TrainTab:
         self.retrain_btn.click(self.retrain, inputs, [self.status, self.timer], **fast)
         self.cancel_btn.click(self.cancel, None, [self.status], **fast)
         # the same switch keeps replies out of the datastore
-        self.chats.change(lambda on: self.service.remember(learn_from_chats=bool(on)) and None,
+        remember = self.service.store.remember
+        self.chats.change(lambda on: remember(learn_from_chats=bool(on)) and None,
                           [self.chats], None, **fast)
         self.timer.tick(self.tick, None, self.tick_outputs, **fast)
 
@@ -81,14 +85,14 @@ class TrainTab:
     def refresh(self) -> dict:
         """On page load, and after a model load: what will be trained, and any run going."""
         try:
-            lm = self.service.lm
+            lm = self.service.host.lm
             target = f"Trains for **{model_name(lm)}** ({lm.quant} on {lm.device})."
             if lm.device.type == "cpu":
                 target += " " + CPU_NOTE
             target += "\n\n" + training_summary(lm, self.service.store)
         except QuickdraftError as exc:
             target = str(exc)
-        job = self.service.training
+        job = self.service.training.job
         out = self.tick()
         out.pop(self.finished, None)  # a run that ended while the page was closed is not news
         out[self.target] = target
@@ -101,7 +105,7 @@ class TrainTab:
         try:
             options = options_for(method, float(minutes), Path(prompts) if prompts else None,
                                   continue_training=continue_training)
-            job = self.service.start_training(options, learn_from_chats=bool(chats))
+            job = self.service.training.start(options, learn_from_chats=bool(chats))
         except QuickdraftError as exc:
             return readout.error_html(str(exc)), gr.Timer(active=False)
         return readout.job_html(job), gr.Timer(active=True)
@@ -112,15 +116,15 @@ class TrainTab:
         return self.start(method, minutes, prompts, chats, continue_training=True)
 
     def cancel(self):
-        job = self.service.training
+        job = self.service.training.job
         if job is None or not job.running:
             return gr.skip()
-        self.service.cancel_training()
+        self.service.training.cancel()
         return readout.job_html(job) + '<div class="qd-note">Cancelling: what was generated ' \
                                        "so far is kept for the next run…</div>"
 
     def tick(self) -> dict:
-        job = self.service.training
+        job = self.service.training.job
         loss, acc = readout.metric_frames(job)
         out = {self.status: readout.job_html(job), self.loss_plot: loss,
                self.acc_plot: gr.LinePlot(value=acc, visible=not acc.empty)}
@@ -129,7 +133,7 @@ class TrainTab:
         out[self.timer] = gr.Timer(active=False)
         if job.state == "done":
             out[self.finished] = f"{job.method}@{job.started:.3f}"
-            ready = self.service.accel_status(job.method).message
+            ready = self.service.accels.status(job.method).message
             out[self.status] += f'<div class="qd-note">{html.escape(ready)}</div>'
         elif job.state == "cancelled":
             out[self.status] += ('<div class="qd-note">Cancelled. The answers generated so far '

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from engine.benchmark import stepcost
 from engine.benchmark.memory import MemoryProbe
-from engine.benchmark.methods import LOOKUP_TOKENS, Method
+from engine.benchmark.methods import LOOKUP_TOKENS, Contender
 from engine.benchmark.prompts import BenchPrompt, encode_prompt
 from engine.benchmark.report import build_report, divergences, machine_info
 from engine.benchmark.runner import run_bench
@@ -18,13 +18,13 @@ from engine.progress import ProgressFn, ignore
 def bench_report(
     lm,
     prompts: list[BenchPrompt],
-    methods: dict[str, Method],
+    methods: dict[str, Contender],
     skipped: dict[str, str],
     params: SamplingParams,
     context: dict,
     progress: ProgressFn = ignore,
     passes: int = 1,
-    fresh: Callable[[], dict[str, Method]] | None = None,
+    fresh: Callable[[], dict[str, Contender]] | None = None,
 ) -> dict:
     """Run `methods` (the first is the baseline, `hf`) over `prompts` on `lm` and return the
     report.json object. `context` adds settings the caller knows: the command line, the

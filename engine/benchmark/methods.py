@@ -1,6 +1,6 @@
 """The method table: every way of generating the benchmark compares, behind one call.
 
-A Method turns prompt ids into an Outcome (tokens, time to first token, accepted drafts per
+A Contender turns prompt ids into an Outcome (tokens, time to first token, accepted drafts per
 step); the runner times the call and measures memory the same way for all of them. Peers are
 Hugging Face `generate()` variants on the same model object; ours go through the engine's
 one decode loop (engine.generate.run) with or without a drafter.
@@ -40,7 +40,7 @@ class Outcome:
 
 
 @dataclass
-class Method:
+class Contender:
     """One entry of the method table."""
 
     name: str  # as shown in the report, e.g. "hf-lookup"
@@ -67,10 +67,10 @@ def method_names(text: str | None, with_assistant: bool) -> list[str]:
 
 
 def build_methods(lm, names: list[str], params: SamplingParams,
-                  assistant=None) -> tuple[dict[str, Method], dict[str, str]]:
+                  assistant=None) -> tuple[dict[str, Contender], dict[str, str]]:
     """The method table for `names`, and {name: reason} for methods that cannot run here
     (an accelerator not trained for this model, llama.cpp without its binding or GGUF file)."""
-    methods: dict[str, Method] = {}
+    methods: dict[str, Contender] = {}
     skipped: dict[str, str] = {}
     for name in names:
         if name == "hf":
@@ -89,7 +89,7 @@ def build_methods(lm, names: list[str], params: SamplingParams,
             if decode is None:
                 skipped[name] = reason
             else:  # tokens per step unknown: llama.cpp does not draft here
-                methods[name] = Method(name, lambda ids, d=decode: Outcome(*d(ids), None))
+                methods[name] = Contender(name, lambda ids, d=decode: Outcome(*d(ids), None))
         else:
             drafter, reason = _accelerator(lm, name)
             if drafter is None:
@@ -120,7 +120,7 @@ def _check_same_vocab(lm, assistant) -> None:
         )
 
 
-def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Method:
+def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Contender:
     """The engine's decode loop with `drafter` (plain decoding for the base Drafter)."""
 
     def generate(prompt_ids: list[int]) -> Outcome:
@@ -130,10 +130,10 @@ def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Me
         return Outcome(ids, stats.ttft_s, list(stats.accepted),
                        dict(used) if used is not None else None)
 
-    return Method(name, generate)
+    return Contender(name, generate)
 
 
-def hf_method(name: str, lm, params: SamplingParams, **extra) -> Method:
+def hf_method(name: str, lm, params: SamplingParams, **extra) -> Contender:
     """Hugging Face `generate()` on the same model with the same settings, plus `extra`
     (prompt_lookup_num_tokens=..., assistant_model=...)."""
     kwargs = {**hf_sampling_kwargs(lm, params), **extra}
@@ -141,7 +141,7 @@ def hf_method(name: str, lm, params: SamplingParams, **extra) -> Method:
     def generate(prompt_ids: list[int]) -> Outcome:
         return _hf_generate(lm, prompt_ids, params.seed, kwargs)
 
-    return Method(name, generate)
+    return Contender(name, generate)
 
 
 def hf_sampling_kwargs(lm, params: SamplingParams) -> dict:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.benchmark.memory import MemoryProbe
-from engine.benchmark.methods import Method, Outcome
+from engine.benchmark.methods import Contender, Outcome
 from engine.benchmark.prompts import BenchPrompt
 from engine.interleave import interleaved
 from engine.progress import Eta, Progress, ProgressFn, ignore
@@ -53,7 +53,7 @@ class Measurement:
         }
 
 
-def measure(method: Method, prompt_ids: list[int],
+def measure(method: Contender, prompt_ids: list[int],
             probe: MemoryProbe) -> tuple[Outcome, float, float, float]:
     """(outcome, wall seconds, peak MB, peak delta MB) of one call."""
     probe.start()
@@ -65,13 +65,13 @@ def measure(method: Method, prompt_ids: list[int],
 
 
 def run_bench(
-    methods: dict[str, Method],
+    methods: dict[str, Contender],
     prompts: list[BenchPrompt],
     prompt_ids: list[list[int]],
     probe: MemoryProbe,
     progress: ProgressFn = ignore,
     passes: int = 1,
-    fresh: Callable[[], dict[str, Method]] | None = None,
+    fresh: Callable[[], dict[str, Contender]] | None = None,
 ) -> list[Measurement]:
     """Warm every method up on the first prompt, then run all of them on each prompt in
     turn, rotating their order; `passes` times over, each pass after the first with
@@ -86,7 +86,7 @@ def run_bench(
     return runs[0] if passes == 1 else [_merge(ms) for ms in zip(*runs, strict=True)]
 
 
-def _one_pass(methods: dict[str, Method], prompts: list[BenchPrompt],
+def _one_pass(methods: dict[str, Contender], prompts: list[BenchPrompt],
               prompt_ids: list[list[int]], probe: MemoryProbe, progress: ProgressFn,
               eta: Eta, done: int) -> list[Measurement]:
     names = list(methods)

@@ -85,6 +85,7 @@ class Drafter:
     """Plain decoding: proposes nothing, so every step is one token from the full model."""
 
     name = "off"
+    drafts = False  # True when it proposes tokens: the loop then checks the cache can drop them
     wants_hidden = False  # True when the drafter reads hidden states (state.hidden, prefill)
     notice = ""  # one line for the user when it decodes plainly after all (does not pay here)
     retimed_speedup: float | None = None  # the speedup estimated at load, when re-timed here

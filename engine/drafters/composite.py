@@ -37,6 +37,8 @@ class Step:
 class Composite(Drafter):
     """Sources and a per-step choice among them (see module doc)."""
 
+    drafts = True
+
     def __init__(self, name: str, sources: dict[str, Drafter],
                  choose: Callable[[Composite, object], Step], lead: str | None = None):
         self.name = name

@@ -70,6 +70,7 @@ class DatastoreDrafter(Drafter):
     """Drafts the datastore's continuation tree of the latest tokens."""
 
     name = "datastore"
+    drafts = True
 
     def __init__(self, store: Datastore) -> None:
         self.store = store

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from engine import kv_cache
+from engine.accelerators import check_format
 from engine.drafters import kangaroo_layers as layers
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
@@ -87,6 +88,7 @@ class KangarooDrafter(Drafter):
     """Drafts with the early exit + adapter; verifies with the remaining layers only."""
 
     name = "kangaroo"
+    drafts = True
     wants_hidden = True  # start() reads the prompt's layer-l states from the prefill
     verifies = True  # runs only the layers above the early exit over its drafts
 
@@ -115,11 +117,7 @@ class KangarooDrafter(Drafter):
         """Rebuild the drafter stored in `ckpt` (engine.accelerators.Checkpoint) for `lm`."""
         layers.check_supported(lm.model)
         stored = ckpt.info.get("settings", {})
-        if stored.get("format") != FORMAT:
-            raise AcceleratorError(
-                f"the Kangaroo accelerator in {ckpt.folder} has adapter format "
-                f"{stored.get('format', 1)!r}, not {FORMAT}; retrain it: "
-                "python launcher.py train --method kangaroo")
+        check_format(stored.get("format", 1), FORMAT, "kangaroo", ckpt.folder, "adapter")
         settings = KangarooSettings.from_json(stored)
         state = {k.removeprefix("adapter."): v for k, v in ckpt.tensors.items()
                  if k.startswith("adapter.")}

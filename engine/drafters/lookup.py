@@ -106,6 +106,7 @@ class LookupDrafter(Drafter):
     """Drafts the continuation of the latest n-gram's previous occurrence."""
 
     name = "lookup"
+    drafts = True
 
     def __init__(self, params: LookupParams | None = None) -> None:
         self.source = LookupSource(params or LookupParams())

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.accelerators import check_format
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.payoff import Payoff, not_paying_notice, round_seconds, timed_elsewhere
 from engine.errors import AcceleratorError, QuickdraftError
@@ -174,6 +175,7 @@ class MedusaDrafter(Drafter):
     """Proposes the calibrated tree filled with the heads' top-k tokens."""
 
     name = "medusa"
+    drafts = True
     wants_hidden = True
 
     def __init__(self, lm, heads: MedusaHeads, tree: TreeBuffers,
@@ -206,7 +208,7 @@ class MedusaDrafter(Drafter):
         The stored tree was timed in the dtype training ran in; loaded in another (bf16 heads
         on an fp32 or 4-bit model), the tree is re-timed here from the stored accuracies."""
         s = ckpt.info.get("settings", {})
-        check_format(s.get("format", 1), ckpt.folder)
+        check_format(s.get("format", 1), FORMAT, "medusa", ckpt.folder, "heads")
         try:
             settings = MedusaSettings(int(s["num_heads"]), bool(s.get("own_vocab", False)),
                                       int(s["pending_rank"]))
@@ -255,19 +257,6 @@ class MedusaDrafter(Drafter):
         top = torch.topk(logits, t.top_k, dim=-1).indices  # (K, top_k) columns
         drafted = self.heads.tokens(top[self._slots]).tolist()  # (n - 1,) node tokens
         return Draft([root, *drafted], t.children, t.depths, t.mask)
-
-
-def check_format(found, folder) -> None:
-    """Refuse, in one line, heads another trainer version stored: an older one's heads
-    do not read the pending token (retraining gives heads that do), a newer one's layout
-    is unknown here."""
-    if found == FORMAT:
-        return
-    age = "a newer" if isinstance(found, int) and found > FORMAT else "an older"
-    raise AcceleratorError(
-        f"the Medusa accelerator in {folder} was trained by {age} Quickdraft (format "
-        f"{found!r}, this one reads {FORMAT}); {FIX}"
-    )
 
 
 def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]],

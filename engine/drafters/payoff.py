@@ -11,12 +11,11 @@ does not beat plain decoding by PAY_MARGIN.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
-from engine import kv_cache
+from engine import kv_cache, timing
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Drafter, start_drafter
 from engine.sampling import make_generator
@@ -76,15 +75,16 @@ def round_seconds(lm, drafter: Drafter, ids: list[int] | None = None,
                             make_generator(0, lm.device))
         start_drafter(drafter, state, out)
         for _ in range(repeats + 1):  # the first round warms up
-            begin = time.perf_counter()
-            draft = drafter.propose(state)
-            drafter.score(state, draft)
-            drafter.commit(state, draft, [])
-            if lm.device.type == "cuda":  # kernels run asynchronously: wait for this round's
-                torch.cuda.synchronize(lm.device)
-            times.append(time.perf_counter() - begin)
-            state.ids.append(draft.tokens[-1])  # a rejected step still adds the model's token
+            times.append(timing.seconds(lm.device, _round, drafter, state))
     return statistics.median(times[1:])
+
+
+def _round(drafter: Drafter, state: DecodeState) -> None:
+    """One decode step whose drafts are all rejected."""
+    draft = drafter.propose(state)
+    drafter.score(state, draft)
+    drafter.commit(state, draft, [])
+    state.ids.append(draft.tokens[-1])  # a rejected step still adds the model's token
 
 
 def plain_step_seconds(lm, repeats: int = 5) -> float:

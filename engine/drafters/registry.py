@@ -32,7 +32,7 @@ class Method:
     checkpoint: str | None = None  # the trained accelerator it loads; None: nothing to load
     # The module that trains that accelerator (trainer/ is imported only when training, and
     # the engine never imports it): it offers check(lm), prep_seconds_per_token(lm, options),
-    # reserve_s(options) and train(...).
+    # reserve_s(options), train(...) and summary_lines(metrics, settings).
     trainer: str | None = None
     composes: tuple[str, ...] = ()  # the methods whose drafters it chooses among
 
@@ -43,11 +43,11 @@ METHODS = (
     Method("off", "Off", lambda lm, ckpt: Drafter()),
     Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
     Method("datastore", "Datastore", DatastoreDrafter.for_model),
-    Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa"),
+    Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa.train"),
     Method("medusa+lookup", "Medusa+lookup",
            lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
-           "trainer.kangaroo"),
+           "trainer.kangaroo.train"),
     Method("kangaroo+lookup", "Kangaroo+lookup",
            lambda lm, ckpt: kangaroo_lookup(KangarooDrafter.from_checkpoint(lm, ckpt)),
            "kangaroo"),
@@ -72,6 +72,13 @@ def base_method(name: str) -> str | None:
     """The trained accelerator a method loads ("medusa+lookup" -> "medusa"); None for
     methods that load none."""
     return method(name).checkpoint
+
+
+def checkpoints(name: str) -> tuple[str, ...]:
+    """The trained accelerators a method may load, those of the methods it composes included."""
+    m = method(name)
+    own = (m.checkpoint,) if m.checkpoint else ()
+    return own + tuple(c for part in m.composes for c in checkpoints(part))
 
 
 def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:

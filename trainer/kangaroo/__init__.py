@@ -1,21 +1,3 @@
-"""The Kangaroo adapter: training per exit layer (train.py) and the choice of exit layer,
-eta and gamma on this machine (calibrate.py). The pipeline calls check,
-prep_seconds_per_token, reserve_s and train."""
-
-from trainer.kangaroo.calibrate import KangarooCalibration
-from trainer.kangaroo.train import (
-    KangarooTrainConfig,
-    check,
-    prep_seconds_per_token,
-    reserve_s,
-    train,
-)
-
-__all__ = [
-    "KangarooCalibration",
-    "KangarooTrainConfig",
-    "check",
-    "prep_seconds_per_token",
-    "reserve_s",
-    "train",
-]
+"""The Kangaroo adapter: training per exit layer and what the pipeline and the train command
+call (train.py: check, prep_seconds_per_token, reserve_s, train, summary_lines), and the
+choice of exit layer, eta and gamma on this machine (calibrate.py)."""

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from engine import kv_cache
+from engine import kv_cache, timing
 from engine.config import SamplingParams
 from engine.drafters import kangaroo_layers as layers
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
@@ -277,16 +277,7 @@ def _timed(op, caches) -> float:
     """Seconds of one op on a copy of the prefilled caches (the copy is not timed)."""
     with torch.inference_mode():
         cache, adapter_caches = copy.deepcopy(caches)
-        _sync()
-        start = time.perf_counter()
-        op(cache, adapter_caches)
-        _sync()
-        return time.perf_counter() - start
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        return timing.seconds(None, op, cache, adapter_caches)
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -1,21 +1,3 @@
-"""Medusa-1 heads: training on cached final states (train.py) and the choice of their tree
-on this machine (calibrate.py). The pipeline calls check, prep_seconds_per_token,
-reserve_s and train."""
-
-from trainer.medusa.calibrate import CalibrationConfig
-from trainer.medusa.train import (
-    MedusaTrainConfig,
-    check,
-    prep_seconds_per_token,
-    reserve_s,
-    train,
-)
-
-__all__ = [
-    "CalibrationConfig",
-    "MedusaTrainConfig",
-    "check",
-    "prep_seconds_per_token",
-    "reserve_s",
-    "train",
-]
+"""Medusa-1 heads: training on cached final states and what the pipeline and the train
+command call (train.py: check, prep_seconds_per_token, reserve_s, train, summary_lines), and
+the choice of their tree on this machine (calibrate.py)."""

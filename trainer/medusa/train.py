@@ -322,3 +322,26 @@ def fit_heads(lm, heads: MedusaHeads, train: tuple[Features, Teacher],
     heads.to(lm.device, torch.float32).train()
     return train_module(heads, batches, loss_fn, train_config, progress, cancel,
                         eval_fn if h_pos.numel() else None)
+
+
+def summary_lines(m: dict, s: dict) -> list[str]:
+    """What the trained heads do here, for people (the train command prints it)."""
+    lines = ["held-out accuracy per head (top-1 / top-5):"]
+    for k, (t1, t5) in enumerate(zip(m.get("top1", []), m.get("top5", []), strict=False), 1):
+        lines.append(f"  head {k}: {t1 * 100:5.1f}% / {t5 * 100:5.1f}%")
+    calibration = m.get("calibration", {})
+    measured = calibration.get("measured", {})
+    if s.get("pays"):
+        chosen = measured[calibration["chosen"]]
+        lines.append(
+            f"tree: {len(s['tree'])} nodes, measured {chosen['speedup']:.2f}x plain decoding, "
+            f"{chosen['mean_accepted']:.2f} tokens per step"
+        )
+    else:
+        best = max((v["speedup"] for k, v in measured.items() if k != "plain"), default=None)
+        tried = f" (the best tree measured {best:.2f}x)" if best is not None else ""
+        lines.append(
+            f"The Medusa heads do not pay on this machine{tried}: --accel medusa will decode "
+            "exactly like plain decoding, never slower."
+        )
+    return lines
