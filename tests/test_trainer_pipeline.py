@@ -140,7 +140,8 @@ def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, met
     # Injected timings: every timed piece lasts one second on its own clock, so the figure is
     # what the division makes of it: the feature forward's tokens (4 rows of min(256, the
     # context) tokens), plus for Medusa one teacher chunk's positions.
-    for module in (features_mod, importlib.import_module(f"trainer.{method}.train")):
+    clocks = [importlib.import_module("engine.timing")] + ([trainer] if method == "medusa" else [])
+    for module in clocks:  # the feature forward's clock, and Medusa's teacher chunk's
         ticks = itertools.count()
         monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=ticks.__next__))
     teacher = 1 / 2048 if method == "medusa" else 0.0
