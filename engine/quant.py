@@ -19,12 +19,12 @@ ones); tied embeddings look up the LM head's dequantized table, so the head's co
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine import timing
 from engine.errors import ModelLoadError
 
 LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
@@ -276,11 +276,4 @@ def measured_wide_rows(model: nn.Module) -> int:
 
 def _median_seconds(fn, repeats: int, device: torch.device) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timing.seconds(device, fn) for _ in range(repeats))
