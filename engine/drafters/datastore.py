@@ -67,13 +67,16 @@ def tree_draft(root: int, found: Continuations, cache: dict) -> Draft:
 
 
 class DatastoreDrafter(Drafter):
-    """Drafts the datastore's continuation tree of the latest tokens."""
+    """Drafts the datastore's continuation tree of the latest tokens. In a composite it
+    offers that tree (`offer`) and counts, through `mark` and `observe`, the nodes of the
+    verified draft that were its own."""
 
     name = "datastore"
 
     def __init__(self, store: Datastore) -> None:
         self.store = store
         self._trees: dict = {}  # choices -> TreeBuffers
+        self._mine: list[int] = []  # nodes of this step's draft that came from the store
         self.drafted = 0  # draft tokens from the store in the current reply
         self.accepted = 0  # of which the model kept
 
@@ -83,16 +86,33 @@ class DatastoreDrafter(Drafter):
 
     def start(self, state, prefill) -> None:
         self.drafted = self.accepted = 0
+        self._mine = []
 
-    def propose(self, state) -> Draft:
+    def offer(self, state) -> tuple[Draft, float]:
+        """The continuation tree of the latest tokens and its expected accepted tokens
+        (the sum of its nodes' path probabilities)."""
         # room bounds the depth (positions), not the width
         found = self.store.continuations(state.ids, max_depth=state.room)
-        return tree_draft(state.ids[-1], found, self._trees)
+        return tree_draft(state.ids[-1], found, self._trees), sum(found.probs)
+
+    def mark(self, nodes: list[int]) -> None:
+        """The nodes of the step's draft that the store proposed (in a composite)."""
+        self._mine = nodes
+
+    def propose(self, state) -> Draft:
+        draft = self.offer(state)[0]
+        self._mine = list(range(1, draft.size))
+        return draft
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         super().commit(state, draft, path)
-        self.drafted += draft.size - 1
-        self.accepted += len(path)
+        self.observe(state, None, path)
+
+    def observe(self, state, layers, path: list[int]) -> None:
+        mine = set(self._mine)
+        self.drafted += len(mine)
+        self.accepted += sum(node in mine for node in path)
+        self._mine = []
 
     def finish(self, stats) -> None:
         stats.datastore_drafted += self.drafted
