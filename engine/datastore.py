@@ -174,6 +174,11 @@ class Datastore:
         self.main = SuffixIndex(_join(self.docs))
         self.recent = SuffixIndex(np.zeros(0, np.int32))
 
+    def refill(self, docs: Iterable[Iterable[int]]) -> None:
+        """Forget every document, then learn `docs` (the newest last)."""
+        self.docs = []
+        self.add_all(docs)
+
     def continuations(self, context: list[int], max_nodes: int | None = None,
                       max_depth: int = 16) -> Continuations:
         """The longest suffix of `context` seen before and the tree of what followed it:
