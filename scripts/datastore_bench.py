@@ -42,14 +42,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--replies", type=Path, default=None,
+                        help="JSON file of the plain replies: read if it exists, else written")
     args = parser.parse_args()
     lm = load_model(ModelSpec(quant=args.quant))
     params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens)
     prompts = interleave(load_prompts(DEFAULT_PROMPTS), args.limit)
     ids = [encode_prompt(lm, p, args.tokens) for p in prompts]
     start = time.perf_counter()
-    replies = plain_replies(lm, ids, params)
-    plain_s = (time.perf_counter() - start) / sum(len(r) for r in replies.values())
+    if args.replies and args.replies.is_file():
+        saved = json.loads(args.replies.read_text())
+        replies = {tuple(r["prompt"]): r["reply"] for r in saved["replies"]}
+        plain_s = saved["seconds_per_token"]
+    else:
+        replies = plain_replies(lm, ids, params)
+        plain_s = (time.perf_counter() - start) / sum(len(r) for r in replies.values())
+    if args.replies and not args.replies.is_file():
+        args.replies.write_text(json.dumps({"seconds_per_token": plain_s, "replies": [
+            {"prompt": list(k), "reply": v} for k, v in replies.items()]}))
     methods, skipped = build_methods(lm, args.methods.split(","), params)
     ready(methods, replies)
     rows: dict[str, list[dict]] = {}
