@@ -209,7 +209,7 @@ class Service:
         if method == "off":
             return Drafter()
         if method == "datastore" and method not in self._drafters:
-            self._drafters[method] = over_datastore(self.datastore)
+            self._drafters[method] = over_datastore(self.datastore, self.lm)
         if method not in self._drafters:
             # Auto shares the Medusa and Kangaroo drafters this service holds.
             self._drafters[method] = load_drafter(self.lm, method,

@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--measure", type=int, default=None,
+                        help="measure only the first N prompts (the stores still hold the "
+                             "replies to all the others)")
     parser.add_argument("--replies", type=Path, default=None,
                         help="JSON file of the plain replies: read if it exists, else written")
     args = parser.parse_args()
@@ -63,7 +66,8 @@ def main() -> None:
     methods, skipped = build_methods(lm, args.methods.split(","), params)
     ready(methods, replies)
     rows: dict[str, list[dict]] = {}
-    for i, (prompt, p_ids) in enumerate(zip(prompts, ids, strict=True)):
+    measured = list(zip(prompts, ids, strict=True))[:args.measure]
+    for i, (prompt, p_ids) in enumerate(measured):
         for name, method in methods.items():
             if method.before is not None:
                 method.before(p_ids)
@@ -79,7 +83,8 @@ def main() -> None:
                                    for k, v in rows.items()}, flush=True)
     report = {name: summary(r) for name, r in rows.items()}
     held = next(m.held_out for m in methods.values() if m.held_out is not None)
-    report["_settings"] = {"prompts": len(prompts), "quant": args.quant, "tokens": args.tokens,
+    report["_settings"] = {"prompts": len(measured), "replies_in_stores": len(prompts) - 1,
+                           "quant": args.quant, "tokens": args.tokens,
                            "skipped": skipped, **held.describe()}
     print(json.dumps(report, indent=1))
     if args.out:

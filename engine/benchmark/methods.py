@@ -117,7 +117,7 @@ def _accelerator(lm, name: str, held_out: LeaveOneOut | None) -> tuple[Drafter |
         if m == "datastore":
             if held_out is None:
                 raise AcceleratorError("left out")
-            return over_datastore(held_out.store)
+            return over_datastore(held_out.store, lm)
         return load_drafter(lm, m, part)
 
     try:

@@ -111,6 +111,7 @@ def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:
     return m.build(lm, load_checkpoint(lm, m.checkpoint))
 
 
-def over_datastore(store) -> Drafter:
-    """The datastore method's drafter over an open datastore (the caller keeps it)."""
-    return DatastoreDrafter(store)
+def over_datastore(store, lm=None) -> Drafter:
+    """The datastore method's drafter over an open datastore (the caller keeps it); with
+    `lm`, its conversation lookup drafts as long as lookup does there."""
+    return DatastoreDrafter(store, fitted(lm) if lm is not None else None)

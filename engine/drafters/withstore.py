@@ -20,13 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from engine.drafters.base import Draft
 from engine.drafters.composite import Composite, Step
-from engine.drafters.datastore import DatastoreDrafter
+from engine.drafters.datastore import DatastoreDrafter, TreeJoin
 from engine.drafters.hybrid import TreeWithChain, tree_or_copy
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.medusa import MedusaDrafter
-from engine.tree import TreeShape, join_trees, shape_of
 
 STORE = "datastore"  # the source name, and the kind of a step the store drafts alone
 JOINED = "medusa+datastore"  # the kind of a Medusa step the store's tree joined
@@ -48,29 +46,6 @@ def joining_pays(gain: float, base: int, joined: int, speedup: float, cost: Step
     faster when grown to `joined` tokens that add `gain` expected tokens."""
     base_tokens = speedup * cost(base)
     return (base_tokens + gain) / cost(joined) > speedup
-
-
-class TreeJoin:
-    """Grafts one draft onto another as one tree (engine.tree.join_trees); the structures
-    are kept per shape, so a repeated shape costs no new mask."""
-
-    MAX_SHAPES = 512  # shapes kept before the cache starts over
-
-    def __init__(self) -> None:
-        self._shapes: dict[tuple[int, ...], TreeShape] = {}
-
-    def __call__(self, a: Draft, b: Draft) -> tuple[Draft, list[int]]:
-        """(the joined draft, the joined nodes of b's non-root nodes)."""
-        if b.size == 1:
-            return a, []
-        tokens, parents, where = join_trees(a.tokens, a.children, b.tokens, b.children)
-        key = tuple(parents)
-        shape = self._shapes.get(key)
-        if shape is None:
-            if len(self._shapes) >= self.MAX_SHAPES:
-                self._shapes.clear()
-            shape = self._shapes[key] = shape_of(parents)
-        return Draft(tokens, shape.children, shape.depths, shape.mask), where[1:]
 
 
 def join_store(c: Composite, state, step: Step, join: TreeJoin, speedup: float,
