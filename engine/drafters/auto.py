@@ -114,6 +114,7 @@ class AutoDrafter(Composite):
         pay here and the datastore. Copying where a 3-gram match holds, else the trained
         one with the best calibrated speedup, with or beside the datastore's tree."""
         from engine.accelerators import describe, measured_speedup
+        from engine.drafters.lookup import fitted
         from engine.drafters.payoff import token_cost
 
         trained = {s: d for s, d in parts.items() if s != STORE}
@@ -127,8 +128,8 @@ class AutoDrafter(Composite):
                                           or measured_speedup(metrics) or 1.0)
         arm = fastest_arm(speedups)
         cost = StepCost(token_cost(lm)) if store is not None else None
-        return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), speedup=speedups.get(arm),
-                   labels=labels, store=store, cost=cost)
+        return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), fitted(lm),
+                   speedup=speedups.get(arm), labels=labels, store=store, cost=cost)
 
     @property
     def current(self) -> str:
