@@ -103,7 +103,7 @@ class Accelerators:
         for checkpoint in checkpoints(method):
             self._describe(checkpoint)  # drops drafters whose checkpoint changed
         if method == "datastore" and method not in self._drafters:
-            self._drafters[method] = over_datastore(self.datastore)
+            self._drafters[method] = over_datastore(self.datastore, self.host.lm)
         if method not in self._drafters:
             # Composed methods share the drafters held here.
             self._drafters[method] = load_drafter(self.host.lm, method,

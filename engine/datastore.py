@@ -25,7 +25,9 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import os
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ FORMAT_VERSION = 1
 KIND = "quickdraft-datastore"
 SEP = -1  # ends every document; sorts before every token, never drafted
 SORT_DEPTH = 32  # suffixes are sorted by this many tokens: longest match + deepest draft
+GATHER_MAX = 256  # ranges up to this wide are matched in one gather, wider ones bisected
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,17 @@ class Continuations:
     match_len: int = 0  # tokens of the context that matched
 
 
+@dataclass
+class _LastMatch:
+    """The latest match, kept so that the next step's match extends it."""
+
+    tiers: tuple  # the indexes it was found in (a store change makes new ones)
+    length: int  # tokens of the context it was found for
+    tail: list[int]  # that context's last max_match tokens
+    m: int  # tokens matched
+    ranges: list[tuple]  # (index, lo, hi) per tier where it occurs
+
+
 class SuffixIndex:
     """Suffix array over a padded token array; documents end with SEP."""
 
@@ -89,23 +103,58 @@ class SuffixIndex:
     def find(self, pattern: list[int]) -> tuple[int, int]:
         """[lo, hi) of the suffixes starting with `pattern` (length >= 2)."""
         key = (pattern[0] + 1) * (1 << 32) + (pattern[1] + 1)
-        lo, hi = np.searchsorted(self.keys, [key, key + 1])
-        for j in range(2, len(pattern)):
-            if lo >= hi:
-                break
-            col = self.tokens[self.sa[lo:hi] + j]
-            lo, hi = lo + np.searchsorted(col, pattern[j]), lo + np.searchsorted(
-                col, pattern[j], side="right")
-        return int(lo), int(hi)
+        lo, hi = (int(x) for x in np.searchsorted(self.keys, [key, key + 1]))
+        j = 2
+        while j < len(pattern) and hi - lo > GATHER_MAX:
+            lo, hi = self.narrow(lo, hi, j, pattern[j])
+            j += 1
+        if j == len(pattern) or lo >= hi:
+            return lo, hi
+        # the rest of the pattern against every suffix left, in one block: the matching
+        # suffixes are contiguous (sorted)
+        block = self.tokens[self.sa[lo:hi, None] + np.arange(j, len(pattern))]
+        same = np.flatnonzero((block == np.asarray(pattern[j:], np.int32)).all(1))
+        return (lo + int(same[0]), lo + int(same[-1]) + 1) if len(same) else (lo, lo)
 
-    def children(self, lo: int, hi: int, offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Distinct tokens at `offset` of the suffixes [lo, hi) (sorted there): (tokens,
-        starts, ends) of their sub-ranges; SEP (document end) included."""
-        col = self.tokens[self.sa[lo:hi] + offset]
-        cut = np.flatnonzero(col[1:] != col[:-1]) + 1
-        starts = np.concatenate([[0], cut])
-        ends = np.concatenate([cut, [len(col)]])
-        return col[starts], starts + lo, ends + lo
+    def narrow(self, lo: int, hi: int, offset: int, token: int) -> tuple[int, int]:
+        """The part of [lo, hi) (suffixes equal up to `offset`, so sorted by the token
+        there) whose token at `offset` is `token`."""
+        if hi - lo <= GATHER_MAX:  # one gather and two searches
+            col = self.tokens[self.sa[lo:hi] + offset]
+            return (lo + int(np.searchsorted(col, token)),
+                    lo + int(np.searchsorted(col, token, side="right")))
+        # a wide range (a frequent prefix): bisect, reading O(log n) tokens, not all of them
+        def at(i: int) -> int:
+            return self.tokens[self.sa[i] + offset]
+
+        first = bisect_left(range(lo, hi), token, key=at) + lo
+        return first, bisect_right(range(first, hi), token, key=at) + first
+
+    def children(self, lo: int, hi: int, offset: int,
+                 min_n: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Distinct tokens at `offset` of the suffixes [lo, hi) (sorted there) that occur
+        at least `min_n` times: (tokens, starts, ends) of their sub-ranges; SEP (document
+        end) included."""
+        if min_n > 1 and hi - lo > GATHER_MAX:
+            # every such token covers one of the positions lo, lo + min_n, ...: read those,
+            # then bisect each one's extent (a wide range needs no full read)
+            probes = self.tokens[self.sa[np.arange(lo, hi, min_n)] + offset]
+            cands = probes[np.concatenate([[True], probes[1:] != probes[:-1]])].tolist()
+
+            def at(i: int) -> int:
+                return self.tokens[self.sa[i] + offset]
+
+            starts = [bisect_left(range(lo, hi), t, key=at) + lo for t in cands]
+            ends = [bisect_right(range(b, hi), t, key=at) + b for t, b in zip(cands, starts,
+                                                                             strict=True)]
+            toks, starts, ends = np.array(cands), np.array(starts), np.array(ends)
+        else:
+            col = self.tokens[self.sa[lo:hi] + offset]
+            cut = np.flatnonzero(col[1:] != col[:-1]) + 1
+            first = np.concatenate([[0], cut])
+            toks, starts, ends = col[first], first + lo, np.concatenate([cut, [len(col)]]) + lo
+        keep = ends - starts >= min_n
+        return toks[keep], starts[keep], ends[keep]
 
 
 def suffix_array(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -137,6 +186,7 @@ class Datastore:
         self.main_docs = 0  # the first main_docs documents are in `main`
         self.main = SuffixIndex(np.zeros(0, np.int32))
         self.recent = SuffixIndex(np.zeros(0, np.int32))
+        self._last: _LastMatch | None = None  # the latest match, which the next one extends
 
     @property
     def tokens(self) -> int:
@@ -174,6 +224,11 @@ class Datastore:
         self.main = SuffixIndex(_join(self.docs))
         self.recent = SuffixIndex(np.zeros(0, np.int32))
 
+    def refill(self, docs: Iterable[Iterable[int]]) -> None:
+        """Forget every document, then learn `docs` (the newest last)."""
+        self.docs = []
+        self.add_all(docs)
+
     def continuations(self, context: list[int], max_nodes: int | None = None,
                       max_depth: int = 16) -> Continuations:
         """The longest suffix of `context` seen before and the tree of what followed it:
@@ -200,20 +255,60 @@ class Datastore:
                 node = len(out.tokens) - 1
             if depth >= max_depth:
                 continue
-            for child, (sub, n) in _merged_children(rs, m + depth).items():
+            if count == 1:  # one occurrence: the rest is its text, at the same probability
+                self._chain(out, rs[0], m + depth, node, -neg,
+                            min(budget - len(out.tokens), max_depth - depth))
+                continue
+            # a child below min_prob has fewer than this many occurrences
+            least = max(p.min_count, math.ceil(p.min_prob * count / -neg - 1e-9))
+            for child, (sub, n) in _merged_children(rs, m + depth, least).items():
                 prob = -neg * n / count
                 if prob >= p.min_prob and n >= p.min_count:
                     heapq.heappush(heap, (-prob, tie, node, depth + 1, child, sub, n))
                     tie += 1
         return out
 
+    @staticmethod
+    def _chain(out: Continuations, where: tuple, offset: int, parent: int, prob: float,
+               room: int) -> None:
+        """Append what follows one occurrence (index, lo, lo + 1) from `offset` on, up to
+        `room` tokens and the end of its document, as a chain under `parent`."""
+        ix, lo, _hi = where
+        start = int(ix.sa[lo]) + offset
+        for token in ix.tokens[start:start + max(0, room)].tolist():
+            if token == SEP:
+                return
+            out.tokens.append(token)
+            out.parents.append(parent)
+            out.probs.append(prob)
+            out.counts.append(1)
+            parent = len(out.tokens) - 1
+
     def _match(self, context: list[int]) -> tuple[list[tuple], int]:
         """Ranges (index, lo, hi) of the longest matching suffix of `context`, and its
-        length. Matches are monotone (a suffix of a match matches), so binary search."""
+        length. Matches are monotone (a suffix of a match matches), so binary search.
+
+        Decoding asks again for the same context grown by the tokens just kept. A match
+        then grows by at most those k tokens (its part before them matched last time), so
+        the last match narrowed by them, when it still occurs, is the longest; otherwise
+        the search is bounded by it. A store change (new indexes) forgets the last match."""
         p = self.params
-        tiers = [ix for ix in (self.main, self.recent) if ix.size]
+        tiers = tuple(ix for ix in (self.main, self.recent) if ix.size)
         ctx = [int(t) for t in context[-p.max_match:]]
-        lo_len, hi_len, best = p.min_match, len(ctx), ([], 0)
+        lo_len, hi_len = p.min_match, len(ctx)
+        last, n = self._last, len(context)
+        if (last is not None and last.tiers == tiers and n >= last.length
+                and [int(t) for t in context[last.length - len(last.tail):last.length]]
+                == last.tail):
+            k = n - last.length
+            if k == 0:
+                return last.ranges, last.m
+            if last.m and last.m + k <= p.max_match:
+                grown = _narrowed(last.ranges, last.m, ctx[-k:])
+                if grown:
+                    return self._remember(tiers, n, ctx, grown, last.m + k)
+            hi_len = min(hi_len, max(last.m, p.min_match - 1) + k)
+        best: tuple[list[tuple], int] = ([], 0)
         while lo_len <= hi_len:
             m = (lo_len + hi_len) // 2
             found = [(ix, *ix.find(ctx[-m:])) for ix in tiers]
@@ -222,7 +317,12 @@ class Datastore:
                 best, lo_len = (found, m), m + 1
             else:
                 hi_len = m - 1
-        return best
+        return self._remember(tiers, n, ctx, *best)
+
+    def _remember(self, tiers: tuple, n: int, ctx: list[int], ranges: list[tuple],
+                  m: int) -> tuple[list[tuple], int]:
+        self._last = _LastMatch(tiers, n, ctx, m, ranges)
+        return ranges, m
 
     # -- disk ------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -298,12 +398,30 @@ def _join_plain(docs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
 
 
-def _merged_children(ranges: list[tuple], offset: int) -> dict[int, tuple[list, int]]:
-    """Children over all tiers: token -> ([(index, lo, hi)], occurrences); SEP left out."""
-    out: dict[int, tuple[list, int]] = {}
+def _narrowed(ranges: list[tuple], m: int, tokens: list[int]) -> list[tuple]:
+    """The ranges of an m-token match narrowed to the suffixes that go on with `tokens`."""
+    out = []
     for ix, lo, hi in ranges:
-        toks, starts, ends = ix.children(lo, hi, offset)
-        for t, s, e in zip(toks.tolist(), starts.tolist(), ends.tolist()):
+        for i, token in enumerate(tokens):
+            lo, hi = ix.narrow(lo, hi, m + i, token)
+            if lo >= hi:
+                break
+        if lo < hi:
+            out.append((ix, lo, hi))
+    return out
+
+
+def _merged_children(ranges: list[tuple], offset: int,
+                     min_n: int = 1) -> dict[int, tuple[list, int]]:
+    """Children over all tiers: token -> ([(index, lo, hi)], occurrences); SEP left out,
+    and so are some of those seen fewer than `min_n` times in all."""
+    out: dict[int, tuple[list, int]] = {}
+    total = sum(hi - lo for _ix, lo, hi in ranges)
+    for ix, lo, hi in ranges:
+        # the other tiers add at most their whole range to a child's count
+        least = max(1, min_n - (total - (hi - lo)))
+        toks, starts, ends = ix.children(lo, hi, offset, least)
+        for t, s, e in zip(toks.tolist(), starts.tolist(), ends.tolist(), strict=True):
             if t == SEP:
                 continue
             sub, n = out.get(t, ([], 0))

@@ -124,7 +124,10 @@ def _layer_mask(past: int, tree_mask: torch.Tensor, nodes: torch.Tensor, kv_len:
     allowed = (slots < past)[None, :].expand(n, -1).clone()
     if window is not None:  # transformers' sliding rule: key position > query position - window
         allowed &= slots[None, :] > nodes[:, None] - window
-    allowed[:, past - offset:] = tree_mask.to(device)
+    tree = tree_mask.to(device)
+    if window is not None:  # a deep node's window ends inside the tree too
+        tree = tree & (nodes[None, :] > nodes[:, None] - window)
+    allowed[:, past - offset:] = tree
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]

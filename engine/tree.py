@@ -163,3 +163,49 @@ def with_chain(tree: TreeBuffers, length: int) -> TreeShape:
     mask[n:, 0] = True
     mask[n:, n:] = torch.ones(length, length).tril().bool()
     return TreeShape(children, [*tree.depths, *range(1, length + 1)], mask)
+
+
+def join_trees(a_tokens: Sequence[int], a_children: Sequence[Sequence[int]],
+               b_tokens: Sequence[int], b_children: Sequence[Sequence[int]],
+               ) -> tuple[list[int], list[int], list[int]]:
+    """Tree b grafted onto tree a (both rooted at the same token) as a trie: a node of b
+    whose parent's image already has a child with its token is that child, every other
+    one a new node after a's. a's nodes and order are kept, so its first children are
+    still tried first. Returns (tokens, parents, where): the joined tree (parents[0] = -1)
+    and, per node of b, its node in the joined tree."""
+    tokens = list(a_tokens)
+    parents = [-1] * len(tokens)
+    kids: list[dict[int, int]] = [{} for _ in tokens]  # node -> {token: child}
+    for node, children in enumerate(a_children):
+        for child in children:
+            parents[child] = node
+            kids[node].setdefault(tokens[child], child)
+    where = [0] * len(b_tokens)
+    todo = [0]  # b's nodes, breadth first: appended nodes keep b's order within a depth
+    for node in todo:
+        for child in b_children[node]:
+            into, token = where[node], int(b_tokens[child])
+            if token not in kids[into]:
+                kids[into][token] = len(tokens)
+                tokens.append(token)
+                parents.append(into)
+                kids.append({})
+            where[child] = kids[into][token]
+            todo.append(child)
+    return tokens, parents, where
+
+
+def shape_of(parents: Sequence[int]) -> TreeShape:
+    """Children, depths and ancestor mask of the tree given by its parents (parents before
+    children, node 0 the root)."""
+    n = len(parents)
+    children: list[list[int]] = [[] for _ in range(n)]
+    depths = [0] * n
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[0, 0] = True
+    for i in range(1, n):
+        children[parents[i]].append(i)
+        depths[i] = depths[parents[i]] + 1
+        mask[i] = mask[parents[i]]
+        mask[i, i] = True
+    return TreeShape(children, depths, mask)

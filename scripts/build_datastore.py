@@ -22,8 +22,7 @@ from engine.datastore import Datastore  # noqa: E402
 from engine.drafters.datastore import shipped_path  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.paths import cache_dir  # noqa: E402
-from trainer.selfdistill import (  # noqa: E402
-    DataBudget, data_path, generate_data, load_conversations)
+from trainer.selfdistill import DataBudget, data_path, generate_data, load_conversations  # noqa: E402
 
 
 def replies(lm, convs: list[list[dict]]) -> list[list[int]]:

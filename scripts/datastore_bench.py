@@ -1,14 +1,12 @@
 """Tokens per step of each method with and without the datastore, leave-one-out.
 
-    python scripts/datastore_bench.py [--limit 24] [--quant bf16] [--tokens 128] [--out F]
+    python scripts/datastore_bench.py [--limit 16] [--quant bf16] [--tokens 128] [--out F]
 
-The datastore for a measured prompt holds the shipped store (the model's answers to the
-seed prompts, i.e. the training data) and the plain greedy replies to the *other* measured
-prompts, never that prompt's own reply (leave-one-out). Greedy decoding; tokens per step is
-independent of the machine's speed. "auto+datastore" is Auto that drafts the datastore's
-tree instead of its arm where the store's match is long and confident (what the composed
-drafters will decide per step); "datastore+lookup" copies while a 3-gram match holds and
-drafts from the store otherwise.
+The bench's own method table and leave-one-out store (engine.benchmark.leaveout): the
+datastore for a measured prompt holds the shipped store (the model's answers to the seed
+prompts, i.e. the training data) and the plain greedy replies to the *other* measured
+prompts, never that prompt's own reply. Greedy decoding, methods interleaved prompt by
+prompt; tokens per step does not depend on the machine's load, tokens/s does (indicative).
 """
 
 from __future__ import annotations
@@ -17,100 +15,91 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.benchmark.prompts import DEFAULT_PROMPTS, encode_prompt, load_prompts, round_robin  # noqa: E402,E501
+from engine.benchmark.leaveout import plain_replies, ready  # noqa: E402
+from engine.benchmark.methods import build_methods  # noqa: E402
+from engine.benchmark.prompts import (  # noqa: E402
+    DEFAULT_PROMPTS,
+    encode_prompt,
+    load_prompts,
+    round_robin,
+)
 from engine.config import ModelSpec, SamplingParams  # noqa: E402
-from engine.datastore import Datastore, load  # noqa: E402
-from engine.drafters.auto import COPY, AutoDrafter  # noqa: E402
-from engine.drafters.base import Draft  # noqa: E402
-from engine.drafters.datastore import DatastoreDrafter, shipped_path, tree_draft  # noqa: E402
-from engine.drafters.lookup import LookupDrafter, LookupParams, LookupSource  # noqa: E402
-from engine.drafters.registry import load_auto  # noqa: E402
-from engine.generate import run  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 
-MIN_MATCH, MIN_PROB = 3, 0.5  # a store match Auto trusts over its arm
-
-
-class AutoWithStore(AutoDrafter):
-    """Auto, drafting the store's tree (a whole-model round, like copying) where it trusts it."""
-
-    def __init__(self, auto: AutoDrafter, store: Datastore):
-        self.__dict__.update(auto.__dict__)
-        self.store, self._trees = store, {}
-
-    def propose(self, state) -> Draft:
-        chain, n = self.source.match(state.ids, state.room)
-        if not (chain and self.source.copying(n)):
-            found = self.store.continuations(state.ids, max_depth=state.room)
-            if found.match_len >= MIN_MATCH and found.probs and found.probs[0] >= MIN_PROB:
-                self._round = COPY
-                return tree_draft(state.ids[-1], found, self._trees)
-        return super().propose(state)
-
-
-class StoreWithLookup(DatastoreDrafter):
-    def __init__(self, store: Datastore):
-        super().__init__(store)
-        self.lookup = LookupSource(LookupParams())
-
-    def start(self, state, prefill) -> None:
-        super().start(state, prefill)
-        self.lookup.reset()
-
-    def propose(self, state) -> Draft:
-        chain, n = self.lookup.match(state.ids, state.room)
-        if chain and self.lookup.copying(n):
-            return Draft.chain(state.ids[-1], chain)
-        return super().propose(state)
+METHODS = ("lookup", "datastore", "medusa+lookup", "medusa+datastore", "auto-no-datastore",
+           "auto")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=24)
+    parser.add_argument("--limit", type=int, default=16)
     parser.add_argument("--quant", default="bf16")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--measure", type=int, default=None,
+                        help="measure only the first N prompts (the stores still hold the "
+                             "replies to all the others)")
+    parser.add_argument("--replies", type=Path, default=None,
+                        help="JSON file of the plain replies: read if it exists, else written")
     args = parser.parse_args()
     lm = load_model(ModelSpec(quant=args.quant))
     params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens)
     prompts = round_robin(load_prompts(DEFAULT_PROMPTS), args.limit)
     ids = [encode_prompt(lm, p, args.tokens) for p in prompts]
-    shipped = load(shipped_path(lm.fingerprint), lm.fingerprint)
-    plain = [run(lm, p, params)[1] for p in ids]
-    auto = load_auto(lm)
+    start = time.perf_counter()
+    if args.replies and args.replies.is_file():
+        saved = json.loads(args.replies.read_text())
+        replies = {tuple(r["prompt"]): r["reply"] for r in saved["replies"]}
+        plain_s = saved["seconds_per_token"]
+    else:
+        replies = plain_replies(lm, ids, params)
+        plain_s = (time.perf_counter() - start) / sum(len(r) for r in replies.values())
+    if args.replies and not args.replies.is_file():
+        args.replies.write_text(json.dumps({"seconds_per_token": plain_s, "replies": [
+            {"prompt": list(k), "reply": v} for k, v in replies.items()]}))
+    methods, skipped = build_methods(lm, args.methods.split(","), params)
+    ready(methods, replies)
     rows: dict[str, list[dict]] = {}
-    for i, (prompt, p_ids) in enumerate(zip(prompts, ids)):
-        store = Datastore(lm.fingerprint)
-        store.add_all([*shipped.docs, *(r for j, r in enumerate(plain) if j != i)])
-        methods = {"lookup": LookupDrafter(), "datastore": DatastoreDrafter(store),
-                   "datastore+lookup": StoreWithLookup(store), "auto": auto,
-                   "auto+datastore": AutoWithStore(auto, store)}
-        for name, drafter in methods.items():
-            _t, out, stats = run(lm, p_ids, params, drafter)
+    measured = list(zip(prompts, ids, strict=True))[:args.measure]
+    for i, (prompt, p_ids) in enumerate(measured):
+        for name, method in methods.items():
+            if method.before is not None:
+                method.before(p_ids)
+            begin = time.perf_counter()
+            out = method.generate(p_ids)
+            seconds = time.perf_counter() - begin
             rows.setdefault(name, []).append({
-                "category": prompt.category, "tokens_per_step": stats.mean_accepted,
-                "same": out == plain[i]})
+                "category": prompt.category,
+                "tokens_per_step": statistics.mean(a + 1 for a in out.accepted),
+                "speed_vs_plain": plain_s * len(out.ids) / seconds,
+                "same": out.ids == replies[tuple(p_ids)], "used": out.used})
         print(i, prompt.category, {k: round(v[-1]["tokens_per_step"], 2)
                                    for k, v in rows.items()}, flush=True)
     report = {name: summary(r) for name, r in rows.items()}
-    report["_settings"] = {"prompts": len(prompts), "quant": args.quant, "tokens": args.tokens,
-                           "shipped_store_tokens": shipped.tokens,
-                           "rule": "leave-one-out: the measured prompt's own reply is "
-                                   "never in its datastore"}
+    held = next(m.held_out for m in methods.values() if m.held_out is not None)
+    report["_settings"] = {"prompts": len(measured), "replies_in_stores": len(prompts) - 1,
+                           "quant": args.quant, "tokens": args.tokens,
+                           "skipped": skipped, **held.describe()}
     print(json.dumps(report, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def summary(rows: list[dict]) -> dict:
     cats = sorted({r["category"] for r in rows})
-    mean = lambda rs: round(statistics.mean(r["tokens_per_step"] for r in rs), 3)  # noqa: E731
-    return {"tokens_per_step": mean(rows), "greedy_match_rate":
-            round(sum(r["same"] for r in rows) / len(rows), 3),
+
+    def mean(rs, key="tokens_per_step"):
+        return round(statistics.mean(r[key] for r in rs), 3)
+
+    return {"tokens_per_step": mean(rows),
+            "speed_vs_plain_indicative": mean(rows, "speed_vs_plain"),
+            "greedy_match_rate": round(sum(r["same"] for r in rows) / len(rows), 3),
             "by_category": {c: mean([r for r in rows if r["category"] == c]) for c in cats}}
 
 

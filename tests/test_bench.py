@@ -29,7 +29,7 @@ from engine.benchmark.prompts import (
     load_prompts,
     round_robin,
 )
-from engine.benchmark.report import summarize, to_markdown, write_report
+from engine.benchmark.report import notes, summarize, to_markdown, write_report
 from engine.benchmark.runner import Measurement
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
@@ -271,7 +271,8 @@ def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, 
     assert list(figures) == ["hf", "vanilla", "auto", "slow", "corrupt"]
     assert figures["auto"]["greedy_match_rate"] == 1.0
     used = [m["used"] for m in report["measurements"] if m["method"] == "auto"]
-    assert used and all(set(u) <= {"off", "lookup", "copy"} for u in used)  # nothing trained
+    # nothing trained: copies, the datastore (the other prompt's reply) or plain steps
+    assert used and all(set(u) <= {"off", "copy", "datastore"} for u in used)
     assert all(sum(u.values()) > 0 for u in used)
     assert "- auto's steps by arm, per category: " in to_markdown(report)
     for f in figures.values():
@@ -414,3 +415,35 @@ def test_gpu_script_runs_both_quantizations(tiny_folder, two_prompt_file, tmp_pa
 def test_gpu_script_rejects_a_single_quant_flag(tiny_folder):
     with pytest.raises(SystemExit):
         _gpu_script().main(["--model", str(tiny_folder), "--quant", "nf4"])
+
+
+def test_the_datastore_never_holds_the_measured_prompts_own_reply(bundled_tokenizer):
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=2)
+    params = SamplingParams(max_new_tokens=8, seed=0)
+    names = ["hf", "lookup", "datastore", "auto", "auto-no-datastore"]
+    methods, skipped = build_methods(lm, names, params)
+    held = methods["datastore"].held_out
+    assert held is methods["auto"].held_out
+    assert methods["lookup"].held_out is methods["auto-no-datastore"].held_out is None
+    seen = []
+
+    def checked(method):
+        generate = method.generate
+
+        def run(prompt_ids):
+            own = held.replies[tuple(prompt_ids)]
+            docs = [list(d) for d in held.store.docs]
+            seen.append((own in docs, len(docs)))
+            return generate(prompt_ids)
+
+        method.generate = run
+
+    for name in ("datastore", "auto"):
+        checked(methods[name])
+    report = bench_report(lm, TWO_PROMPTS, methods, skipped, params, {"command": "test"})
+    measured = seen[len(seen) - 4:]  # after the warm-up calls: 2 prompts x 2 methods
+    assert measured and not any(own for own, _n in measured)
+    assert all(n == 1 for _own, n in measured)  # the other prompt's reply is there
+    assert "leave-one-out" in report["settings"]["datastore"]["rule"]
+    assert list(report["methods"]) == names
+    assert "Datastore methods" in "\n".join(notes(report))

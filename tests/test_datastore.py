@@ -134,3 +134,24 @@ def test_chats_on_a_topic_make_the_next_one_draft_more(bundled_tokenizer, tmp_pa
     tokens = service.accels.datastore.tokens
     ask("Tell me about the rivers of Poland.")
     assert service.accels.datastore.tokens == tokens
+
+
+def test_a_growing_context_extends_the_last_match_and_finds_what_a_fresh_search_finds():
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 6, (60,), generator=gen).tolist() for _ in range(20)]
+    store = Datastore("fp", DatastoreParams(max_match=6))
+    store.add_all(docs[:-1])
+    store.add(docs[-1])  # both tiers
+    extended = 0
+    for start in range(0, 40, 7):
+        context = docs[3][start:start + 8]
+        for step in range(12):  # grows by 0-2 tokens a step, often the store's own text
+            context = context + torch.randint(0, 6, (step % 3,), generator=gen).tolist()
+            if step % 2:
+                context = context + docs[3][len(context):len(context) + 2]
+            last = store._last
+            got = store.continuations(context)
+            extended += last is not None and store._last.m > last.m
+            store._last = None
+            assert got == store.continuations(context), (start, step)
+    assert extended > 0

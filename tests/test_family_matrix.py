@@ -20,13 +20,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
-from engine.drafters.auto import KANGAROO, MEDUSA, AutoDrafter
 from engine.datastore import Datastore
+from engine.drafters.auto import KANGAROO, MEDUSA, AutoDrafter
 from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
+from engine.drafters.withstore import medusa_datastore
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.loading import wrap_model
@@ -54,7 +55,8 @@ FAMILIES = {
                                    n_positions=CONTEXT)),
     "qwen3-qknorm": ("qwen3", {**LLAMA_LIKE, "head_dim": 16}),
 }
-METHODS = ("lookup", "datastore", "medusa", "medusa+lookup", "kangaroo", "kangaroo+lookup", "auto")
+METHODS = ("lookup", "datastore", "medusa", "medusa+lookup", "medusa+datastore", "kangaroo",
+           "kangaroo+lookup", "auto")
 
 
 def family_model(name: str, tokenizer):
@@ -74,13 +76,10 @@ def make_drafter(lm, method: str):
     settings = KangarooSettings(2, 0.0, 4)
     if method == "lookup":
         return LookupDrafter()
-    if method == "datastore":  # the prompts and earlier replies to them (and to a shorter
-        # version of each, so that some drafts are wrong)
-        store = Datastore("test")
-        asked = [*prompts().values(), *(p[2:] for p in prompts().values())]
-        store.add_all([*prompts().values(), *(run(lm, p, SamplingParams(max_new_tokens=24))[1]
-                                              for p in asked)])
-        return DatastoreDrafter(store)
+    if method == "datastore":
+        return DatastoreDrafter(family_store(lm))
+    if method == "medusa+datastore":
+        return medusa_datastore(MedusaDrafter(lm, heads, tree), DatastoreDrafter(family_store(lm)))
     if method == "medusa":
         return MedusaDrafter(lm, heads, tree)
     if method == "medusa+lookup":
@@ -96,7 +95,17 @@ def make_drafter(lm, method: str):
     # The arm whose interplay with copy rounds is the most involved: the adapter reads the
     # states of copied tokens at its next round (Medusa+lookup runs as its own method).
     return AutoDrafter(KANGAROO if kangaroo else MEDUSA, MedusaDrafter(lm, heads, tree),
-                       kangaroo)
+                       kangaroo, store=DatastoreDrafter(family_store(lm)))
+
+
+def family_store(lm) -> Datastore:
+    """The prompts and earlier replies to them (and to a shorter version of each, so that
+    some drafts are wrong)."""
+    store = Datastore("test")
+    asked = [*prompts().values(), *(p[2:] for p in prompts().values())]
+    store.add_all([*prompts().values(), *(run(lm, p, SamplingParams(max_new_tokens=24))[1]
+                                          for p in asked)])
+    return store
 
 
 def drafter_or_skip(name: str, lm, method: str):
@@ -166,7 +175,7 @@ def test_greedy_to_the_end_of_the_context_matches_plain_decoding(family, method,
     name, lm, plain = family
     drafter = drafter_or_skip(name, lm, method)
     states = capture_state(monkeypatch)
-    drafted = 0
+    drafted = from_store = 0
     for key, prompt in prompts().items():
         params = SamplingParams(max_new_tokens=CONTEXT - len(prompt))
         _text, ids, stats = run(lm, prompt, params, drafter)
@@ -177,8 +186,11 @@ def test_greedy_to_the_end_of_the_context_matches_plain_decoding(family, method,
         # The cache holds every token but the last (chosen, never fed back).
         assert_same_cache(state.cache, one_by_one_cache(lm, state.ids[:-1]))
         drafted += sum(stats.drafted)
+        from_store += stats.datastore_drafted
     if "lookup" in method or method == "datastore":
         assert sum(stats.drafted) > 0  # the repetitive prompt made lookup draft
+    if "datastore" in method or method == "auto":
+        assert from_store > 0  # the store's drafts were verified
     assert drafted > 0  # the exactness above held while drafting, not by decoding plainly
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.benchmark import stepcost
+from engine.benchmark import leaveout, stepcost
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import LOOKUP_TOKENS, Contender
 from engine.benchmark.prompts import BenchPrompt, encode_prompt
@@ -35,7 +35,11 @@ def bench_report(
     machine = machine_info(lm.device)
     prompt_ids = [encode_prompt(lm, p, params.max_new_tokens) for p in prompts]
     probe = MemoryProbe.for_device(lm.device)
-    results = run_bench(methods, prompts, prompt_ids, probe, progress, passes, fresh)
+    store = leaveout.described(methods)  # the datastore's leave-one-out replies, if used
+    replies = leaveout.plain_replies(lm, prompt_ids, params) if store else {}
+    leaveout.ready(methods, replies)
+    renew = fresh and (lambda: leaveout.ready(fresh(), replies))
+    results = run_bench(methods, prompts, prompt_ids, probe, progress, passes, renew)
     settings = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         **context,
@@ -55,6 +59,7 @@ def bench_report(
         "order": "methods interleaved prompt by prompt, order rotated per prompt",
         "passes": passes,
         "memory": probe.describe(),
+        **({"datastore": leaveout.described(methods)} if store else {}),
     }
     # ms of a step verifying n tokens on these weights (the speed report's cost table)
     settings["step_costs"] = {n: round(t * 1e3, 2) for n, t in stepcost.step_costs(lm).items()}

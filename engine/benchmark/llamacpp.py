@@ -20,7 +20,6 @@ from engine.config import SamplingParams
 from engine.errors import QuickdraftError
 
 
-
 def gguf_file(lm) -> Path | None:
     """The GGUF file `lm` was loaded from, or None when it came from a folder or hub repo."""
     from engine.loading import BUNDLED_GGUF, BUNDLED_PACKAGE

@@ -15,15 +15,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from engine.benchmark.leaveout import WITH_STORE, LeaveOneOut
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
-from engine.drafters.registry import ACCEL_CHOICES, load_drafter
+from engine.drafters.registry import ACCEL_CHOICES, load_drafter, over_datastore
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import run
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 ACCELERATORS = tuple(c for c in ACCEL_CHOICES if c != "off")  # the engine's drafters
-METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, "llama.cpp", "llama.cpp-lookup")
+NO_STORE = "auto-no-datastore"  # Auto with the datastore left out (the bench's comparison)
+METHOD_CHOICES = (*HF_METHODS, "vanilla", *ACCELERATORS, NO_STORE, "llama.cpp",
+                  "llama.cpp-lookup")
 BASELINE = "hf"  # every speedup is measured against this method
 OVERALL = "all"  # the report column that pools every category
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens for hf-lookup
@@ -45,13 +48,16 @@ class Contender:
 
     name: str  # as shown in the report, e.g. "hf-lookup"
     generate: Callable[[list[int]], Outcome]  # prompt ids -> outcome, same settings every call
+    before: Callable[[list[int]], None] | None = None  # prompt ids -> None, run untimed
+    # before each measured call (the datastore's leave-one-out refill)
+    held_out: LeaveOneOut | None = None  # the datastore it drafts from (engine.benchmark.leaveout)
 
 
 def method_names(text: str | None, with_assistant: bool) -> list[str]:
     """Parse --methods ("hf,vanilla"); None = the default set. `hf` always runs, first."""
     if text is None:
         names = ["hf", "hf-lookup", *(["hf-assisted"] if with_assistant else []),
-                 "vanilla", *ACCELERATORS]
+                 "vanilla", *ACCELERATORS, NO_STORE]
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in METHOD_CHOICES]
@@ -69,9 +75,11 @@ def method_names(text: str | None, with_assistant: bool) -> list[str]:
 def build_methods(lm, names: list[str], params: SamplingParams,
                   assistant=None) -> tuple[dict[str, Contender], dict[str, str]]:
     """The method table for `names`, and {name: reason} for methods that cannot run here
-    (an accelerator not trained for this model, llama.cpp without its binding or GGUF file)."""
+    (an accelerator not trained for this model, llama.cpp without its binding or GGUF file).
+    Methods that draft from the datastore share one, filled leave-one-out per prompt."""
     methods: dict[str, Contender] = {}
     skipped: dict[str, str] = {}
+    held_out = LeaveOneOut(lm) if set(names) & set(WITH_STORE) else None
     for name in names:
         if name == "hf":
             methods[name] = hf_method(name, lm, params)
@@ -91,17 +99,33 @@ def build_methods(lm, names: list[str], params: SamplingParams,
             else:  # tokens per step unknown: llama.cpp does not draft here
                 methods[name] = Contender(name, lambda ids, d=decode: Outcome(*d(ids), None))
         else:
-            drafter, reason = _accelerator(lm, name)
+            drafter, reason = _accelerator(lm, name, held_out)
             if drafter is None:
                 skipped[name] = reason
             else:
                 methods[name] = engine_method(name, lm, params, drafter)
+                if name in WITH_STORE:
+                    methods[name].before = held_out.hold_out
+                    methods[name].held_out = held_out
     return methods, skipped
 
 
-def _accelerator(lm, name: str) -> tuple[Drafter | None, str]:
+def _accelerator(lm, name: str, held_out: LeaveOneOut | None) -> tuple[Drafter | None, str]:
+    """The method's drafter; its datastore (and Auto's) is the leave-one-out one, and
+    NO_STORE is Auto without one."""
+
+    def part(lm, m: str) -> Drafter:
+        if m == "datastore":
+            if held_out is None:
+                raise AcceleratorError("left out")
+            return over_datastore(held_out.store, lm)
+        return load_drafter(lm, m, part)
+
     try:
-        return load_drafter(lm, name), ""
+        if name == NO_STORE:
+            held_out = None
+            return load_drafter(lm, "auto", part), ""
+        return part(lm, name), ""
     except AcceleratorError as exc:
         return None, f"not trained: {exc}"
     except ModuleNotFoundError as exc:

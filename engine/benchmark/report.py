@@ -20,6 +20,7 @@ import torch
 
 from engine import devices, neartie
 from engine.benchmark import stepcost
+from engine.benchmark.leaveout import WITH_STORE
 from engine.benchmark.methods import BASELINE, OVERALL
 from engine.benchmark.runner import Measurement
 from engine.neartie import Divergence
@@ -321,6 +322,9 @@ def notes(report: dict) -> list[str]:
         lines.append(f"- Every method matched {BASELINE} token for token on every prompt.")
     lines += [f"- {name} did not run: {why}" for name, why in report["skipped"].items()]
     lines += _picks(report["measurements"])
+    if store := report["settings"].get("datastore"):
+        lines.append(f"- Datastore methods ({', '.join(WITH_STORE)}; compare "
+                     f"{', '.join(WITH_STORE.values())}): {store['rule']}.")
     return lines
 
 

@@ -9,7 +9,12 @@ adapter wins, or plain decoding where neither pays). Auto therefore takes, every
 - otherwise its *arm*: the trained drafter with the best speedup calibration measured on
   this machine (re-timed at load in another dtype or on another device): Medusa's tree with
   a shorter match's short continuation beside it ("medusa+lookup"), a Kangaroo adapter round
-  ("kangaroo"), or plain decoding ("off") when none pays.
+  ("kangaroo"), or plain decoding ("off") when none pays;
+- with the datastore of the model's own outputs (engine.drafters.withstore): its
+  continuation tree joins Medusa's arm in the same step where the added tokens pay
+  ("medusa+datastore"), and with the other arms drafts alone ("datastore") where its
+  expected tokens per step cost beat the arm's calibrated speedup. Confidence comes from the
+  store's counts, costs from steps timed at load.
 
 This simple rule was measured against an adaptive Auto that re-timed every arm during
 replies and counted the tokens arms that did not run would have kept: on the bundled
@@ -31,6 +36,13 @@ from engine.drafters.base import Draft, Drafter
 from engine.drafters.composite import Composite, Step
 from engine.drafters.hybrid import TreeWithChain, lookup_match, tree_or_copy
 from engine.drafters.lookup import LookupDrafter, LookupParams
+from engine.drafters.withstore import (
+    STORE,
+    StepCost,
+    TreeJoin,
+    store_alone,
+    tree_copy_or_store,
+)
 
 COPY = "copy"  # rounds that draft a 3-gram match's continuation alone
 # The trained arms, named for how they draft: Medusa's tree with the lookup continuation
@@ -46,14 +58,32 @@ def fastest_arm(speedups: dict[str, float]) -> str:
     return best if speedups.get(best, 0.0) > 1.0 else "off"
 
 
-def copy_or_alone(c: Composite, state, source: str | None) -> Step:
-    """Copy while a 3-gram match holds; else `source`'s draft alone (None: plain decoding)."""
+def copy_or_alone(c: Composite, state, source: str | None, speedup: float = 1.0,
+                  cost: StepCost | None = None) -> Step:
+    """Copy while a 3-gram match holds; else the datastore's tree where it beats `source`
+    (expected to run at `speedup` x plain decoding); else `source`'s draft alone (None:
+    plain decoding)."""
     chain, n = lookup_match(c, state)
     if chain and c.sources["lookup"].source.copying(n):
         return Step(COPY, "lookup", Draft.chain(state.ids[-1], chain))
+    if (step := store_alone(c, state, speedup, cost or StepCost())) is not None:
+        return step
     if source is None:
         return Step("off", None, Draft.chain(state.ids[-1], []))
     return Step(ARMS[source], source, c.sources[source].propose(state))
+
+
+def choice(arm: str, sources: dict[str, Drafter], speedup: float, cost: StepCost):
+    """Auto's per-step choice for `arm` over `sources` (see the module doc); speedup: the
+    arm's calibrated one."""
+    if arm == MEDUSA:
+        merge = TreeWithChain(sources["medusa"].tree)
+        if STORE in sources:
+            return partial(tree_copy_or_store, merge=merge, join=TreeJoin(), speedup=speedup,
+                           cost=cost)
+        return partial(tree_or_copy, merge=merge)
+    source = next((s for s, a in ARMS.items() if a == arm), None)
+    return partial(copy_or_alone, source=source, speedup=speedup, cost=cost)
 
 
 class AutoDrafter(Composite):
@@ -61,7 +91,8 @@ class AutoDrafter(Composite):
 
     def __init__(self, arm: str = "off", medusa: Drafter | None = None,
                  kangaroo: Drafter | None = None, lookup: LookupParams | None = None,
-                 speedup: float | None = None, labels: dict[str, str] | None = None):
+                 speedup: float | None = None, labels: dict[str, str] | None = None,
+                 store: Drafter | None = None, cost: StepCost | None = None):
         trained = {"medusa": medusa, "kangaroo": kangaroo}
         source = next((s for s, a in ARMS.items() if a == arm), None)
         if arm != "off" and trained.get(source) is None:
@@ -69,19 +100,25 @@ class AutoDrafter(Composite):
         sources = {"lookup": LookupDrafter(lookup or LookupParams())}
         if source is not None:
             sources[source] = trained[source]
-        choose = (partial(tree_or_copy, merge=TreeWithChain(medusa.tree)) if arm == MEDUSA
-                  else partial(copy_or_alone, source=source))
-        super().__init__("auto", sources, choose)
+        if store is not None:
+            sources[STORE] = store
+        super().__init__("auto", sources, choice(arm, sources, speedup or 1.0,
+                                                 cost or StepCost()))
         self.arm = arm
         self.speedup = speedup  # the arm's calibrated speedup (None for off)
         self.labels = labels or {}  # method -> what people read
 
     @classmethod
-    def over(cls, lm, trained: dict[str, Drafter], labels: dict[str, str]) -> AutoDrafter:
-        """Auto over the trained drafters of `lm` that pay here (source name -> drafter):
-        copying where a 3-gram match holds, else the one with the best calibrated speedup."""
+    def over(cls, lm, parts: dict[str, Drafter], labels: dict[str, str]) -> AutoDrafter:
+        """Auto over the drafters of `lm` (source name -> drafter): the trained ones that
+        pay here and the datastore. Copying where a 3-gram match holds, else the trained
+        one with the best calibrated speedup, with or beside the datastore's tree."""
         from engine.accelerators import describe, measured_speedup
+        from engine.drafters.lookup import fitted
+        from engine.drafters.payoff import token_cost
 
+        trained = {s: d for s, d in parts.items() if s != STORE}
+        store = parts.get(STORE)
         speedups, arms = {}, {}
         for source, drafter in trained.items():
             if drafter.pays:
@@ -90,8 +127,9 @@ class AutoDrafter(Composite):
                 speedups[ARMS[source]] = (drafter.retimed_speedup
                                           or measured_speedup(metrics) or 1.0)
         arm = fastest_arm(speedups)
-        return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), speedup=speedups.get(arm),
-                   labels=labels)
+        cost = StepCost(token_cost(lm)) if store is not None else None
+        return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), fitted(lm),
+                   speedup=speedups.get(arm), labels=labels, store=store, cost=cost)
 
     @property
     def current(self) -> str:
@@ -104,7 +142,9 @@ class AutoDrafter(Composite):
     def reason(self) -> str:
         """One line for the readout: how Auto drafts, and how the last reply did."""
         gain = f" ({self.speedup:.2f}x Off when calibrated)" if self.speedup else ""
-        line = f"Auto copies from the conversation where it can, else drafts with " \
+        store = (", from the datastore where it is confident" if STORE in self.sources
+                 else "")
+        line = f"Auto copies from the conversation where it can{store}, else drafts with " \
                f"{self._label(self.arm)}{gain}"
         total = sum(self.last_reply.values())
         if total:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from engine.datastore import Continuations, Datastore, open_store
 from engine.drafters.base import Draft, Drafter
+from engine.drafters.lookup import LookupParams, LookupSource, fitted
 from engine.paths import data_dir
-from engine.tree import build_tree
+from engine.tree import TreeShape, build_tree, join_trees, shape_of
 
 STORE_FILE = "store.safetensors"
 
@@ -66,34 +67,83 @@ def tree_draft(root: int, found: Continuations, cache: dict) -> Draft:
     return Draft(tokens, tree.children, tree.depths, tree.mask)
 
 
+class TreeJoin:
+    """Grafts one draft onto another as one tree (engine.tree.join_trees); the structures
+    are kept per shape, so a repeated shape costs no new mask."""
+
+    MAX_SHAPES = 512  # shapes kept before the cache starts over
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple[int, ...], TreeShape] = {}
+
+    def __call__(self, a: Draft, b: Draft) -> tuple[Draft, list[int]]:
+        """(the joined draft, the joined nodes of b's non-root nodes)."""
+        if b.size == 1:
+            return a, []
+        tokens, parents, where = join_trees(a.tokens, a.children, b.tokens, b.children)
+        key = tuple(parents)
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) >= self.MAX_SHAPES:
+                self._shapes.clear()
+            shape = self._shapes[key] = shape_of(parents)
+        return Draft(tokens, shape.children, shape.depths, shape.mask), where[1:]
+
+
 class DatastoreDrafter(Drafter):
-    """Drafts the datastore's continuation tree of the latest tokens."""
+    """Drafts the datastore's continuation tree of the latest tokens, joined (as a trie)
+    with the continuation of the latest n-gram's earlier occurrence in this conversation:
+    SuffixDecoding's two sources, the model's earlier outputs and the request itself (a
+    summary copies its source, which no earlier reply holds). In a composite it offers the
+    store's tree alone (`offer`; the composite has its own lookup) and counts, through
+    `mark` and `observe`, the nodes of the verified draft that were the store's."""
 
     name = "datastore"
     drafts = True
 
-    def __init__(self, store: Datastore) -> None:
+    def __init__(self, store: Datastore, lookup: LookupParams | None = None) -> None:
         self.store = store
+        self.lookup = LookupSource(lookup or LookupParams())  # this conversation's n-grams
+        self._join = TreeJoin()
         self._trees: dict = {}  # choices -> TreeBuffers
+        self._mine: list[int] = []  # nodes of this step's draft that came from the store
         self.drafted = 0  # draft tokens from the store in the current reply
         self.accepted = 0  # of which the model kept
 
     @classmethod
     def for_model(cls, lm, ckpt=None) -> DatastoreDrafter:
-        return cls(open_datastore(lm))
+        return cls(open_datastore(lm), fitted(lm))
 
     def start(self, state, prefill) -> None:
         self.drafted = self.accepted = 0
+        self._mine = []
+        self.lookup.reset()
 
-    def propose(self, state) -> Draft:
+    def offer(self, state) -> tuple[Draft, float]:
+        """The continuation tree of the latest tokens and its expected accepted tokens
+        (the sum of its nodes' path probabilities)."""
         # room bounds the depth (positions), not the width
         found = self.store.continuations(state.ids, max_depth=state.room)
-        return tree_draft(state.ids[-1], found, self._trees)
+        return tree_draft(state.ids[-1], found, self._trees), sum(found.probs)
+
+    def mark(self, nodes: list[int]) -> None:
+        """The nodes of the step's draft that the store proposed (in a composite)."""
+        self._mine = nodes
+
+    def propose(self, state) -> Draft:
+        chain = self.lookup.match(state.ids, state.room)[0]
+        draft, self._mine = self._join(Draft.chain(state.ids[-1], chain), self.offer(state)[0])
+        return draft
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         super().commit(state, draft, path)
-        self.drafted += draft.size - 1
-        self.accepted += len(path)
+        self.observe(state, None, path)
+
+    def observe(self, state, layers, path: list[int]) -> None:
+        mine = set(self._mine)
+        self.drafted += len(mine)
+        self.accepted += sum(node in mine for node in path)
+        self._mine = []
 
     def finish(self, stats) -> None:
         stats.datastore_drafted += self.drafted

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.drafters.base import Draft, Drafter
+from engine.drafters.payoff import FixedChain as _FixedChain
 from engine.drafters.payoff import plain_step_seconds, round_seconds
 
 
@@ -117,12 +118,3 @@ class LookupDrafter(Drafter):
     def propose(self, state) -> Draft:
         return Draft.chain(state.ids[-1], self.source.match(state.ids, state.room)[0])
 
-
-class _FixedChain(Drafter):
-    """Drafts `n` copies of the pending token: what timing a chain of n drafts needs."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def propose(self, state) -> Draft:
-        return Draft.chain(state.ids[-1], [state.ids[-1]] * self.n)

@@ -17,7 +17,7 @@ import torch
 
 from engine import kv_cache, timing
 from engine.config import SamplingParams
-from engine.drafters.base import DecodeState, Drafter, start_drafter
+from engine.drafters.base import DecodeState, Draft, Drafter, start_drafter
 from engine.sampling import make_generator
 
 # An estimate must beat plain decoding by this factor: estimates from held-out acceptance
@@ -87,6 +87,22 @@ def _round(drafter: Drafter, state: DecodeState) -> None:
     state.ids.append(draft.tokens[-1])  # a rejected step still adds the model's token
 
 
+class FixedChain(Drafter):
+    """Drafts `n` copies of the pending token: what timing a chain of n drafts needs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def propose(self, state) -> Draft:
+        return Draft.chain(state.ids[-1], [state.ids[-1]] * self.n)
+
+
 def plain_step_seconds(lm, repeats: int = 5) -> float:
     """Median seconds of one plain decode step (what every speedup is a multiple of)."""
     return round_seconds(lm, Drafter(), repeats=repeats)
+
+
+def token_cost(lm, n: int = 16) -> float:
+    """What each verified token past the first adds to a step here, in plain steps: from
+    timed steps of `n` tokens and of one (a step of k tokens costs ~1 + (k - 1) * this)."""
+    return max(0.0, round_seconds(lm, FixedChain(n - 1)) / plain_step_seconds(lm) - 1) / (n - 1)

@@ -14,7 +14,10 @@ from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
 from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
+from engine.drafters.medusa import FIX as MEDUSA_FIX
 from engine.drafters.medusa import MedusaDrafter
+from engine.drafters.payoff import token_cost
+from engine.drafters.withstore import StepCost, medusa_datastore
 from engine.errors import AcceleratorError, QuickdraftError
 
 log = logging.getLogger(__name__)
@@ -39,13 +42,16 @@ class Method:
 
 METHODS = (
     Method("auto", "Auto", lambda lm, parts: AutoDrafter.over(lm, parts, ACCEL_LABELS),
-           composes=("medusa", "kangaroo")),
+           composes=("medusa", "kangaroo", "datastore")),
     Method("off", "Off", lambda lm, ckpt: Drafter()),
     Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
     Method("datastore", "Datastore", DatastoreDrafter.for_model),
     Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa.train"),
     Method("medusa+lookup", "Medusa+lookup",
            lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
+    Method("medusa+datastore", "Medusa+datastore", lambda lm, parts: with_medusa(
+        parts, lambda m: medusa_datastore(m, parts["datastore"], cost=StepCost(token_cost(lm)))),
+        "medusa", composes=("medusa", "datastore")),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
            "trainer.kangaroo.train"),
     Method("kangaroo+lookup", "Kangaroo+lookup",
@@ -56,6 +62,14 @@ BY_NAME = {m.name: m for m in METHODS}
 ACCEL_CHOICES = tuple(BY_NAME)
 ACCEL_LABELS = {m.name: m.label for m in METHODS}
 TRAINED = tuple(m.name for m in METHODS if m.trainer)  # the methods a user can train
+
+
+def with_medusa(parts: dict[str, Drafter], build: Callable) -> Drafter:
+    """`build(medusa)` for a composition that needs trained Medusa heads; AcceleratorError
+    (with the command that trains them) when they did not load."""
+    if "medusa" not in parts:
+        raise AcceleratorError(f"no Medusa accelerator is trained for this model; {MEDUSA_FIX}")
+    return build(parts["medusa"])
 
 
 def method(name: str) -> Method:
@@ -104,6 +118,7 @@ def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:
     return m.build(lm, load_checkpoint(lm, m.checkpoint))
 
 
-def over_datastore(store) -> Drafter:
-    """The datastore method's drafter over an open datastore (the caller keeps it)."""
-    return DatastoreDrafter(store)
+def over_datastore(store, lm=None) -> Drafter:
+    """The datastore method's drafter over an open datastore (the caller keeps it); with
+    `lm`, its conversation lookup drafts as long as lookup does there."""
+    return DatastoreDrafter(store, fitted(lm) if lm is not None else None)
