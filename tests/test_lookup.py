@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine import timing
 from engine.config import SamplingParams
-from engine.drafters import lookup, payoff
+from engine.drafters import lookup
 from engine.drafters.lookup import (
     LookupDrafter,
     LookupParams,
@@ -69,7 +70,7 @@ def test_a_long_chain_is_timed_as_drafted(bundled_tokenizer, monkeypatch):
     score = chain.score
     chain.score = lambda state, draft: sizes.append(draft.size) or score(state, draft)
     ticks = iter([0, 9, 9, 11, 11, 14])  # injected timings: rounds of 9 (warm-up), 2 and 3 s
-    monkeypatch.setattr(payoff, "time", SimpleNamespace(perf_counter=ticks.__next__))
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=ticks.__next__))
     assert lookup.round_seconds(lm, chain, repeats=2) == 2.5  # the timed rounds' median
     assert sizes == [11, 11, 11]  # the warm-up round and two timed ones
 

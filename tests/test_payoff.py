@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine import timing
 from engine.accelerators import Checkpoint, save_checkpoint
 from engine.config import SamplingParams
 from engine.drafters import kangaroo as kg
 from engine.drafters import medusa as md
-from engine.drafters import payoff
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.payoff import PAY_MARGIN, Payoff, round_seconds, timed_elsewhere
 from engine.drafters.registry import load_drafter
@@ -127,7 +127,7 @@ def _clock(monkeypatch, rounds: list[float]) -> None:
     """Injects timings: each timed round of round_seconds lasts the next of `rounds`."""
     reads = iter([t for begin in itertools.accumulate([0.0, *rounds]) for t in (begin, begin)])
     next(reads)  # a round reads the clock at its start and at its end
-    monkeypatch.setattr(payoff, "time", SimpleNamespace(perf_counter=lambda: next(reads)))
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(reads)))
 
 
 def test_a_round_is_timed_without_disturbing_decoding(lm, monkeypatch):
