@@ -190,16 +190,31 @@ def has_pip(python: Path) -> bool:
     return result.returncode == 0
 
 
-def torch_source(lock_path: Path, env=None, system: str | None = None) -> list[str]:
+def torch_source(lock_path: Path, env=None, system: str | None = None,
+                 pip_config: str | None = None) -> list[str]:
     """pip arguments naming where the CPU lock's torch comes from on Linux: the machine's own
-    wheel folder or index when it names one, else PyTorch's CPU index (PyPI's Linux torch is
-    the CUDA build, whose hash the CPU lock does not admit)."""
+    wheel folder or index when it names one (environment or pip's configuration), else
+    PyTorch's CPU index (PyPI's Linux torch is the CUDA build, whose hash the CPU lock does
+    not admit)."""
     env = os.environ if env is None else env
     system = platform.system() if system is None else system
-    named = any(env.get(k) for k in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"))
-    if lock_path != LOCK_FILE or system != "Linux" or named:
+    if lock_path != LOCK_FILE or system != "Linux":
+        return []
+    if any(env.get(k) for k in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")):
+        return []
+    config = pip_settings() if pip_config is None else pip_config
+    if "find-links=" in config or "index-url=" in config:
         return []
     return ["--extra-index-url", TORCH_CPU_INDEX]
+
+
+def pip_settings() -> str:
+    """`pip config list` as text ("" where pip cannot say)."""
+    try:
+        return subprocess.run([sys.executable, "-m", "pip", "config", "list"], text=True,
+                              capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def install_commands(python: Path, lock_path: Path, model_pin: str) -> list[list[str]]:

@@ -126,12 +126,15 @@ def test_the_shipped_locks_pin_and_hash_every_requirement_alike():
 
 def test_linux_cpu_installs_find_torch_on_pytorchs_cpu_index_unless_the_machine_names_one():
     cpu = launcher.LOCK_FILE
-    assert launcher.torch_source(cpu, {}, "Linux") == ["--extra-index-url",
-                                                      launcher.TORCH_CPU_INDEX]
-    assert launcher.torch_source(cpu, {"PIP_FIND_LINKS": "/opt/wheels"}, "Linux") == []
-    assert launcher.torch_source(cpu, {"PIP_EXTRA_INDEX_URL": "https://x"}, "Linux") == []
-    assert launcher.torch_source(cpu, {}, "Darwin") == []  # PyPI's own torch is CPU there
-    assert launcher.torch_source(launcher.CUDA_LOCK_FILE, {}, "Linux") == []
+    assert launcher.torch_source(cpu, {}, "Linux", "") == ["--extra-index-url",
+                                                          launcher.TORCH_CPU_INDEX]
+    assert launcher.torch_source(cpu, {"PIP_FIND_LINKS": "/opt/wheels"}, "Linux", "") == []
+    assert launcher.torch_source(cpu, {"PIP_EXTRA_INDEX_URL": "https://x"}, "Linux", "") == []
+    assert launcher.torch_source(cpu, {}, "Linux", "global.find-links='/opt/wheels'\n") == []
+    assert launcher.torch_source(cpu, {}, "Linux", "global.extra-index-url='file:///x'\n") == []
+    assert launcher.torch_source(cpu, {}, "Darwin", "") == []  # PyPI's own torch is CPU there
+    assert launcher.torch_source(launcher.CUDA_LOCK_FILE, {}, "Linux", "") == []
+    assert isinstance(launcher.pip_settings(), str)
 
 
 def test_ensure_env_creates_missing_venv(tmp_path, monkeypatch):
