@@ -67,46 +67,34 @@ def llamacpp_decoder(lm, params: SamplingParams, lookup: bool = False):
     except (ValueError, RuntimeError) as exc:
         raise QuickdraftError(f"llama.cpp could not load {path}: {exc}") from exc
     eos = set(lm.eos_ids)
-    if lookup:
-        return _generate_decoder(llm, eos, params.max_new_tokens), ""
 
-    def decode(prompt_ids: list[int]) -> tuple[list[int], float]:
-        llm.reset()  # no prefix reuse: every call prefills its whole prompt
-        start = time.perf_counter()
-        ids: list[int] = []
-        ttft = 0.0
+    def stream(prompt_ids: list[int]):
+        """Greedy tokens after the prompt: the binding's own generate loop where its draft
+        model runs, else one eval and argmax a token."""
+        if lookup:
+            yield from llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                    repeat_penalty=1.0)
+            return
         batch = prompt_ids
-        while len(ids) < params.max_new_tokens:
+        while True:
             token = _argmax_after(llama_cpp, llm, batch)
-            if not ids:
-                ttft = time.perf_counter() - start
-            ids.append(token)
-            if token in eos:
-                break
+            yield token
             batch = [token]
-        return ids, ttft
-
-    return decode, ""
-
-
-def _generate_decoder(llm, eos: set[int], budget: int):
-    """decode through the binding's own generate loop (where its draft model runs), greedy."""
 
     def decode(prompt_ids: list[int]) -> tuple[list[int], float]:
         llm.reset()  # no prefix reuse: every call prefills its whole prompt
         start = time.perf_counter()
         ids: list[int] = []
         ttft = 0.0
-        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                  repeat_penalty=1.0):
+        for token in stream(prompt_ids):
             if not ids:
                 ttft = time.perf_counter() - start
             ids.append(int(token))
-            if token in eos or len(ids) >= budget:
+            if token in eos or len(ids) >= params.max_new_tokens:
                 break
         return ids, ttft
 
-    return decode
+    return decode, ""
 
 
 def _argmax_after(llama_cpp, llm, tokens: list[int]) -> int:
