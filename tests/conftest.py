@@ -125,3 +125,18 @@ def assert_exact_while_drafting(lm, prompt: list[int], params, drafter) -> None:
     _t, ids, stats = run(lm, prompt, params, drafting(lm, drafter))
     assert ids == run(lm, prompt, params)[1]
     assert sum(stats.drafted) > 0, "the drafter never drafted: exactness held trivially"
+
+
+@pytest.fixture
+def tiny(bundled_tokenizer):
+    """A tiny random Llama (multi-head attention) for service-level tests."""
+    return make_tiny_model("llama-mha", bundled_tokenizer)
+
+
+@pytest.fixture
+def service(tmp_path, tiny):
+    """The app's service over `tiny`, with its data in a temporary folder."""
+    from app.service import Service
+    from app.store import Store
+
+    return Service(Store(tmp_path / "data"), tiny)
