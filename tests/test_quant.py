@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine import neartie, quant, quant_auto
+from engine import devices, neartie, quant, quant_auto
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import AcceleratorError
 from engine.generate import run
@@ -115,6 +115,14 @@ def test_crossover_is_the_first_size_from_which_the_copies_always_win():
     assert quant.crossover(low, {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2}) == 4
     assert quant.crossover(low, {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0}) == 0
     assert quant.crossover(low, {1: 0.5, 2: 2.0, 4: 2.0, 8: 2.0}) == 4  # 1 alone is not it
+
+
+def test_bf16_is_kept_unless_clearly_slower_than_fp32():
+    # A near-tie is timing noise: it must not drop the model to fp32 (and skip low-bit).
+    assert devices.keeps_bf16(1.05e-3, 1.0e-3)
+    assert devices.keeps_bf16(0.7e-3, 1.0e-3)
+    assert not devices.keeps_bf16(1.2e-3, 1.0e-3)  # emulated bf16 loses by far more
+    assert not devices.keeps_bf16(3.0e-3, 1.0e-3)
 
 
 def test_auto_picks_the_fastest_choice_that_passes_the_gate():
