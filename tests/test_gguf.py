@@ -81,10 +81,13 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
         w.shape)
 
 
-def write_gguf(path: Path, model, vocab: dict, arch: str = "llama", odd_type=False) -> Path:
+def write_gguf(path: Path, model, vocab: dict, arch: str = "llama", odd_type=False,
+               qtype: str | None = None) -> Path:
     """`model`'s fp32 weights and the bundled tokenizer as a GGUF file; `odd_type` stores one
-    tensor as Q8_1, a type llama.cpp uses only internally (gguf cannot dequantize it)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    tensor as Q8_1, a type llama.cpp uses only internally (gguf cannot dequantize it);
+    `qtype` (e.g. "Q4_0") stores every layer matrix in that type and the token table and head
+    in Q8_0, as llama.cpp's own 4-bit files keep them."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     cfg = model.config
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -115,12 +118,24 @@ def write_gguf(path: Path, model, vocab: dict, arch: str = "llama", odd_type=Fal
             w.add_tensor(name, np.zeros((rows, cols // 32 * 40), np.uint8),
                          raw_dtype=GGMLQuantizationType.Q8_1)
             continue
-        w.add_tensor(name, tensor)
+        kind = _stored_type(name, tensor, qtype)
+        if kind is None:
+            w.add_tensor(name, tensor)
+        else:
+            kind = GGMLQuantizationType[kind]
+            w.add_tensor(name, quants.quantize(tensor, kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _stored_type(name: str, tensor: np.ndarray, qtype: str | None) -> str | None:
+    """The GGUF type `name` is written in under `qtype` (None: float32)."""
+    if qtype is None or tensor.ndim != 2:
+        return None
+    return "Q8_0" if name in ("token_embd.weight", "output.weight") else qtype
 
 
 def _gguf_tensors(model) -> dict[str, np.ndarray]:
