@@ -158,14 +158,18 @@ class LowBitLinear(nn.Module):
                                                           self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        # Every call is on the per-token path, 200+ times a step: no op that would do nothing.
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
         if self.wide is not None and 0 < self.wide_rows <= rows.shape[0]:
             out = rows @ self.wide.t()
         else:
-            out = self.low_bit(rows.contiguous())
+            out = self.low_bit(rows if rows.is_contiguous() else rows.contiguous())
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, kind={self.kind}, "
