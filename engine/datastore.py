@@ -56,6 +56,11 @@ class DatastoreParams:
     min_prob: float = 0.15  # a node is drafted only if its path's estimated probability is
     # at least this (count / parent count, multiplied down the path)
     min_count: int = 1  # a continuation seen fewer times is not drafted
+    # Pseudo-occurrences added to every count when estimating how many drafted tokens the
+    # model will keep (what deciding whether a tree pays needs): a continuation seen once
+    # is no certainty. On held-out prompts the plain count ratios predicted 5.3x the store
+    # tokens the model kept, with 2 pseudo-occurrences 1.7x (int4, 28 prompts).
+    smoothing: float = 2.0
 
 
 @dataclass
@@ -67,6 +72,22 @@ class Continuations:
     probs: list[float] = field(default_factory=list)  # estimated path probability
     counts: list[int] = field(default_factory=list)  # occurrences behind each node
     match_len: int = 0  # tokens of the context that matched
+    # the chance the model keeps each node, smoothed (DatastoreParams.smoothing): what
+    # a step's expected tokens are summed from
+    expected: list[float] = field(default_factory=list)
+
+    def top(self, k: int) -> Continuations:
+        """The k nodes most likely kept, parents before children. A node is never likelier
+        than its parent, and ties go to the earlier node, so every kept node's parent is
+        kept."""
+        ranked = sorted(range(len(self.tokens)), key=lambda i: (-self.expected[i], i))
+        keep = sorted(ranked[:k])
+        new = {old: i for i, old in enumerate(keep)}
+        return Continuations([self.tokens[i] for i in keep],
+                             [new[self.parents[i]] if self.parents[i] >= 0 else -1
+                              for i in keep],
+                             [self.probs[i] for i in keep], [self.counts[i] for i in keep],
+                             self.match_len, [self.expected[i] for i in keep])
 
 
 @dataclass
@@ -145,22 +166,23 @@ class Datastore:
         if not ranges or budget <= 0 or max_depth <= 0:
             return out
         budget = min(budget, int(p.nodes_per_match * m))
-        # candidates: (-path prob, tiebreak, parent node, depth, token, ranges, count);
-        # the root (depth 0) is the context itself and is not drafted
-        heap = [(-1.0, 0, -1, 0, None, ranges, sum(hi - lo for _ix, lo, hi in ranges))]
+        # candidates: (-path prob, tiebreak, parent node, depth, token, ranges, count,
+        # smoothed chance); the root (depth 0) is the context itself and is not drafted
+        heap = [(-1.0, 0, -1, 0, None, ranges, sum(hi - lo for _ix, lo, hi in ranges), 1.0)]
         tie = 1
         while heap and len(out.tokens) < budget:
-            neg, _t, node, depth, token, rs, count = heapq.heappop(heap)
+            neg, _t, node, depth, token, rs, count, chance = heapq.heappop(heap)
             if depth > 0:
                 out.tokens.append(token)
                 out.parents.append(node)
                 out.probs.append(-neg)
                 out.counts.append(count)
+                out.expected.append(chance)
                 node = len(out.tokens) - 1
             if depth >= max_depth:
                 continue
             if count == 1:  # one occurrence: the rest is its text, at the same probability
-                self._chain(out, rs[0], m + depth, node, -neg,
+                self._chain(out, rs[0], m + depth, node, -neg, 1 / (1 + p.smoothing),
                             min(budget - len(out.tokens), max_depth - depth))
                 continue
             # a child below min_prob has fewer than this many occurrences
@@ -168,15 +190,17 @@ class Datastore:
             for child, (sub, n) in _merged_children(rs, m + depth, least).items():
                 prob = -neg * n / count
                 if prob >= p.min_prob and n >= p.min_count:
-                    heapq.heappush(heap, (-prob, tie, node, depth + 1, child, sub, n))
+                    heapq.heappush(heap, (-prob, tie, node, depth + 1, child, sub, n,
+                                          chance * n / (count + p.smoothing)))
                     tie += 1
         return out
 
     @staticmethod
     def _chain(out: Continuations, where: tuple, offset: int, parent: int, prob: float,
-               room: int) -> None:
+               decay: float, room: int) -> None:
         """Append what follows one occurrence (index, lo, lo + 1) from `offset` on, up to
-        `room` tokens and the end of its document, as a chain under `parent`."""
+        `room` tokens and the end of its document, as a chain under `parent`; each node's
+        smoothed chance is its parent's times `decay`."""
         ix, lo, _hi = where
         start = int(ix.sa[lo]) + offset
         for token in ix.tokens[start:start + max(0, room)].tolist():
@@ -186,6 +210,7 @@ class Datastore:
             out.parents.append(parent)
             out.probs.append(prob)
             out.counts.append(1)
+            out.expected.append((out.expected[parent] if parent >= 0 else 1.0) * decay)
             parent = len(out.tokens) - 1
 
     def _match(self, context: list[int]) -> tuple[list[tuple], int]:

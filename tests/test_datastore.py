@@ -26,10 +26,18 @@ def test_the_longest_match_gives_a_tree_with_counts():
     assert found.match_len == 3  # (2, 3, 4): the 4-token context never occurred
     assert found.tokens[0] == 5 and found.counts[0] == 2  # 5 twice, 6 once after (2, 3, 4)
     assert found.probs[0] == pytest.approx(2 / 3)
+    # the chance of being kept counts two more, unseen occurrences: 5 is kept with
+    # 2 / (3 + 2), 6 with 1 / 5, and 7 (once of the 2 times after 5) with 2 / 5 * 1 / 4
+    assert found.expected == pytest.approx([2 / 5, 1 / 5, 2 / 5 / 4])
     assert 6 in found.tokens and found.parents[found.tokens.index(6)] == -1  # a sibling
     draft = tree_draft(4, found, {})
     assert draft.tokens[0] == 4 and set(draft.tokens[1:]) == set(found.tokens)
     assert store.continuations([7, 7, 7]).tokens == []  # nothing matches
+    once = Datastore("fp")
+    once.add_all([[1, 2, 3, 4, 5, 6]])
+    chain = once.continuations([0, 2, 3])  # seen once: its text, ever less certain
+    assert chain.tokens == [4, 5, 6] and chain.probs == [1.0, 1.0, 1.0]
+    assert chain.expected == pytest.approx([1 / 3, 1 / 9, 1 / 27])
 
 
 def test_a_reply_is_searchable_as_soon_as_it_is_added():

@@ -12,7 +12,7 @@ import torch
 
 from engine import verify
 from engine.config import SamplingParams
-from engine.datastore import Datastore, DatastoreParams
+from engine.datastore import Continuations, Datastore, DatastoreParams
 from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter
 from engine.drafters.base import Draft
 from engine.drafters.datastore import DatastoreDrafter
@@ -23,6 +23,7 @@ from engine.drafters.withstore import (
     STORE,
     StepCost,
     TreeJoin,
+    best_size,
     joining_pays,
     medusa_datastore,
 )
@@ -67,12 +68,42 @@ def test_joining_keeps_the_first_draft_when_the_store_offers_nothing():
 
 
 def test_the_store_joins_or_drafts_alone_only_where_that_pays():
-    flat, steep = StepCost(0.02), StepCost(0.5)
+    flat, steep = StepCost.linear(0.02), StepCost.linear(0.5)
     assert flat(1) == 1.0 and steep(5) == 3.0
     # a 7-token Medusa step at 1.25x; 8 store nodes expected to add half a token
     assert joining_pays(0.5, 7, 15, 1.25, flat)
     assert not joining_pays(0.5, 7, 15, 1.25, steep)
     assert not joining_pays(0.0, 7, 15, 1.0, flat)  # nothing expected: never
+
+
+def test_the_step_cost_follows_the_measured_curve():
+    # int4 here: steep while the kernel runs, flat once the bf16 copies take over
+    cost = StepCost(((2, 1.22), (4, 1.31), (8, 1.79), (16, 2.28)))
+    assert cost(1) == 1.0 and cost(2) == 1.22 and cost(16) == 2.28
+    assert cost(3) == pytest.approx(1.265) and cost(12) == pytest.approx(2.035)
+    assert cost(24) == pytest.approx(2.77)  # past the last point: the last segment's slope
+    assert StepCost.linear(0.5)(5) == 3.0
+
+
+def test_the_store_drafts_only_as_many_nodes_as_pay():
+    probs = [0.9, 0.6, 0.3, 0.1, 0.05]
+    flat, steep = StepCost.linear(0.01), StepCost.linear(0.4)
+    alone = lambda cost: lambda k, g: (1 + g) / cost(k + 1)  # noqa: E731
+    assert best_size(probs, alone(flat)) == 5  # cheap tokens: all of them
+    assert best_size(probs, alone(steep)) == 2  # (1 + 1.5) / 1.8 beats 3 nodes' 2.8 / 2.2
+    assert best_size(probs, alone(StepCost.linear(2.0))) == 0  # nothing pays
+    assert best_size([], alone(flat)) == 0
+
+
+def test_the_most_probable_nodes_form_a_tree():
+    found = Continuations(tokens=[5, 6, 7, 8, 9], parents=[-1, 0, -1, 1, 2],
+                          probs=[0.6, 0.6, 0.3, 0.5, 0.1], counts=[5, 5, 3, 4, 1],
+                          match_len=3, expected=[0.5, 0.5, 0.3, 0.4, 0.1])
+    top = found.top(3)  # 5 and its child 6 tie at 0.5: the parent comes first
+    assert top.tokens == [5, 6, 8] and top.parents == [-1, 0, 1]
+    assert top.expected == [0.5, 0.5, 0.4] and top.probs == [0.6, 0.6, 0.5]
+    assert top.counts == [5, 5, 4] and top.match_len == 3
+    assert found.top(0).tokens == [] and found.top(9) == found
 
 
 # -- exactness --------------------------------------------------------------------------
@@ -149,7 +180,7 @@ def test_auto_leaves_the_store_out_where_verifying_costs_too_much(bundled_tokeni
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=64)
     lm.eos_ids = ()
     prompts = [repetitive_prompt(64)]
-    a = auto_with_store(lm, "off", store_of(lm, prompts), cost=StepCost(100.0))
+    a = auto_with_store(lm, "off", store_of(lm, prompts), cost=StepCost.linear(100.0))
     run(lm, prompts[0], SamplingParams(max_new_tokens=40), a)
     assert a.all_steps[STORE] == 0 and a.all_steps["off"] > 0
 
@@ -168,7 +199,7 @@ def sampling_case(bundled_tokenizer):
                   + [[t, 5, u] for t in range(8) for u in (2, 3)])
     medusa = md.MedusaDrafter(lm, md.random_heads(lm, seed=2), build_tree([(0,), (1,), (0, 0)], 4))
     drafter = counting(medusa_datastore(medusa, DatastoreDrafter(store), LookupParams(
-        copy_len=3, short_len=3), cost=StepCost(0.0)))
+        copy_len=3, short_len=3), cost=StepCost.linear(0.0)))
     return lm, prompt, drafter, md._exact_joint(lm, prompt, 3)
 
 

@@ -115,7 +115,7 @@ class AutoDrafter(Composite):
         one with the best calibrated speedup, with or beside the datastore's tree."""
         from engine.accelerators import describe, measured_speedup
         from engine.drafters.lookup import fitted
-        from engine.drafters.payoff import token_cost
+        from engine.drafters.payoff import step_costs
 
         trained = {s: d for s, d in parts.items() if s != STORE}
         store = parts.get(STORE)
@@ -127,7 +127,7 @@ class AutoDrafter(Composite):
                 speedups[ARMS[source]] = (drafter.retimed_speedup
                                           or measured_speedup(metrics) or 1.0)
         arm = fastest_arm(speedups)
-        cost = StepCost(token_cost(lm)) if store is not None else None
+        cost = StepCost(step_costs(lm)) if store is not None else None
         return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), fitted(lm),
                    speedup=speedups.get(arm), labels=labels, store=store, cost=cost)
 

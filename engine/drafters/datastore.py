@@ -12,6 +12,7 @@ empty store (the app opens it with its sources, so it is rebuilt from them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.datastore import Continuations, Datastore, open_store
@@ -119,12 +120,16 @@ class DatastoreDrafter(Drafter):
         self._mine = []
         self.lookup.reset()
 
-    def offer(self, state) -> tuple[Draft, float]:
+    def offer(self, state, size: Callable[[list[float]], int] | None = None
+              ) -> tuple[Draft, float]:
         """The continuation tree of the latest tokens and its expected accepted tokens
-        (the sum of its nodes' path probabilities)."""
+        (the sum of its nodes' smoothed chances); `size` (chances -> k) keeps only the k
+        nodes most likely kept (a node is never likelier than its parent: still a tree)."""
         # room bounds the depth (positions), not the width
         found = self.store.continuations(state.ids, max_depth=state.room)
-        return tree_draft(state.ids[-1], found, self._trees), sum(found.probs)
+        if size is not None and found.tokens:
+            found = found.top(size(found.expected))
+        return tree_draft(state.ids[-1], found, self._trees), sum(found.expected)
 
     def mark(self, nodes: list[int]) -> None:
         """The nodes of the step's draft that the store proposed (in a composite)."""

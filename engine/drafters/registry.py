@@ -16,7 +16,7 @@ from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
 from engine.drafters.medusa import FIX as MEDUSA_FIX
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.payoff import token_cost
+from engine.drafters.payoff import step_costs
 from engine.drafters.withstore import StepCost, medusa_datastore
 from engine.errors import AcceleratorError, QuickdraftError
 
@@ -50,7 +50,7 @@ METHODS = (
     Method("medusa+lookup", "Medusa+lookup",
            lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
     Method("medusa+datastore", "Medusa+datastore", lambda lm, parts: with_medusa(
-        parts, lambda m: medusa_datastore(m, parts["datastore"], cost=StepCost(token_cost(lm)))),
+        parts, lambda m: medusa_datastore(m, parts["datastore"], cost=StepCost(step_costs(lm)))),
         "medusa", composes=("medusa", "datastore")),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
            "trainer.kangaroo.train"),

@@ -17,6 +17,7 @@ rules: greedy replies equal plain greedy decoding and sampling stays lossless.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,31 +33,58 @@ JOINED = "medusa+datastore"  # the kind of a Medusa step the store's tree joined
 
 @dataclass(frozen=True)
 class StepCost:
-    """What a verification step costs here, in plain steps, by the tokens it verifies."""
+    """What a verification step costs here, in plain steps, by the tokens it verifies:
+    interpolated between measured points (payoff.step_costs, timed at load), extended past
+    the last one along the last segment."""
 
-    per_token: float = 0.02  # each token past the first (timed at load by payoff.token_cost;
-    # the default is a bf16 CPU's: a 16-token step costs ~1.3 plain steps)
+    points: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.3))  # a bf16 CPU's
+
+    @classmethod
+    def linear(cls, per_token: float) -> StepCost:
+        """Each token past the first adds `per_token` plain steps."""
+        return cls(((1, 1.0), (2, 1.0 + per_token)))
 
     def __call__(self, tokens: int) -> float:
-        return 1.0 + self.per_token * max(0, tokens - 1)
+        points = self.points if self.points[0][0] == 1 else ((1, 1.0), *self.points)
+        for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
+            if tokens <= n1 or (n1, c1) == points[-1]:
+                return max(1.0, c0 + (c1 - c0) * (tokens - n0) / (n1 - n0))
+        return points[-1][1]  # a single measured point: every size costs the same
+
+
+def best_size(probs: list[float], value: Callable[[int, float], float]) -> int:
+    """How many of the store's most probable nodes to draft: the k that maximizes
+    value(k, their summed path probability), 0 where no node improves on value(0, 0)."""
+    best_k, best, gain = 0, value(0, 0.0), 0.0
+    for k, p in enumerate(sorted(probs, reverse=True), 1):
+        gain += p
+        if (v := value(k, gain)) > best:
+            best_k, best = k, v
+    return best_k
 
 
 def joining_pays(gain: float, base: int, joined: int, speedup: float, cost: StepCost) -> bool:
     """Whether a step of `base` tokens expected to run at `speedup` x plain decoding gets
     faster when grown to `joined` tokens that add `gain` expected tokens."""
-    base_tokens = speedup * cost(base)
-    return (base_tokens + gain) / cost(joined) > speedup
+    return _joined_speed(gain, base, joined, speedup, cost) > speedup
+
+
+def _joined_speed(gain: float, base: int, joined: int, speedup: float, cost: StepCost) -> float:
+    return (speedup * cost(base) + gain) / cost(joined)
 
 
 def join_store(c: Composite, state, step: Step, join: TreeJoin, speedup: float,
                cost: StepCost) -> Step:
-    """`step` with the store's tree grafted on where that pays (kind JOINED), else as it is."""
+    """`step` with the store's most probable nodes grafted on, as many as pay (kind
+    JOINED), else as it is."""
     store: DatastoreDrafter = c.sources[STORE]
-    offer, gain = store.offer(state)
+    base = step.draft.size
+    offer, gain = store.offer(state, lambda probs: best_size(
+        probs, lambda k, g: _joined_speed(g, base, base + k, speedup, cost)))
     if offer.size == 1:
         return step
     draft, mine = join(step.draft, offer)
-    if not joining_pays(gain, step.draft.size, draft.size, speedup, cost):
+    if not joining_pays(gain, base, draft.size, speedup, cost):
         return step
     store.mark(mine)
     return Step(JOINED, step.source, draft)
@@ -73,12 +101,14 @@ def tree_copy_or_store(c: Composite, state, merge: TreeWithChain, join: TreeJoin
 
 
 def store_alone(c: Composite, state, speedup: float, cost: StepCost) -> Step | None:
-    """The store's tree as the whole step where it is expected to run faster than
-    `speedup` x plain decoding (what the step would otherwise draft); else None."""
+    """The store's most probable nodes, as many as pay, as the whole step where they are
+    expected to run faster than `speedup` x plain decoding (what the step would otherwise
+    draft); else None."""
     store: DatastoreDrafter | None = c.sources.get(STORE)
     if store is None:
         return None
-    offer, gain = store.offer(state)
+    offer, gain = store.offer(state, lambda probs: best_size(
+        probs, lambda k, g: (1.0 + g) / cost(k + 1)))
     if offer.size == 1 or (1.0 + gain) / cost(offer.size) <= speedup:
         return None
     store.mark(list(range(1, offer.size)))
