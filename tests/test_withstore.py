@@ -17,13 +17,12 @@ from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter
 from engine.drafters.base import Draft
 from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.lookup import LookupParams
+from engine.drafters.payoff import StepCost, best_size
 from engine.drafters.registry import load_drafter
 from engine.drafters.withstore import (
     JOINED,
     STORE,
-    StepCost,
     TreeJoin,
-    best_size,
     joining_pays,
     medusa_datastore,
 )
@@ -104,6 +103,22 @@ def test_the_most_probable_nodes_form_a_tree():
     assert top.expected == [0.5, 0.5, 0.4] and top.probs == [0.6, 0.6, 0.5]
     assert top.counts == [5, 5, 4] and top.match_len == 3
     assert found.top(0).tokens == [] and found.top(9) == found
+
+
+def test_the_datastore_method_drafts_only_the_nodes_that_pay_when_timed():
+    from types import SimpleNamespace
+
+    store = Datastore("fp")
+    store.add_all([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8, 9]])
+    state = SimpleNamespace(ids=[0, 2, 3, 4], room=32)
+    untimed = DatastoreDrafter(store).propose(state)  # no cost: the whole tree
+    assert sorted(untimed.tokens) == [4, 5, 6, 7, 8, 9]
+    free = DatastoreDrafter(store, cost=StepCost.linear(0.0)).propose(state)
+    assert free.tokens == untimed.tokens
+    # 5 is kept with chance 2 / (2 + 2); 6 and 8 each with a quarter of that
+    dear = DatastoreDrafter(store, cost=StepCost.linear(0.2)).propose(state)
+    assert dear.tokens == [4, 5]  # (1 + 0.5) / 1.2 beats (1 + 0.625) / 1.4
+    assert DatastoreDrafter(store, cost=StepCost.linear(0.5)).propose(state).tokens == [4]
 
 
 # -- exactness --------------------------------------------------------------------------

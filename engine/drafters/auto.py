@@ -36,9 +36,9 @@ from engine.drafters.base import Draft, Drafter
 from engine.drafters.composite import Composite, Step
 from engine.drafters.hybrid import TreeWithChain, lookup_match, tree_or_copy
 from engine.drafters.lookup import LookupDrafter, LookupParams
+from engine.drafters.payoff import StepCost
 from engine.drafters.withstore import (
     STORE,
-    StepCost,
     TreeJoin,
     store_alone,
     tree_copy_or_store,
@@ -127,7 +127,7 @@ class AutoDrafter(Composite):
                 speedups[ARMS[source]] = (drafter.retimed_speedup
                                           or measured_speedup(metrics) or 1.0)
         arm = fastest_arm(speedups)
-        cost = StepCost(step_costs(lm)) if store is not None else None
+        cost = store.cost or StepCost(step_costs(lm)) if store is not None else None
         return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), fitted(lm),
                    speedup=speedups.get(arm), labels=labels, store=store, cost=cost)
 

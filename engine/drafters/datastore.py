@@ -18,6 +18,7 @@ from pathlib import Path
 from engine.datastore import Continuations, Datastore, open_store
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.lookup import LookupParams, LookupSource, fitted
+from engine.drafters.payoff import StepCost, best_size, step_costs
 from engine.paths import data_dir
 from engine.tree import TreeShape, build_tree, join_trees, shape_of
 
@@ -97,13 +98,17 @@ class DatastoreDrafter(Drafter):
     SuffixDecoding's two sources, the model's earlier outputs and the request itself (a
     summary copies its source, which no earlier reply holds). In a composite it offers the
     store's tree alone (`offer`; the composite has its own lookup) and counts, through
-    `mark` and `observe`, the nodes of the verified draft that were the store's."""
+    `mark` and `observe`, the nodes of the verified draft that were the store's. With a
+    `cost` (steps timed here) it drafts only the store's nodes that pay for their
+    verification (the composites size what they offer themselves)."""
 
     name = "datastore"
     drafts = True
 
-    def __init__(self, store: Datastore, lookup: LookupParams | None = None) -> None:
+    def __init__(self, store: Datastore, lookup: LookupParams | None = None,
+                 cost: StepCost | None = None) -> None:
         self.store = store
+        self.cost = cost
         self.lookup = LookupSource(lookup or LookupParams())  # this conversation's n-grams
         self._join = TreeJoin()
         self._trees: dict = {}  # choices -> TreeBuffers
@@ -113,7 +118,7 @@ class DatastoreDrafter(Drafter):
 
     @classmethod
     def for_model(cls, lm, ckpt=None) -> DatastoreDrafter:
-        return cls(open_datastore(lm), fitted(lm))
+        return cls(open_datastore(lm), fitted(lm), StepCost(step_costs(lm)))
 
     def start(self, state, prefill) -> None:
         self.drafted = self.accepted = 0
@@ -137,7 +142,10 @@ class DatastoreDrafter(Drafter):
 
     def propose(self, state) -> Draft:
         chain = self.lookup.match(state.ids, state.room)[0]
-        draft, self._mine = self._join(Draft.chain(state.ids[-1], chain), self.offer(state)[0])
+        size = None if self.cost is None else (lambda probs: best_size(
+            probs, lambda k, g: (1.0 + g) / self.cost(k + 1)))
+        draft, self._mine = self._join(Draft.chain(state.ids[-1], chain),
+                                       self.offer(state, size)[0])
         return draft
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:

@@ -11,6 +11,7 @@ does not beat plain decoding by PAY_MARGIN.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,3 +110,35 @@ def step_costs(lm, sizes: tuple[int, ...] = (2, 4, 8, 16)) -> tuple[tuple[int, f
     copies take over (int4 here: 2 tokens 1.2, 8 tokens 1.8, 16 tokens 2.3)."""
     plain = plain_step_seconds(lm)
     return tuple((n, max(1.0, round_seconds(lm, FixedChain(n - 1)) / plain)) for n in sizes)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a verification step costs here, in plain steps, by the tokens it verifies:
+    interpolated between measured points (payoff.step_costs, timed at load), extended past
+    the last one along the last segment."""
+
+    points: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.3))  # a bf16 CPU's
+
+    @classmethod
+    def linear(cls, per_token: float) -> StepCost:
+        """Each token past the first adds `per_token` plain steps."""
+        return cls(((1, 1.0), (2, 1.0 + per_token)))
+
+    def __call__(self, tokens: int) -> float:
+        points = self.points if self.points[0][0] == 1 else ((1, 1.0), *self.points)
+        for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
+            if tokens <= n1 or (n1, c1) == points[-1]:
+                return max(1.0, c0 + (c1 - c0) * (tokens - n0) / (n1 - n0))
+        return points[-1][1]  # a single measured point: every size costs the same
+
+
+def best_size(probs: list[float], value: Callable[[int, float], float]) -> int:
+    """How many of the store's most probable nodes to draft: the k that maximizes
+    value(k, their summed path probability), 0 where no node improves on value(0, 0)."""
+    best_k, best, gain = 0, value(0, 0.0), 0.0
+    for k, p in enumerate(sorted(probs, reverse=True), 1):
+        gain += p
+        if (v := value(k, gain)) > best:
+            best_k, best = k, v
+    return best_k

@@ -16,8 +16,8 @@ from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
 from engine.drafters.medusa import FIX as MEDUSA_FIX
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.payoff import step_costs
-from engine.drafters.withstore import StepCost, medusa_datastore
+from engine.drafters.payoff import StepCost, step_costs
+from engine.drafters.withstore import medusa_datastore
 from engine.errors import AcceleratorError, QuickdraftError
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ METHODS = (
     Method("medusa+lookup", "Medusa+lookup",
            lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
     Method("medusa+datastore", "Medusa+datastore", lambda lm, parts: with_medusa(
-        parts, lambda m: medusa_datastore(m, parts["datastore"], cost=StepCost(step_costs(lm)))),
+        parts, lambda m: medusa_datastore(m, parts["datastore"], cost=parts["datastore"].cost
+                                          or StepCost(step_costs(lm)))),
         "medusa", composes=("medusa", "datastore")),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
            "trainer.kangaroo.train"),
@@ -120,5 +121,8 @@ def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:
 
 def over_datastore(store, lm=None) -> Drafter:
     """The datastore method's drafter over an open datastore (the caller keeps it); with
-    `lm`, its conversation lookup drafts as long as lookup does there."""
-    return DatastoreDrafter(store, fitted(lm) if lm is not None else None)
+    `lm`, its conversation lookup drafts as long as lookup does there and its trees are
+    sized by the step costs timed there."""
+    if lm is None:
+        return DatastoreDrafter(store)
+    return DatastoreDrafter(store, fitted(lm), StepCost(step_costs(lm)))
