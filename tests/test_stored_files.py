@@ -1,0 +1,86 @@
+"""Stored files a user or an older version left behind: corrupt conversations are named
+once and skipped, bad settings fall back one line each and the app still starts, and a
+written file's folder is synced after the rename. (The running server's side of this is in
+tests/test_security.py.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from app.store import Settings, Store
+
+pytestmark = pytest.mark.slow
+
+
+def write_bad_store(root: Path) -> None:
+    """Beside one good conversation: files that broke the list on older versions."""
+    convs = root / "conversations"
+    convs.mkdir(parents=True)
+    good = {"id": "aaaa", "title": "Good one", "created": 1.0, "updated": 2.0,
+            "messages": [{"role": "user", "content": "hello"}]}
+    (convs / "aaaa.json").write_text(json.dumps(good))
+    (convs / "bbbb.json").write_text("[]")
+    (convs / "cccc.json").write_text(json.dumps({**good, "id": "cccc", "updated": "yesterday"}))
+    numeric = {**good, "id": "dddd", "title": "Numbers", "messages": [
+        {"role": "user", "content": "count"}, {"role": "assistant", "content": 42}]}
+    (convs / "dddd.json").write_text(json.dumps(numeric))
+
+
+def test_each_bad_conversation_is_named_once(tmp_path, caplog):
+    write_bad_store(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        ids = [c.id for c in Store(tmp_path).list()]
+    assert sorted(ids) == ["aaaa", "dddd"]
+    named = [r.getMessage() for r in caplog.records]
+    assert len(named) == 2 and any("bbbb.json" in m for m in named)
+    assert any("cccc.json" in m for m in named)
+
+
+BAD_SETTINGS = {"quant": "bogus", "top_p": 7, "max_new_tokens": -5, "accel": "warp",
+                "last_conversation": "../../etc/passwd", "temperature": float("inf")}
+
+
+def test_bad_settings_fall_back_one_line_each(tmp_path, caplog):
+    (tmp_path / "settings.json").write_text(json.dumps({**BAD_SETTINGS, "top_k": 5}))
+    with caplog.at_level(logging.WARNING):
+        s = Store(tmp_path).load_settings()
+    defaults = Settings()
+    for key in BAD_SETTINGS:
+        assert getattr(s, key) == getattr(defaults, key), key
+    assert s.top_k == 5  # a good value is kept
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(BAD_SETTINGS)
+    for key in BAD_SETTINGS:
+        assert any("settings.json" in line and key in line for line in lines), key
+
+
+def test_the_app_starts_with_bad_settings(tmp_path, monkeypatch, bundled_tokenizer):
+    """`serve` with quant "bogus" in settings.json used to exit: now it loads with Auto."""
+    from app import service as service_module
+    from tests.conftest import make_tiny_model
+
+    (tmp_path / "settings.json").write_text(json.dumps(BAD_SETTINGS))
+    specs = []
+    tiny = make_tiny_model("llama-mha", bundled_tokenizer)
+    monkeypatch.setattr("app.host.load_model", lambda spec, report=None:
+                        specs.append(spec) or tiny)
+    opened = service_module.Service.open(Store(tmp_path))
+    assert opened.host.lm is tiny and specs[0].quant == "auto"
+
+
+def test_the_folder_is_synced_after_the_rename(tmp_path, monkeypatch):
+    import stat
+
+    from app import store as store_module
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+                        or real(fd))
+    store_module.atomic_write_text(tmp_path / "x.json", "{}")
+    assert synced[-1] is True  # the folder, after the file
