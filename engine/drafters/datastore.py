@@ -18,7 +18,7 @@ from pathlib import Path
 from engine.datastore import Continuations, Datastore, open_store
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.lookup import LookupParams, LookupSource, fitted
-from engine.drafters.payoff import StepCost, best_size, step_costs
+from engine.drafters.payoff import StepCost, alone_size, step_costs
 from engine.paths import data_dir
 from engine.tree import TreeShape, build_tree, join_trees, shape_of
 
@@ -118,7 +118,13 @@ class DatastoreDrafter(Drafter):
 
     @classmethod
     def for_model(cls, lm, ckpt=None) -> DatastoreDrafter:
-        return cls(open_datastore(lm), fitted(lm), StepCost(step_costs(lm)))
+        return cls.timed(open_datastore(lm), lm)
+
+    @classmethod
+    def timed(cls, store: Datastore, lm) -> DatastoreDrafter:
+        """Over `store`, its conversation lookup drafting as long as lookup does on `lm`
+        and its trees sized by the step costs timed there."""
+        return cls(store, fitted(lm), StepCost(step_costs(lm)))
 
     def start(self, state, prefill) -> None:
         self.drafted = self.accepted = 0
@@ -142,8 +148,7 @@ class DatastoreDrafter(Drafter):
 
     def propose(self, state) -> Draft:
         chain = self.lookup.match(state.ids, state.room)[0]
-        size = None if self.cost is None else (lambda probs: best_size(
-            probs, lambda k, g: (1.0 + g) / self.cost(k + 1)))
+        size = None if self.cost is None else alone_size(self.cost)
         draft, self._mine = self._join(Draft.chain(state.ids[-1], chain),
                                        self.offer(state, size)[0])
         return draft

@@ -142,3 +142,9 @@ def best_size(probs: list[float], value: Callable[[int, float], float]) -> int:
         if (v := value(k, gain)) > best:
             best_k, best = k, v
     return best_k
+
+
+def alone_size(cost: StepCost) -> Callable[[list[float]], int]:
+    """best_size for the store's tree drafted as a whole step: the k nodes whose expected
+    tokens per step cost, (1 + gain) / cost(k + 1), is highest."""
+    return lambda probs: best_size(probs, lambda k, g: (1.0 + g) / cost(k + 1))

@@ -123,6 +123,4 @@ def over_datastore(store, lm=None) -> Drafter:
     """The datastore method's drafter over an open datastore (the caller keeps it); with
     `lm`, its conversation lookup drafts as long as lookup does there and its trees are
     sized by the step costs timed there."""
-    if lm is None:
-        return DatastoreDrafter(store)
-    return DatastoreDrafter(store, fitted(lm), StepCost(step_costs(lm)))
+    return DatastoreDrafter(store) if lm is None else DatastoreDrafter.timed(store, lm)

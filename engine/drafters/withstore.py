@@ -24,7 +24,7 @@ from engine.drafters.datastore import DatastoreDrafter, TreeJoin
 from engine.drafters.hybrid import TreeWithChain, tree_or_copy
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.payoff import StepCost, best_size
+from engine.drafters.payoff import StepCost, alone_size, best_size
 
 STORE = "datastore"  # the source name, and the kind of a step the store drafts alone
 JOINED = "medusa+datastore"  # the kind of a Medusa step the store's tree joined
@@ -74,8 +74,7 @@ def store_alone(c: Composite, state, speedup: float, cost: StepCost) -> Step | N
     store: DatastoreDrafter | None = c.sources.get(STORE)
     if store is None:
         return None
-    offer, gain = store.offer(state, lambda probs: best_size(
-        probs, lambda k, g: (1.0 + g) / cost(k + 1)))
+    offer, gain = store.offer(state, alone_size(cost))
     if offer.size == 1 or (1.0 + gain) / cost(offer.size) <= speedup:
         return None
     store.mark(list(range(1, offer.size)))
