@@ -60,8 +60,8 @@ def bench_report(
         "passes": passes,
         "memory": probe.describe(),
         **({"datastore": leaveout.described(methods)} if store else {}),
+        # ms of a step verifying n tokens on these weights (the speed report's cost table)
+        "step_costs": {n: round(t * 1e3, 2) for n, t in stepcost.step_costs(lm).items()},
     }
-    # ms of a step verifying n tokens on these weights (the speed report's cost table)
-    settings["step_costs"] = {n: round(t * 1e3, 2) for n, t in stepcost.step_costs(lm).items()}
     verdicts = divergences(lm, prompt_ids, results) if params.temperature == 0 else {}
     return build_report(machine, settings, results, skipped, verdicts)

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from engine import devices, neartie
-from engine.benchmark import stepcost
 from engine.benchmark.leaveout import WITH_STORE
 from engine.benchmark.methods import BASELINE, OVERALL
 from engine.benchmark.runner import Measurement
@@ -69,18 +68,15 @@ def divergences(lm, prompt_ids: list[list[int]],
 
 def figures(rows: list[Measurement], ref: dict[int, Measurement],
             lookup: dict[int, Measurement], greedy: bool,
-            verdicts: dict[tuple[str, int], Divergence] | None = None) -> dict:
+            verdicts: dict[tuple[str, int], Divergence]) -> dict:
     """The report's figures for one method over `rows` (one measurement per prompt)."""
-    verdicts = verdicts or {}
     known = all(m.accepted is not None for m in rows)
     pooled = GenerationStats(accepted=[a for m in rows for a in m.accepted]) if known else None
     matches = [_prefix(m.ids, ref[m.prompt_index].ids) for m in rows] if greedy else []
     return {
         "prompts": len(rows),
         "tokens": sum(len(m.ids) for m in rows),
-        "tokens_per_s": _r(statistics.median(m.tokens_per_s for m in rows)),
-        "speedup_vs_hf": _median_ratio(rows, ref),
-        "speedup_vs_hf_passes": _pass_ratios(rows, ref),
+        **_speeds(rows, ref),
         "speedup_vs_hf_lookup": _median_ratio(rows, lookup) if lookup else None,
         "mean_accepted": _r(pooled.mean_accepted) if pooled else None,
         "ctar": [_r(c) for c in pooled.ctar()] if pooled else None,
@@ -106,10 +102,14 @@ def same_text(rows: list[Measurement], ref: dict[int, Measurement]) -> dict:
     same = [m for m in rows if m.ids == ref[m.prompt_index].ids]
     if not same:
         return {"prompts": 0, "tokens_per_s": None, "speedup_vs_hf": None}
-    return {"prompts": len(same),
-            "tokens_per_s": _r(statistics.median(m.tokens_per_s for m in same)),
-            "speedup_vs_hf": _median_ratio(same, ref),
-            "speedup_vs_hf_passes": _pass_ratios(same, ref)}
+    return {"prompts": len(same), **_speeds(same, ref)}
+
+
+def _speeds(rows: list[Measurement], ref: dict[int, Measurement]) -> dict:
+    """Median tokens/s, and the speedup over the baseline, pooled and pass by pass."""
+    return {"tokens_per_s": _r(statistics.median(m.tokens_per_s for m in rows)),
+            "speedup_vs_hf": _median_ratio(rows, ref),
+            "speedup_vs_hf_passes": _pass_ratios(rows, ref)}
 
 
 def _by_prompt(results: list[Measurement], method: str) -> dict[int, Measurement]:
@@ -233,8 +233,7 @@ def to_markdown(report: dict, images: list[str] = ()) -> str:
         lines += ["## Cost of an n-token step", "",
                   "Verifying n tokens at once on these weights, in plain (one-token) steps; "
                   "drafting pays only where this stays near 1.", "",
-                  *stepcost.table({s["quant"]: {int(n): ms / 1e3 for n, ms in
-                                                s["step_costs"].items()}}), ""]
+                  *step_cost_table(s["quant"], s["step_costs"]), ""]
     lines += ["## Notes", "", *notes(report), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(lines).rstrip() + "\n"
@@ -249,23 +248,23 @@ def overall_table(report: dict) -> list[str]:
     """Markdown rows: one per method, the pooled figures; with a llama.cpp row, each
     method's tok/s over llama.cpp's."""
     peer = report["methods"].get(LLAMACPP)
-    rows = ["| method | tok/s | speedup vs hf | vs hf-lookup | "
-            + ("vs llama.cpp | " if peer else "") + "tokens/step | CTAR(1) | "
-            "TTFT ms | peak MB (+ during generation) | greedy match (exact / prefix) |",
-            "| --- | ---: | ---: | ---: | " + ("---: | " if peer else "")
-            + "---: | ---: | ---: | ---: | ---: |"]
-    for name, f in report["methods"].items():
-        ctar1 = _fmt(f["ctar"][0]) if f["ctar"] else "n/a"
-        match = ("n/a (sampling)" if f["greedy_match_rate"] is None else
-                 f"{f['greedy_match_rate']:.0%} / {f['prefix_match']:.1%}")
-        vs_peer = f"{_fmt(vs_llamacpp(f, peer), 'x')} | " if peer else ""
-        rows.append(
-            f"| {name} | {f['tokens_per_s']:.1f} | {f['speedup_vs_hf']:.2f}x | "
-            f"{_fmt(f['speedup_vs_hf_lookup'], 'x')} | {vs_peer}{_fmt(f['mean_accepted'])} | "
-            f"{ctar1} | {f['ttft_s'] * 1000:.0f} | "
-            f"{f['peak_mem_mb']:.0f} (+{f['peak_mem_delta_mb']:.0f}) | {match} |"
-        )
-    return rows
+    columns = [  # (header, the cell from a method's figures)
+        ("tok/s", lambda f: f"{f['tokens_per_s']:.1f}"),
+        ("speedup vs hf", lambda f: f"{f['speedup_vs_hf']:.2f}x"),
+        ("vs hf-lookup", lambda f: _fmt(f["speedup_vs_hf_lookup"], "x")),
+        *([("vs llama.cpp", lambda f: _fmt(vs_llamacpp(f, peer), "x"))] if peer else []),
+        ("tokens/step", lambda f: _fmt(f["mean_accepted"])),
+        ("CTAR(1)", lambda f: _fmt(f["ctar"][0]) if f["ctar"] else "n/a"),
+        ("TTFT ms", lambda f: f"{f['ttft_s'] * 1000:.0f}"),
+        ("peak MB (+ during generation)",
+         lambda f: f"{f['peak_mem_mb']:.0f} (+{f['peak_mem_delta_mb']:.0f})"),
+        ("greedy match (exact / prefix)",
+         lambda f: "n/a (sampling)" if f["greedy_match_rate"] is None else
+         f"{f['greedy_match_rate']:.0%} / {f['prefix_match']:.1%}"),
+    ]
+    return _table(["method", *(header for header, _ in columns)],
+                  [[name, *(cell(f) for _, cell in columns)]
+                   for name, f in report["methods"].items()])
 
 
 def vs_llamacpp(f: dict, peer: dict) -> float | None:
@@ -280,12 +279,26 @@ def category_table(report: dict, key: str | Callable[[dict], str]) -> list[str]:
     categories = list(next(iter(methods.values()))["by_category"])
     cell = key if callable(key) else (
         lambda f: _fmt(f[key], "x") + _spread(f.get(key + "_passes")))
-    rows = ["| method | " + " | ".join([*categories, OVERALL]) + " |",
-            "| --- |" + " ---: |" * (len(categories) + 1)]
-    for name, f in methods.items():
-        cells = [cell(f["by_category"][c]) for c in categories]
-        rows.append(f"| {name} | " + " | ".join([*cells, cell(f)]) + " |")
-    return rows
+    return _table(["method", *categories, OVERALL],
+                  [[name, *(cell(f["by_category"][c]) for c in categories), cell(f)]
+                   for name, f in methods.items()])
+
+
+def step_cost_table(quant: str, step_costs: dict) -> list[str]:
+    """Markdown rows: the plain step in ms, then n-token steps in plain steps (from the
+    settings' {n: ms of a step verifying n tokens})."""
+    ms = {int(n): t for n, t in step_costs.items()}
+    sizes = sorted(n for n in ms if n > 1)
+    return _table(["weights", "plain step (ms)", *(f"n={n}" for n in sizes)],
+                  [[quant, f"{ms[1]:.1f}", *(f"{ms[n] / ms[1]:.2f}" for n in sizes)]],
+                  rule="|---|---|" + "---|" * len(sizes))
+
+
+def _table(header: list[str], rows: list[list[str]], rule: str = "") -> list[str]:
+    """Markdown lines: the header, the rule (by default the first column left-aligned and
+    the figures right-aligned), then the rows, each a list of cells."""
+    lines = ["| " + " | ".join(cells) + " |" for cells in [header, *rows]]
+    return [lines[0], rule or "| --- |" + " ---: |" * (len(header) - 1), *lines[1:]]
 
 
 def _same_text_cell(f: dict) -> str:

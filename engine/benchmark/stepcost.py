@@ -1,6 +1,7 @@
-"""The cost curve of a decode step: seconds to verify n tokens at once, as a multiple of a
-plain (one-token) step, on the loaded weights. Drafting pays only where a step of a few
-tokens costs about what one costs; low-bit weight kernels are where this can break."""
+"""The cost curve of a decode step: seconds to verify n tokens at once on the loaded
+weights (the report shows each as a multiple of a plain, one-token step). Drafting pays only
+where a step of a few tokens costs about what one costs; low-bit weight kernels are where
+this can break."""
 
 from __future__ import annotations
 
@@ -29,21 +30,3 @@ def step_costs(lm, sizes=SIZES, repeats: int = 3) -> dict[int, float]:
         for n in sizes:
             times[n].append(round_seconds(lm, ChainDrafter(n), repeats=1))
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
-
-
-def relative(costs: dict[int, float]) -> dict[int, float]:
-    """Each step's cost in plain (n = 1) steps."""
-    return {n: s / costs[1] for n, s in costs.items()}
-
-
-def table(curves: dict[str, dict[int, float]]) -> list[str]:
-    """Markdown rows: one per weight choice, the plain step in ms, then n-token steps in
-    plain steps."""
-    sizes = sorted({n for c in curves.values() for n in c})
-    lines = ["| weights | plain step (ms) | " + " | ".join(f"n={n}" for n in sizes if n > 1)
-             + " |", "|---|---|" + "---|" * (len(sizes) - 1)]
-    for name, costs in curves.items():
-        rel = relative(costs)
-        lines.append(f"| {name} | {costs[1] * 1e3:.1f} | "
-                     + " | ".join(f"{rel[n]:.2f}" for n in sizes if n > 1) + " |")
-    return lines
