@@ -125,9 +125,9 @@ def test_bitsandbytes_choices_and_a_damaged_folder_get_one_line(quantized_file, 
 @pytest.mark.parametrize("wide_rows", [0, 2])  # every step on the kernels / wide ones bf16
 def test_greedy_while_drafting_equals_plain_on_the_kept_bits(quantized_file, cache, wide_rows):
     from engine import neartie
-    from engine.benchmark.stepcost import ChainDrafter
     from engine.chat import conversation, encode
     from engine.config import SamplingParams
+    from engine.drafters.payoff import FixedChain
     from engine.generate import run
     from engine.quant import set_wide_rows
 
@@ -138,7 +138,7 @@ def test_greedy_while_drafting_equals_plain_on_the_kept_bits(quantized_file, cac
     ids = encode(lm.tokenizer, conversation("Repeat: red green blue red green blue red"))
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     plain = run(lm, ids, params)[1]
-    _text, drafted, stats = run(lm, ids, params, ChainDrafter(4))
+    _text, drafted, stats = run(lm, ids, params, FixedChain(3))
     assert sum(stats.drafted) > 0
     # bf16 activations: a batched step may flip a near-tie, nothing wider (as tests/test_quant)
     divergence = neartie.measure(lm, ids, plain, drafted)
