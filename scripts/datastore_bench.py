@@ -69,8 +69,8 @@ def main() -> None:
     measured = list(zip(prompts, ids, strict=True))[:args.measure]
     for i, (prompt, p_ids) in enumerate(measured):
         for name, method in methods.items():
-            if method.before is not None:
-                method.before(p_ids)
+            if method.held_out is not None:
+                method.held_out.hold_out(p_ids)
             begin = time.perf_counter()
             out = method.generate(p_ids)
             seconds = time.perf_counter() - begin

@@ -48,9 +48,7 @@ class Contender:
 
     name: str  # as shown in the report, e.g. "hf-lookup"
     generate: Callable[[list[int]], Outcome]  # prompt ids -> outcome, same settings every call
-    before: Callable[[list[int]], None] | None = None  # prompt ids -> None, run untimed
-    # before each measured call (the datastore's leave-one-out refill)
-    held_out: LeaveOneOut | None = None  # the datastore it drafts from (engine.benchmark.leaveout)
+    held_out: LeaveOneOut | None = None  # its datastore, refilled per prompt, untimed (leaveout)
 
 
 def method_names(text: str | None, with_assistant: bool) -> list[str]:
@@ -105,7 +103,6 @@ def build_methods(lm, names: list[str], params: SamplingParams,
             else:
                 methods[name] = engine_method(name, lm, params, drafter)
                 if name in WITH_STORE:
-                    methods[name].before = held_out.hold_out
                     methods[name].held_out = held_out
     return methods, skipped
 

@@ -56,8 +56,8 @@ class Measurement:
 def measure(method: Contender, prompt_ids: list[int],
             probe: MemoryProbe) -> tuple[Outcome, float, float, float]:
     """(outcome, wall seconds, peak MB, peak delta MB) of one call."""
-    if method.before is not None:
-        method.before(prompt_ids)
+    if method.held_out is not None:
+        method.held_out.hold_out(prompt_ids)
     probe.start()
     start = time.perf_counter()
     outcome = method.generate(prompt_ids)
