@@ -156,46 +156,33 @@ def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Co
 
 def hf_method(name: str, lm, params: SamplingParams, **extra) -> Contender:
     """Hugging Face `generate()` on the same model with the same settings, plus `extra`
-    (prompt_lookup_num_tokens=..., assistant_model=...)."""
-    kwargs = {**hf_sampling_kwargs(lm, params), **extra}
+    (prompt_lookup_num_tokens=..., assistant_model=...). The settings are spelled out, so
+    the model's own defaults such as a top_k of 50 cannot change what is compared."""
+    pad = lm.tokenizer.pad_token_id
+    sampling = ({"do_sample": False} if params.greedy else
+                {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
+                 "top_k": params.top_k})
+    kwargs = {"max_new_tokens": params.max_new_tokens, "eos_token_id": list(lm.eos_ids),
+              "pad_token_id": pad if pad is not None else lm.eos_ids[0], **sampling, **extra}
 
     def generate(prompt_ids: list[int]) -> Outcome:
-        return _hf_generate(lm, prompt_ids, params.seed, kwargs)
+        clock = _FirstTokenClock()
+        steps = StepRecorder(prompt_len=len(prompt_ids))
+        input_ids = torch.tensor([prompt_ids], device=lm.device)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        handle = lm.model.register_forward_pre_hook(steps.hook, with_kwargs=True)
+        try:
+            with torch.inference_mode():
+                clock.start = time.perf_counter()
+                out = lm.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                        streamer=clock, **kwargs)
+        finally:
+            handle.remove()
+        ids = out[0, len(prompt_ids):].tolist()
+        return Outcome(ids, clock.ttft_s, steps.accepted(len(ids)))
 
     return Contender(name, generate)
-
-
-def hf_sampling_kwargs(lm, params: SamplingParams) -> dict:
-    """generate() arguments equal to `params` (explicit, so the model's own defaults such as
-    a top_k of 50 cannot change what is compared)."""
-    pad = lm.tokenizer.pad_token_id
-    kwargs = {
-        "max_new_tokens": params.max_new_tokens,
-        "eos_token_id": list(lm.eos_ids),
-        "pad_token_id": pad if pad is not None else lm.eos_ids[0],
-    }
-    if params.greedy:
-        return {**kwargs, "do_sample": False}
-    return {**kwargs, "do_sample": True, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k}
-
-
-def _hf_generate(lm, prompt_ids: list[int], seed: int | None, kwargs: dict) -> Outcome:
-    clock = _FirstTokenClock()
-    steps = StepRecorder(prompt_len=len(prompt_ids))
-    input_ids = torch.tensor([prompt_ids], device=lm.device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    handle = lm.model.register_forward_pre_hook(steps.hook, with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            clock.start = time.perf_counter()
-            out = lm.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                    streamer=clock, **kwargs)
-    finally:
-        handle.remove()
-    ids = out[0, len(prompt_ids):].tolist()
-    return Outcome(ids, clock.ttft_s, steps.accepted(len(ids)))
 
 
 class _FirstTokenClock(BaseStreamer):
