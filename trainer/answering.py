@@ -17,7 +17,7 @@ import torch
 
 from engine.chat import encode
 from engine.config import ChatMessage, ChatPrompt
-from trainer.context import answer_room, fit_prompt
+from trainer.context import answer_room, fit_prompt, padded
 from trainer.features import conversation_tokens
 from trainer.sampler import AnswerJob, SamplerConfig, answers, rows_that_fit, supports_refill
 
@@ -116,24 +116,23 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
     admit()
     for done, answer in answers(lm, queue, config, generator, keep_going):
         conv = done.tag
-        conv.answered(lm.tokenizer.decode(answer, skip_special_tokens=True), len(answer))
+        conv.answered(lm.tokenizer, answer)
         if conv.turns_left():
             queue.appendleft(job(conv))
             continue
-        _write(fh, conv.seed, conv.messages, conv.tokens)
+        _write(fh, conv)
         open_convs -= 1
         now = time.perf_counter()
         run.wrote(1, now - clock, conversation_tokens(lm, conv.messages))
         clock = now
         report()
         admit()
-    run.spent += time.perf_counter() - clock  # the unfinished answers' time counts too
-    run.meta_path.write_text(json.dumps({"seconds": round(run.spent, 2)}))
+    run.wrote(0, time.perf_counter() - clock, 0)  # the unfinished answers' time counts too
 
 
 @dataclass
 class _SeedInProgress:
-    """A seed being answered turn by turn."""
+    """A seed being answered turn by turn (by either way of answering)."""
 
     seed: Seed
     messages: list[dict] = field(default_factory=list)
@@ -145,16 +144,19 @@ class _SeedInProgress:
         conv = ChatPrompt(tuple(ChatMessage(m["role"], m["content"]) for m in self.messages))
         return encode(tokenizer, conv)
 
-    def answered(self, text: str, tokens: int) -> None:
+    def answered(self, tokenizer, answer: list[int]) -> None:
+        """Add the model's answer (token ids, EOS cut) to the last user turn."""
+        text = tokenizer.decode(answer, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": text})
-        self.tokens += tokens
+        self.tokens += len(answer)
 
     def turns_left(self) -> bool:
         return len(self.messages) // 2 < len(self.seed.turns)
 
 
-def _write(fh, seed: Seed, messages: list[dict], tokens: int) -> None:
-    rec = {"key": seed.key, "category": seed.category, "tokens": tokens, "messages": messages}
+def _write(fh, conv: _SeedInProgress) -> None:
+    rec = {"key": conv.seed.key, "category": conv.seed.category, "tokens": conv.tokens,
+           "messages": conv.messages}
     fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
     fh.flush()
 
@@ -166,32 +168,20 @@ def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> tuple[float, 
     digest = hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()
     torch.manual_seed(int(digest[:8], 16))  # the same batch samples the same answers
     tokens = 0
-    for seed, messages, n_tokens in _answer_batch(lm, batch, budget):
-        _write(fh, seed, messages, n_tokens)
-        tokens += conversation_tokens(lm, messages)
+    for conv in _answer_batch(lm, batch, budget):
+        _write(fh, conv)
+        tokens += conversation_tokens(lm, conv.messages)
     return time.perf_counter() - start, tokens
 
 
-def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[tuple[Seed, list[dict], int]]:
-    """Answer every seed of the batch turn by turn; returns (seed, messages, answer tokens)."""
-    history: list[list[dict]] = [[] for _ in batch]
-    counts = [0] * len(batch)
-    for turn in range(max(len(s.turns) for s in batch)):
-        active = [i for i, s in enumerate(batch) if turn < len(s.turns)]
-        prompts = []
-        for i in active:
-            history[i].append({"role": "user", "content": batch[i].turns[turn]})
-            conv = ChatPrompt(tuple(ChatMessage(m["role"], m["content"]) for m in history[i]))
-            prompts.append(encode(lm.tokenizer, conv))
-        for i, answer in zip(active, _sample(lm, prompts, batch, budget), strict=True):
-            history[i].append(
-                {
-                    "role": "assistant",
-                    "content": lm.tokenizer.decode(answer, skip_special_tokens=True),
-                }
-            )
-            counts[i] += len(answer)
-    return [(s, h, c) for s, h, c in zip(batch, history, counts, strict=True)]
+def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[_SeedInProgress]:
+    """Answer every seed of the batch turn by turn, each turn in one batched pass."""
+    convs = [_SeedInProgress(seed) for seed in batch]
+    while active := [conv for conv in convs if conv.turns_left()]:
+        prompts = [conv.ask_next(lm.tokenizer) for conv in active]
+        for conv, answer in zip(active, _sample(lm, prompts, batch, budget), strict=True):
+            conv.answered(lm.tokenizer, answer)
+    return convs
 
 
 def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:
@@ -201,33 +191,16 @@ def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget)
     answer_tokens = answer_room(lm, budget.max_new_tokens)
     prompts = [fit_prompt(lm, p, answer_tokens) for p in prompts]
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_ids[0]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
+    ids, mask = padded(prompts, pad, left=True)
     greedy = budget.temperature <= 0 or (budget.greedy_first_pass and batch[0].sample == 0)
+    sampling = ({"do_sample": False} if greedy else
+                {"do_sample": True, "temperature": budget.temperature, "top_p": 1.0, "top_k": 0})
     with torch.inference_mode():
-        out = lm.model.generate(
-            input_ids=ids.to(lm.device),
-            attention_mask=mask.to(lm.device),
-            **(
-                {"do_sample": False}
-                if greedy
-                else {
-                    "do_sample": True,
-                    "temperature": budget.temperature,
-                    "top_p": 1.0,
-                    "top_k": 0,
-                }
-            ),
-            max_new_tokens=answer_tokens,
-            pad_token_id=pad,
-            eos_token_id=list(lm.eos_ids),
-        )
+        out = lm.model.generate(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
+                                **sampling, max_new_tokens=answer_tokens, pad_token_id=pad,
+                                eos_token_id=list(lm.eos_ids))
     answers = []
-    for row in out[:, width:].tolist():
+    for row in out[:, ids.shape[1]:].tolist():
         cut = next((i for i, t in enumerate(row) if t in lm.eos_ids), len(row))
         answers.append(row[:cut])
     return answers

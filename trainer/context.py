@@ -1,4 +1,5 @@
-"""Fitting the trainer's sequences to the model's context window.
+"""Fitting the trainer's sequences to the model's context window, and padding them into
+batches.
 
 Models with learned absolute positions (GPT-2, OPT) raise IndexError past their last
 position, and a short window leaves little room: every prompt, answer and timing context the
@@ -6,6 +7,8 @@ trainer builds is cut to fit `lm.context_len` here.
 """
 
 from __future__ import annotations
+
+import torch
 
 from engine.chat import conversation, encode, fit_to_context
 
@@ -26,7 +29,21 @@ def fit_prompt(lm, ids: list[int], answer_tokens: int) -> list[int]:
     return fit_to_context(list(ids), lm.context_len, answer_tokens)[0]
 
 
-def fit_sequence(lm, ids: list, extra: int = 0) -> list:
+def fit_sequence(lm, ids: list) -> list:
     """The first tokens of a whole sequence (a conversation read in one forward pass) that
-    leave `extra` positions after them."""
-    return ids[: max(1, lm.context_len - extra)]
+    fit the context window."""
+    return ids[: max(1, lm.context_len)]
+
+
+def padded(seqs: list[list[int]], value: int = 0, left: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, width) long ids of `seqs` padded with `value` to the longest (on the right, or on
+    the left for prompts a batch continues together), and the (B, width) attention mask."""
+    width = max(len(seq) for seq in seqs)
+    ids = torch.full((len(seqs), width), value, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[row, cols] = torch.tensor(seq, dtype=torch.long)
+        mask[row, cols] = 1
+    return ids, mask

@@ -25,7 +25,7 @@ from engine.chat import render
 from engine.errors import QuickdraftError
 from engine.paths import cache_dir
 from engine.progress import Eta, Progress, ProgressFn, ignore
-from trainer.context import fit_sequence
+from trainer.context import fit_sequence, padded
 
 SHARD_TOKENS = 65536  # tokens per cache shard: the unit of resuming
 BATCH_TOKENS = 8192  # padded tokens per frozen forward (memory / speed balance on a CPU)
@@ -189,7 +189,7 @@ def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None
         width = len(ids_list[order[-1]])
         take = max(1, min(len(order), BATCH_TOKENS // max(1, width)))
         batch, order = order[-take:], order[:-take]
-        out = _forward(lm, [ids_list[i] for i in batch], width)
+        out = _forward(lm, [ids_list[i] for i in batch])
         for row, i in enumerate(batch):
             for layer in layers:
                 states[layer][i] = out[layer][row, : len(ids_list[i])].cpu()
@@ -206,21 +206,12 @@ def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None
     tmp.replace(path)
 
 
-def _forward(lm, batch: list[list[int]], width: int) -> tuple[torch.Tensor, ...]:
+def _forward(lm, batch: list[list[int]]) -> tuple[torch.Tensor, ...]:
     """One frozen forward over right-padded conversations: all layers' (B, width, H) states."""
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    attn = torch.zeros(len(batch), width, dtype=torch.long)
-    for row, seq in enumerate(batch):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attn[row, : len(seq)] = 1
+    ids, attn = padded(batch)
     with torch.inference_mode():
-        out = lm.model(
-            input_ids=ids.to(lm.device),
-            attention_mask=attn.to(lm.device),
-            output_hidden_states=True,
-            use_cache=False,
-            logits_to_keep=1,
-        )
+        out = lm.model(input_ids=ids.to(lm.device), attention_mask=attn.to(lm.device),
+                       output_hidden_states=True, use_cache=False, logits_to_keep=1)
     return out.hidden_states
 
 
@@ -232,8 +223,8 @@ def forward_seconds_per_token(lm, rows: int = 4, width: int = 256) -> float:
     vocab = int(lm.model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, vocab, (rows, width), generator=gen).tolist()
-    _forward(lm, [batch[0][:16]], 16)
-    return timing.seconds(lm.device, _forward, lm, batch, width) / (rows * width)
+    _forward(lm, [batch[0][:16]])
+    return timing.seconds(lm.device, _forward, lm, batch) / (rows * width)
 
 
 def _read_shard(path: Path, layers: list[int]) -> Features:

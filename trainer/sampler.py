@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from engine import kv_cache
+from trainer.context import padded
 
 # Positions reserved in the cache beyond the current width, so steps append in place.
 ROOM = 64
@@ -213,12 +214,7 @@ def _length_groups(jobs: list[AnswerJob]) -> list[list[AnswerJob]]:
 
 def _prefill(lm, jobs: list[AnswerJob]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
     """Prompts left-padded together through the model: (cache, mask, last logits)."""
-    width = max(len(j.prompt) for j in jobs)
-    ids = torch.zeros((len(jobs), width), dtype=torch.long)
-    mask = torch.zeros((len(jobs), width), dtype=torch.long)
-    for row, job in enumerate(jobs):
-        ids[row, width - len(job.prompt):] = torch.tensor(job.prompt)
-        mask[row, width - len(job.prompt):] = 1
+    ids, mask = padded([job.prompt for job in jobs], left=True)
     ids, mask = ids.to(lm.device), mask.to(lm.device)
     cache = DynamicCache(config=lm.model.config)
     with torch.inference_mode():
