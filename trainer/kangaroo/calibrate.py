@@ -225,10 +225,14 @@ def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
         adapter_cache = DynamicCache()
         adapt(model, drafter.adapter, hidden[drafter.settings.exit_layer], 0, adapter_cache)
     tokens = (seq[n:] + [seq[n]] * nodes[-1])[:nodes[-1]]
-    ops = {"adapter": _adapter_op(lm, drafter, tokens[0], n)}
-    for m in nodes:
-        ops[("layers", m)] = _stack_op(lm, tokens[:m], n)
-        ops[("head", m)] = _head_op(lm, tokens[:m], n)
+    x = {m: layers.embed(model, tokens[:m], n) for m in nodes}  # (1, m, H) input embeddings
+    # The pieces, each op(cache, adapter_cache): one adapter step on its cache and the draft
+    # head (the shallow layers are timed with the stack), every decoder layer over m nodes
+    # after the n cached positions, and the final norm and the full LM head over m states.
+    ops = {"adapter": lambda _c, a: drafter.guesses(adapt(model, drafter.adapter, x[1], n, a)[0])}
+    for m in nodes:  # h=x[m]: each op keeps its own nodes
+        ops[("layers", m)] = lambda c, _a, h=x[m]: layers.run_layers(model, h, range(total), c, n)
+        ops[("head", m)] = lambda _c, _a, h=x[m]: layers.logits(model, layers.parts(model).norm(h))
     samples = {name: [] for name in ops}
     names = list(ops)
     for r in range(config.repeats):
@@ -243,34 +247,6 @@ def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
     verify = {e: _line([(m, (total - e) / total * stack[m] + head[m]) for m in nodes[1:]])
               for e in drafters}
     return Costs(round(stack[1] + head[1], 4), draft, verify)
-
-
-def _adapter_op(lm, drafter: KangarooDrafter, token: int, n: int):
-    """One adapter step on its cache and the draft head (the shallow layers are timed with
-    the stack)."""
-    x = layers.embed(lm.model, [token], n)
-
-    def op(_cache, adapter_cache):
-        drafter.guesses(adapt(lm.model, drafter.adapter, x, n, adapter_cache)[0])
-    return op
-
-
-def _stack_op(lm, tokens: list[int], n: int):
-    """Every decoder layer over len(tokens) nodes after n cached positions."""
-    x = layers.embed(lm.model, tokens, n)
-
-    def op(cache, _adapter_cache):
-        layers.run_layers(lm.model, x, range(layers.num_layers(lm.model)), cache, n)
-    return op
-
-
-def _head_op(lm, tokens: list[int], n: int):
-    """The final norm and the full LM head over len(tokens) states."""
-    x = layers.embed(lm.model, tokens, n)
-
-    def op(_cache, _adapter_cache):
-        layers.logits(lm.model, layers.parts(lm.model).norm(x))
-    return op
 
 
 def _timed(op, caches) -> float:
