@@ -136,14 +136,8 @@ def _repair(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def generate_data(
-    lm,
-    out_path: Path,
-    prompt_files: list[Path] | None,
-    budget: DataBudget,
-    progress: ProgressFn,
-    cancel: threading.Event | None = None,
-) -> dict:
+def generate_data(lm, out_path: Path, prompt_files: list[Path] | None, budget: DataBudget,
+                  progress: ProgressFn, cancel: threading.Event | None = None) -> dict:
     """Answer seeds until the budget is spent; resumes an existing file.
 
     The time budget counts every run on this file (kept in a sidecar .meta.json), so a run
@@ -161,21 +155,16 @@ def generate_data(
     tokens = sum(conversation_tokens(lm, rec["messages"]) for rec in stored)
     todo = [s for s in build_seeds(prompt_files, budget) if s.key not in done]
     target = min(budget.max_conversations, len(done) + len(todo))
-    count, eta = len(done), Eta(max(1, target - len(done)))
-    run = Run(count, target, spent, meta_path, tokens)
+    run = Run(len(done), target, spent, meta_path, tokens)
+    eta = Eta(max(1, target - len(done)))
     _report(progress, run, budget, None)
     with out_path.open("a", encoding="utf-8") as fh:
         answer_seeds(lm, fh, todo, budget, run,
                      lambda: _report(progress, run, budget, eta.left(run.count - len(done))),
                      cancel)
-    count, spent = run.count, run.spent
     total_tokens = sum(int(rec.get("tokens", 0)) for rec in _records(out_path))
-    return {
-        "conversations": count,
-        "tokens": total_tokens,
-        "seconds": round(spent, 1),
-        "new": count - len(done),
-    }
+    return {"conversations": run.count, "tokens": total_tokens, "seconds": round(run.spent, 1),
+            "new": run.count - len(done)}
 
 
 def _report(progress: ProgressFn, run: Run, budget: DataBudget, left: float | None) -> None:
