@@ -71,9 +71,8 @@ class FeatureCache:
         return Features(ids, mask, torch.cat(offsets), states)
 
 
-def encode_conversations(
-    lm, conversations: list[list[dict]]
-) -> tuple[list[list[int]], list[list[bool]]]:
+def encode_conversations(lm, conversations: list[list[dict]]
+                         ) -> tuple[list[list[int]], list[list[bool]]]:
     """Token ids of each whole conversation through the model's chat template, and a mask
     that is True on the tokens of the model's answers (including their end-of-turn token).
 
@@ -102,14 +101,9 @@ def conversation_tokens(lm, messages: list[dict]) -> int:
     return len(fit_sequence(lm, render(lm.tokenizer, messages, generation_prompt=False)))
 
 
-def hidden_states(
-    lm,
-    ids_batch: list[list[int]],
-    layers: list[int],
-    masks: list[list[bool]] | None = None,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-) -> FeatureCache:
+def hidden_states(lm, ids_batch: list[list[int]], layers: list[int],
+                  masks: list[list[bool]] | None = None, progress: ProgressFn = ignore,
+                  cancel: threading.Event | None = None) -> FeatureCache:
     """Run the frozen model over every conversation and cache the requested layers.
 
     Shards are keyed by the model, its quantization, the layers and their tokens, so a rerun
@@ -231,9 +225,8 @@ def _read_shard(path: Path, layers: list[int]) -> Features:
     try:
         t = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise QuickdraftError(
-            f"the feature cache shard {path} is unreadable; delete it and rerun"
-        ) from exc
+        raise QuickdraftError(f"the feature cache shard {path} is unreadable; delete it and "
+                              "rerun") from exc
     return Features(t["ids"], t["mask"], t["offsets"], {n: t[f"layer{n}"] for n in layers})
 
 

@@ -15,9 +15,8 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return -(teacher * student_logits.float().log_softmax(-1)).sum(-1).mean()
 
 
-def sparse_soft_cross_entropy(
-    student_logits: torch.Tensor, teacher_cols: torch.Tensor, teacher_logits: torch.Tensor
-) -> torch.Tensor:
+def sparse_soft_cross_entropy(student_logits: torch.Tensor, teacher_cols: torch.Tensor,
+                              teacher_logits: torch.Tensor) -> torch.Tensor:
     """Per row, -sum_j p_teacher(j) log p_student(col_j): soft cross-entropy (KL up to the
     teacher's entropy) against a teacher known only on its top-k tokens.
 
@@ -35,9 +34,8 @@ def head_weights(num_heads: int, decay: float = 0.8) -> list[float]:
     return [decay**k for k in range(1, num_heads + 1)]
 
 
-def candidate_columns(
-    teacher_top: torch.Tensor, vocab_size: int, extra: int, generator: torch.Generator | None = None
-) -> torch.Tensor:
+def candidate_columns(teacher_top: torch.Tensor, vocab_size: int, extra: int,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
     """Vocabulary columns a sampled-softmax step scores: every teacher top-k token in the
     batch plus `extra` random others (negatives the student must keep low).
 

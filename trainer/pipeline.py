@@ -38,13 +38,9 @@ class TrainOptions:
     heldout_fraction: float = 0.06  # seed prompts kept out of training for held-out figures
     calibration_seconds: float = 90.0  # time Medusa keeps back for calibration after
     # training (Kangaroo's is options.kangaroo.calibration.seconds)
-    data: DataBudget = field(
-        default_factory=DataBudget
-    )  # sampling settings (time set by the share)
+    data: DataBudget = field(default_factory=DataBudget)  # sampling (its time set by the share)
     medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)  # Medusa heads and loss
-    kangaroo: KangarooTrainConfig = field(
-        default_factory=KangarooTrainConfig
-    )  # adapter, exits, sweep
+    kangaroo: KangarooTrainConfig = field(default_factory=KangarooTrainConfig)  # exits, sweep
     train: TrainConfig = field(default_factory=TrainConfig)  # optimiser and schedule
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # tree search
     # the user's own chats with this model as {"role", "content"} lists (app/ reads them from
@@ -56,9 +52,8 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         if self.method not in TRAINED:
-            raise QuickdraftError(
-                f"unknown method {self.method!r}: choose one of {', '.join(TRAINED)}"
-            )
+            raise QuickdraftError(f"unknown method {self.method!r}: choose one of "
+                                  f"{', '.join(TRAINED)}")
         if not self.max_minutes > 0:
             raise QuickdraftError("--max-minutes must be a positive number")
         if self.prompts_file is not None and not Path(self.prompts_file).is_file():
@@ -92,9 +87,8 @@ class TrainResult:
     cancelled: bool = False
 
 
-def train_accelerator(
-    lm, options: TrainOptions, progress: ProgressFn = ignore, cancel: threading.Event | None = None
-) -> TrainResult:
+def train_accelerator(lm, options: TrainOptions, progress: ProgressFn = ignore,
+                      cancel: threading.Event | None = None) -> TrainResult:
     """Run every stage for `options.method` and save the checkpoint for `lm`."""
     trainer = importlib.import_module(method(options.method).trainer)
     trainer.check(lm)  # refuse before spending the data budget
@@ -112,11 +106,9 @@ def train_accelerator(
     if options.chats:
         report(Progress("data", 1, 1, f"{len(options.chats)} conversations from your chats"))
     if len(train_convs) < 2 or not heldout_convs:
-        raise QuickdraftError(
-            f"too little training data ({len(train_convs)} conversations, "
-            f"{len(heldout_convs)} held out): "
-            "give training more time with --max-minutes"
-        )
+        raise QuickdraftError(f"too little training data ({len(train_convs)} conversations, "
+                              f"{len(heldout_convs)} held out): "
+                              "give training more time with --max-minutes")
     left_min = max(1.0, total_s - (time.perf_counter() - start)) / 60
     stage_options = dataclasses.replace(options, max_minutes=left_min, resume=resume)
     try:
@@ -170,9 +162,8 @@ def _cancelled(cancel: threading.Event | None) -> bool:
     return cancel is not None and cancel.is_set()
 
 
-def _with_eta(
-    progress: ProgressFn, start: float, total_s: float, calibration_s: float
-) -> ProgressFn:
+def _with_eta(progress: ProgressFn, start: float, total_s: float,
+              calibration_s: float) -> ProgressFn:
     """The job's ETA: training fills the budget, so until it runs the ETA is the time left in
     the budget; from then on the stage's own ETA (plus calibration while training)."""
 

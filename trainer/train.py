@@ -49,15 +49,9 @@ def lr_factor(progress: float, config: TrainConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
 
 
-def train_module(
-    module: torch.nn.Module,
-    batches_fn: BatchesFn,
-    loss_fn: LossFn,
-    config: TrainConfig,
-    progress: ProgressFn = ignore,
-    cancel: threading.Event | None = None,
-    eval_fn: EvalFn | None = None,
-) -> dict:
+def train_module(module: torch.nn.Module, batches_fn: BatchesFn, loss_fn: LossFn,
+                 config: TrainConfig, progress: ProgressFn = ignore,
+                 cancel: threading.Event | None = None, eval_fn: EvalFn | None = None) -> dict:
     """Train `module`'s parameters that require grad; returns the run's figures.
 
     The schedule runs on max(step fraction, time fraction), so a time-limited run still
@@ -66,16 +60,13 @@ def train_module(
     ones when there is no eval_fn.
     """
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-    )
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
+                            weight_decay=config.weight_decay)
     first = batches_fn(0)
     steps_per_epoch = max(1, len(first))
     total = steps_per_epoch * config.epochs
-    eval_at = {
-        round(steps_per_epoch * (i + 1) / config.evals_per_epoch)
-        for i in range(config.evals_per_epoch)
-    }
+    eval_at = {round(steps_per_epoch * (i + 1) / config.evals_per_epoch)
+               for i in range(config.evals_per_epoch)}
     start, step, stopped, evaluated = time.perf_counter(), 0, "", -1
     best = {"loss": math.inf, "state": None, "step": 0, "curve": [], "shown": ""}
     smoothed, metrics = None, {}
@@ -122,9 +113,8 @@ def _time_fraction(start: float, config: TrainConfig) -> float:
     return (time.perf_counter() - start) / config.max_seconds
 
 
-def _optimizer_step(
-    module, opt, params, loss_fn: LossFn, batch, lr: float, config: TrainConfig
-) -> tuple[float, dict]:
+def _optimizer_step(module, opt, params, loss_fn: LossFn, batch, lr: float,
+                    config: TrainConfig) -> tuple[float, dict]:
     """One AdamW update at learning rate `lr`; returns (loss, metrics)."""
     for group in opt.param_groups:
         group["lr"] = lr
@@ -162,27 +152,11 @@ def _evaluate(module: torch.nn.Module, eval_fn: EvalFn, best: dict, step: int) -
         best.update(loss=loss, state=copy.deepcopy(module.state_dict()), step=step)
 
 
-def _report(
-    progress: ProgressFn,
-    step: int,
-    total: int,
-    start: float,
-    config: TrainConfig,
-    loss: float | None,
-    metrics: dict,
-    heldout: str,
-) -> None:
+def _report(progress: ProgressFn, step: int, total: int, start: float, config: TrainConfig,
+            loss: float | None, metrics: dict, heldout: str) -> None:
     elapsed = time.perf_counter() - start
     left = elapsed / step * (total - step)
     if config.max_seconds is not None:
         left = min(left, max(0.0, config.max_seconds - elapsed))
-    progress(
-        Progress(
-            "train",
-            step,
-            total,
-            f"step {step}/{total}, loss {loss:.3f}" + (f"; held-out {heldout}" if heldout else ""),
-            left,
-            {"loss": loss, **metrics},
-        )
-    )
+    line = f"step {step}/{total}, loss {loss:.3f}" + (f"; held-out {heldout}" if heldout else "")
+    progress(Progress("train", step, total, line, left, {"loss": loss, **metrics}))
