@@ -115,30 +115,19 @@ def hidden_states(lm, ids_batch: list[list[int]], layers: list[int],
     if not layers or layers[0] < 0 or layers[-1] > num_layers:
         raise QuickdraftError(f"feature layers must be within 0..{num_layers}, got {layers}")
     masks = masks if masks is not None else [[True] * len(ids) for ids in ids_batch]
-    groups = _shard_groups([len(ids) for ids in ids_batch])
     folder = cache_dir() / "features" / lm.fingerprint
-    shards = [
-        folder
-        / f"{_shard_key(lm, layers, [ids_batch[i] for i in g], [masks[i] for i in g])}.safetensors"
-        for g in groups
-    ]
     eta = Eta(sum(len(ids) for ids in ids_batch))
-    done_tokens = 0
-    for path, group in zip(shards, groups, strict=True):
-        if not _valid(path):
+    shards, done_tokens = [], 0
+    for group in _shard_groups([len(ids) for ids in ids_batch]):
+        ids, mask = [ids_batch[i] for i in group], [masks[i] for i in group]
+        shards.append(folder / f"{_shard_key(lm, layers, ids, mask)}.safetensors")
+        if not _valid(shards[-1]):
             if cancel is not None and cancel.is_set():
                 raise QuickdraftError("feature extraction cancelled")
-            _write_shard(lm, path, [ids_batch[i] for i in group], [masks[i] for i in group], layers)
-        done_tokens += sum(len(ids_batch[i]) for i in group)
-        progress(
-            Progress(
-                "features",
-                done_tokens,
-                eta.total,
-                f"{done_tokens}/{eta.total} tokens",
-                eta.left(done_tokens),
-            )
-        )
+            _write_shard(lm, shards[-1], ids, mask, layers)
+        done_tokens += sum(len(seq) for seq in ids)
+        progress(Progress("features", done_tokens, eta.total, f"{done_tokens}/{eta.total} tokens",
+                          eta.left(done_tokens)))
     return FeatureCache(folder, layers, shards)
 
 
