@@ -215,9 +215,8 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     final = layers.num_layers(lm.model)
     exits = sorted({e for e in config.exit_layers if 1 <= e < final})
     if not exits:
-        raise QuickdraftError(
-            f"no usable Kangaroo exit layer in {config.exit_layers} (the model has {final} layers)"
-        )
+        raise QuickdraftError(f"no usable Kangaroo exit layer in {config.exit_layers} (the model "
+                              f"has {final} layers)")
     train = features_for(lm, train_convs, [*exits, final], progress, cancel)
     heldout = features_for(lm, heldout_convs, [*exits, final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
@@ -275,13 +274,11 @@ def summary_lines(metrics: dict, settings: dict) -> list[str]:
     speedup = metrics.get("speedup", 0.0)
     if metrics.get("pays"):
         ctar = " ".join(f"{c:.2f}" for c in metrics.get("ctar", []))
-        lines.append(
-            f"chosen: exit layer {settings['exit_layer']}, eta {settings['eta']}, gamma "
-            f"{settings['gamma']}: estimated {speedup:.2f}x plain decoding, "
-            f"{metrics.get('mean_accepted', 0):.2f} tokens per round, CTAR(1..6) {ctar}")
+        lines.append(f"chosen: exit layer {settings['exit_layer']}, eta {settings['eta']}, gamma "
+                     f"{settings['gamma']}: estimated {speedup:.2f}x plain decoding, "
+                     f"{metrics.get('mean_accepted', 0):.2f} tokens per round, CTAR(1..6) {ctar}")
     else:
-        lines.append(
-            "Kangaroo does not pay on this machine (the best setting is estimated at "
-            f"{speedup:.2f}x plain decoding): --accel kangaroo will decode exactly like plain "
-            "decoding, never slower.")
+        lines.append("Kangaroo does not pay on this machine (the best setting is estimated at "
+                     f"{speedup:.2f}x plain decoding): --accel kangaroo will decode exactly like "
+                     "plain decoding, never slower.")
     return lines

@@ -141,11 +141,9 @@ def step_loss(heads: MedusaHeads, weight: torch.Tensor, inputs: HeadInputs, teac
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         hidden = heads.transform(states, pending)  # (B, K, H)
         if heads.vocab is None:
-            student = (hidden.flatten(0, 1) @ weight[cols].T).unflatten(
-                0, hidden.shape[:2]
-            )  # (B, K, C)
+            student = (hidden.flatten(0, 1) @ weight[cols].T).unflatten(0, hidden.shape[:2])
         else:
-            student = torch.einsum("bkh,kch->bkc", hidden, heads.vocab[:, cols])
+            student = torch.einsum("bkh,kch->bkc", hidden, heads.vocab[:, cols])  # (B, K, C)
     losses = sparse_soft_cross_entropy(student, where, t_logits)  # (B, K)
     per_head = (losses * valid).sum(0) / valid.sum(0).clamp_min(1)  # (K,)
     lam = torch.tensor(head_weights(k_heads), device=dev)
@@ -333,15 +331,11 @@ def summary_lines(m: dict, s: dict) -> list[str]:
     measured = calibration.get("measured", {})
     if s.get("pays"):
         chosen = measured[calibration["chosen"]]
-        lines.append(
-            f"tree: {len(s['tree'])} nodes, measured {chosen['speedup']:.2f}x plain decoding, "
-            f"{chosen['mean_accepted']:.2f} tokens per step"
-        )
+        lines.append(f"tree: {len(s['tree'])} nodes, measured {chosen['speedup']:.2f}x plain "
+                     f"decoding, {chosen['mean_accepted']:.2f} tokens per step")
     else:
         best = max((v["speedup"] for k, v in measured.items() if k != "plain"), default=None)
         tried = f" (the best tree measured {best:.2f}x)" if best is not None else ""
-        lines.append(
-            f"The Medusa heads do not pay on this machine{tried}: --accel medusa will decode "
-            "exactly like plain decoding, never slower."
-        )
+        lines.append(f"The Medusa heads do not pay on this machine{tried}: --accel medusa will "
+                     "decode exactly like plain decoding, never slower.")
     return lines
