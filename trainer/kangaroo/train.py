@@ -23,7 +23,7 @@ from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head, sequence_states
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
-from trainer.context import prompt_ids
+from trainer.context import padded, prompt_ids
 from trainer.features import Features, features_for, forward_seconds_per_token
 from trainer.kangaroo.calibrate import KangarooCalibration, calibrate
 from trainer.losses import soft_cross_entropy
@@ -102,13 +102,9 @@ def make_batches(feats: Features, max_len: int, batch_tokens: int) -> list[Batch
 
 
 def _pad(feats: Features, spans: list[tuple[int, int]]) -> Batch:
-    width = max(b - a for a, b in spans)
-    index = torch.zeros(len(spans), width, dtype=torch.long)
-    pad = torch.zeros(len(spans), width, dtype=torch.long)
-    loss = torch.zeros(len(spans), width, dtype=torch.bool)
+    index, pad = padded([list(range(a, b)) for a, b in spans])
+    loss = torch.zeros(index.shape, dtype=torch.bool)
     for row, (a, b) in enumerate(spans):
-        index[row, : b - a] = torch.arange(a, b)
-        pad[row, : b - a] = 1
         loss[row, : b - a - 1] = feats.mask[a + 1 : b]  # state t predicts token t + 1
     return Batch(index, pad, loss)
 
