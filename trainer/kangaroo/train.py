@@ -201,8 +201,8 @@ def prep_seconds_per_token(lm, options) -> float:
 
 
 def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], options,
-                   progress: ProgressFn = ignore, cancel: threading.Event | None = None
-                   ) -> tuple[dict[str, torch.Tensor], dict, dict]:
+          progress: ProgressFn = ignore, cancel: threading.Event | None = None
+          ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Features -> one adapter per exit layer -> calibrated (l, eta, gamma), within
     options.max_minutes. Returns (checkpoint tensors, drafter.json settings, metrics)."""
     check(lm)
