@@ -81,9 +81,11 @@ class CalibrationResult:
     table: dict = field(default_factory=dict)  # costs and the best estimates
 
 
-def teacher_forced(lm, drafter: KangarooDrafter, seq: list[int]) -> tuple[list[bool], list[float]]:
-    """For each position t of seq: does the draft's first choice equal seq[t + 1], and its
-    top-1 probability. One full forward plus one adapter pass."""
+def teacher_forced(lm, drafter: KangarooDrafter, seq: list[int],
+                   start: int) -> tuple[list[bool], list[float]]:
+    """Per position t of seq predicting a reply token (t >= start - 1: the first `start` are
+    the prompt's, the last of them the pending token): does the draft's first choice equal
+    seq[t + 1], and its top-1 probability. One full forward plus one adapter pass."""
     model = lm.model
     with torch.inference_mode():
         ids = torch.tensor([seq], device=lm.device)
@@ -92,7 +94,7 @@ def teacher_forced(lm, drafter: KangarooDrafter, seq: list[int]) -> tuple[list[b
         x = layers.exit_states(hidden, drafter.settings.exit_layer)
         _logits, guess, conf = drafter.guesses(sequence_states(model, drafter.adapter, x)[0])
     match = (guess[:-1] == ids[0, 1:]).tolist()
-    return match, conf[:-1].tolist()
+    return match[start - 1:], conf[:-1].tolist()[start - 1:]
 
 
 def one_round(match: list[bool], conf: list[float], t: int, eta: float,
@@ -178,7 +180,7 @@ def calibrate(lm, adapters: dict[int, Adapter], vocab: torch.Tensor | None,
                 for e, a in sorted(adapters.items())}
     traces = {}
     for n, (e, drafter) in enumerate(drafters.items()):
-        traces[e] = [_answer_part(teacher_forced(lm, drafter, s), len(p))
+        traces[e] = [teacher_forced(lm, drafter, s, len(p))
                      for p, s in zip(prompts, seqs, strict=False)]
         progress(Progress("calibrate", n + 1, len(drafters), f"exit layer {e}: acceptance"))
     if costs is None:
@@ -193,12 +195,6 @@ def calibrate(lm, adapters: dict[int, Adapter], vocab: torch.Tensor | None,
     figures = {"costs_ms": asdict(costs), "estimates": table[:12]}
     return CalibrationResult(settings, pays, best["estimated_speedup"],
                              ctar(traces[best["exit_layer"]]), best["tokens_per_round"], figures)
-
-
-def _answer_part(trace: tuple[list[bool], list[float]], start: int):
-    """The positions predicting reply tokens (the pending token is the prompt's last)."""
-    match, conf = trace
-    return match[start - 1:], conf[start - 1:]
 
 
 def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
