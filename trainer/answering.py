@@ -162,26 +162,20 @@ def _write(fh, conv: _SeedInProgress) -> None:
 
 
 def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> tuple[float, int]:
-    """Answer one batch and append its conversations; returns the seconds it took and the
-    conversations' tokens."""
+    """Answer every seed of the batch turn by turn, each turn in one batched pass, and append
+    its conversations; returns the seconds it took and the conversations' tokens."""
     start = time.perf_counter()
     digest = hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()
     torch.manual_seed(int(digest[:8], 16))  # the same batch samples the same answers
-    tokens = 0
-    for conv in _answer_batch(lm, batch, budget):
-        _write(fh, conv)
-        tokens += conversation_tokens(lm, conv.messages)
-    return time.perf_counter() - start, tokens
-
-
-def _answer_batch(lm, batch: list[Seed], budget: DataBudget) -> list[_SeedInProgress]:
-    """Answer every seed of the batch turn by turn, each turn in one batched pass."""
     convs = [_SeedInProgress(seed) for seed in batch]
     while active := [conv for conv in convs if conv.turns_left()]:
         prompts = [conv.ask_next(lm.tokenizer) for conv in active]
         for conv, answer in zip(active, _sample(lm, prompts, batch, budget), strict=True):
             conv.answered(lm.tokenizer, answer)
-    return convs
+    for conv in convs:
+        _write(fh, conv)
+    tokens = sum(conversation_tokens(lm, conv.messages) for conv in convs)
+    return time.perf_counter() - start, tokens
 
 
 def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:
