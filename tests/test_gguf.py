@@ -5,7 +5,6 @@ one-line errors; the converted folder is reused."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ from engine.chat import conversation, encode
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import ModelLoadError
 from engine.generate import run
-from engine.loading import BUNDLED_GGUF, BUNDLED_PACKAGE, load_model, resolve_folder
+from engine.loading import bundled_gguf, load_model, resolve_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
@@ -36,11 +35,6 @@ LAYER_NAMES = {
 }
 TOKENIZER_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.merges", "tokenizer.chat_template")
-
-
-def bundled_gguf() -> Path:
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,7 +9,6 @@ is not expected to match hf's token for token.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -22,15 +21,12 @@ from engine.errors import QuickdraftError
 
 def gguf_file(lm) -> Path | None:
     """The GGUF file `lm` was loaded from, or None when it came from a folder or hub repo."""
-    from engine.loading import BUNDLED_GGUF, BUNDLED_PACKAGE
+    from engine.loading import bundled_gguf
 
     source = lm.spec.source.strip()
     if source == "default":
-        spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
-        return path if path.is_file() else None
+        path = bundled_gguf()
+        return path if path is not None and path.is_file() else None
     path = Path(source).expanduser()
     if path.is_file():
         return path
