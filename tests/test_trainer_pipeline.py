@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from app.cli import main
-from app.commands.train import render, summary
+from app.commands.progress import render
+from app.commands.train import summary
 from engine.config import SamplingParams
 from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
@@ -107,6 +108,21 @@ def test_progress_line_shows_stage_fraction_and_eta():
     line = render(Progress("data", 30, 120, "30/120 conversations", eta_s=125), elapsed_s=61)
     assert line.startswith("[data     ] [#######") and " 25% " in line
     assert "elapsed 1:01" in line and "ETA 2:05" in line
+
+
+def test_progress_line_in_a_log_writes_a_line_per_stage_not_per_report():
+    import io
+
+    from app.commands.progress import ProgressLine
+
+    log = io.StringIO()
+    bar = ProgressLine(log, every_s=3600)
+    for done in range(10):
+        bar(Progress("bench", done, 10, f"prompt {done + 1}/10"))
+    bar(Progress("done", 10, 10, "done"))
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and "prompt 1/10" in lines[0] and lines[1].startswith("[done")
 
 
 def test_summary_says_plainly_when_the_heads_do_not_pay():

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from app.commands.common import add_model_args, load
+from app.commands.progress import ProgressLine
 from engine.benchmark.methods import METHOD_CHOICES
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import QuickdraftError
-from engine.progress import Progress
 
 HELP = "speed report: tokens/s, speedup over generate(), acceptance, memory, greedy match"
 
@@ -82,8 +82,12 @@ def execute(args: argparse.Namespace, command: str) -> int:
         print(f"{name}: {why}", file=sys.stderr)
     context = {"command": command, "model": args.model, "prompt_file": str(prompt_file),
                "assistant": assistant.model_id if assistant else None}
-    report = bench_report(lm, prompts, methods, skipped, params, context, ProgressBar(),
-                          args.passes, lambda: build_methods(lm, names, params, assistant)[0])
+    bar = ProgressLine()
+    try:
+        report = bench_report(lm, prompts, methods, skipped, params, context, bar, args.passes,
+                              lambda: build_methods(lm, names, params, assistant)[0])
+    finally:
+        bar.close()
     print("\n".join([*overall_table(report), "", *notes(report)]))
     if args.out:
         written = write_report(report, Path(args.out))
@@ -97,29 +101,3 @@ def _load_assistant(args: argparse.Namespace):
     print(f"Loading assistant {args.assistant}...", file=sys.stderr, flush=True)
     return load_model(ModelSpec(source=args.assistant, quant=args.quant, device=args.device,
                                 trust_remote_code=args.trust_remote_code))
-
-
-class ProgressBar:
-    """Renders Progress reports as one self-rewriting line on stderr (a line per 10% when
-    stderr is not a terminal, so logs stay readable)."""
-
-    def __init__(self, stream=None, width: int = 28) -> None:
-        self.stream = stream or sys.stderr
-        self.width = width
-        self.tty = self.stream.isatty()
-        self.last_tenth = -1
-
-    def __call__(self, p: Progress) -> None:
-        filled = int(p.fraction * self.width)
-        eta = f" ETA {p.eta_s / 60:.1f} min" if p.eta_s is not None else ""
-        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] "
-                f"{p.done:.0f}/{p.total:.0f} {p.message}{eta}")
-        if self.tty:
-            end = "\n" if p.stage == "done" else ""
-            self.stream.write("\r" + line.ljust(100)[:160] + end)
-            self.stream.flush()
-            return
-        tenth = int(p.fraction * 10) if p.stage == "bench" else -1
-        if tenth != self.last_tenth or p.stage == "done":
-            self.last_tenth = tenth
-            print(line, file=self.stream, flush=True)

@@ -6,11 +6,11 @@ import argparse
 import dataclasses
 import importlib
 import sys
-import time
 import traceback
 from pathlib import Path
 
 from app.commands.common import add_model_args, load
+from app.commands.progress import ProgressLine
 from app.jobs import one_line
 from app.store import Store
 from engine.drafters.registry import TRAINED, method
@@ -18,7 +18,6 @@ from engine.errors import QuickdraftError
 from engine.paths import data_dir
 
 HELP = "build an accelerator (self-distilled data, training, calibration) for a model"
-BAR = 28  # progress bar width in characters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
     lm = load(args)
     if not args.no_chats:
         options = dataclasses.replace(options, chats=tuple(Store().chats_with(lm.fingerprint)))
-    bar = ProgressBar(sys.stderr)
+    bar = ProgressLine(sys.stderr)
     try:
-        result = train_accelerator(lm, options, bar.update)
+        result = train_accelerator(lm, options, bar)
     except KeyboardInterrupt:
         result = None
     except QuickdraftError:
@@ -89,49 +88,6 @@ def _log(exc: Exception) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
     return path
-
-
-class ProgressBar:
-    """One redrawn line on a terminal; a line every few seconds (or per stage) otherwise."""
-
-    def __init__(self, stream, every_s: float = 5.0):
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.every_s = every_s
-        self.last_stage, self.last_print = "", 0.0
-        self.start = time.perf_counter()
-
-    def update(self, p) -> None:
-        now = time.perf_counter()
-        line = render(p, now - self.start)
-        if self.tty:
-            self.stream.write("\r" + line.ljust(100)[:100])
-            self.stream.flush()
-        elif p.stage != self.last_stage or now - self.last_print >= self.every_s:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-            self.last_print = now
-        self.last_stage = p.stage
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def render(p, elapsed_s: float) -> str:
-    """`[data     ] [######......]  45% 300/686 conversations  elapsed 4:10  ETA 5:23`"""
-    filled = int(BAR * p.fraction)
-    eta = "" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
-    return (
-        f"[{p.stage:<9}] [{'#' * filled}{'.' * (BAR - filled)}] {p.fraction * 100:3.0f}% "
-        f"{p.message}  elapsed {_clock(elapsed_s)}{eta}"
-    )
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def summary(result) -> str:

@@ -1,0 +1,52 @@
+"""The CLI's progress line for every slow command (training, the speed report): redrawn in
+place on a terminal; in a log, a line per stage and every few seconds, so logs stay short."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from engine.progress import Progress
+
+BAR = 28  # bar width in characters
+
+
+class ProgressLine:
+    """A ProgressFn that draws the reports on `stream`; `close()` ends the line."""
+
+    def __init__(self, stream=None, every_s: float = 5.0):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every_s = every_s
+        self.last_stage, self.last_print = "", 0.0
+        self.start = time.perf_counter()
+
+    def __call__(self, p: Progress) -> None:
+        now = time.perf_counter()
+        line = render(p, now - self.start)
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100)[:100])
+            self.stream.flush()
+        elif p.stage != self.last_stage or now - self.last_print >= self.every_s:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self.last_print = now
+        self.last_stage = p.stage
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def render(p: Progress, elapsed_s: float) -> str:
+    """`[data     ] [######......]  45% 300/686 conversations  elapsed 4:10  ETA 5:23`"""
+    filled = int(BAR * p.fraction)
+    eta = "" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
+    return (f"[{p.stage:<9}] [{'#' * filled}{'.' * (BAR - filled)}] {p.fraction * 100:3.0f}% "
+            f"{p.message}  elapsed {_clock(elapsed_s)}{eta}")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
