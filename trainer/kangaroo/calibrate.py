@@ -70,7 +70,7 @@ class Costs:
 
 
 @dataclass
-class CalibrationResult:
+class SettingsChoice:
     """The chosen setting and the figures behind it."""
 
     settings: KangarooSettings  # gamma 0 when nothing beat plain decoding
@@ -164,7 +164,7 @@ def choose(table: list[dict], tolerance: float) -> dict:
 def calibrate(lm, adapters: dict[int, Adapter], vocab: torch.Tensor | None,
               prompts: list[list[int]], config: KangarooCalibration, progress: ProgressFn = ignore,
               cancel: threading.Event | None = None, costs: Costs | None = None
-              ) -> CalibrationResult:
+              ) -> SettingsChoice:
     """Choose the (exit layer, eta, gamma) the cost model finds fastest here, or none when
     none beats plain decoding. costs: timed here unless given."""
     deadline = time.perf_counter() + config.seconds
@@ -193,7 +193,7 @@ def calibrate(lm, adapters: dict[int, Adapter], vocab: torch.Tensor | None,
                                 source)
     table.sort(key=lambda e: -e["estimated_speedup"])
     figures = {"costs_ms": asdict(costs), "estimates": table[:12]}
-    return CalibrationResult(settings, pays, best["estimated_speedup"],
+    return SettingsChoice(settings, pays, best["estimated_speedup"],
                              ctar(traces[best["exit_layer"]]), best["tokens_per_round"], figures)
 
 

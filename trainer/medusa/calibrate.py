@@ -36,7 +36,7 @@ class CalibrationConfig:
 
 
 @dataclass
-class CalibrationResult:
+class TreeChoice:
     """The chosen tree and the figures behind the choice."""
 
     tree: list[list[int]]  # chosen choices; [] = no tree beat plain decoding here
@@ -64,7 +64,7 @@ def candidate_trees(topk_acc: list[list[float]],
 def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list[list[int]],
               config: CalibrationConfig, progress: ProgressFn = ignore,
               cancel: threading.Event | None = None,
-              seconds: float | None = None) -> CalibrationResult:
+              seconds: float | None = None) -> TreeChoice:
     """Choose the fastest tree measured on this machine (or none, when none pays), decoding
     as many prompts (up to config.prompts, at least one) as fit in `seconds`."""
     start = time.perf_counter()
@@ -93,7 +93,7 @@ def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list
     tree = [list(c) for c in tree_names(finalists)[winner]]
     for e in estimates:
         e["tree"] = [list(c) for c in e["tree"]]
-    return CalibrationResult(tree, bool(tree), winner, measured, estimates)
+    return TreeChoice(tree, bool(tree), winner, measured, estimates)
 
 
 def prompts_that_fit(seconds: float | None, plain_s: float, candidates: int,
