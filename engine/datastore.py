@@ -26,7 +26,6 @@ import heapq
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from engine.paths import atomic_write
 from engine.suffix_index import SEP, SuffixIndex
 
 log = logging.getLogger(__name__)
@@ -255,16 +255,12 @@ class Datastore:
 
     # -- disk ------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        """Write atomically: a temporary file renamed over `path`."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write atomically (engine.paths.atomic_write)."""
         lengths = np.array([len(d) for d in self.docs], np.int64)
         meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": self.fingerprint,
                 "main_docs": str(self.main_docs), "params": json.dumps(self.params.__dict__)}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({"tokens": _join_plain(self.docs), "lengths": lengths,
-                   "main_sa": self.main.sa}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        arrays = {"tokens": _join_plain(self.docs), "lengths": lengths, "main_sa": self.main.sa}
+        atomic_write(Path(path), lambda tmp: save_file(arrays, str(tmp), metadata=meta))
 
 
 def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) -> Datastore:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
@@ -20,3 +22,32 @@ def cache_dir() -> Path:
     """Re-creatable files: the converted bundled model, feature caches (QUICKDRAFT_CACHE_DIR)."""
     override = os.environ.get("QUICKDRAFT_CACHE_DIR")
     return Path(override) if override else Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """Replace `path` with what `write(temporary path)` writes, so that readers see either
+    the old or the new file: written beside it, flushed to disk, renamed over it. A failed
+    write (a full disk) leaves the old file and no temporary one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Unique per writer, and hidden from readers: a half-written file is never loaded.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the rename itself durable: a crash after it must not bring back the old file."""
+    if os.name != "posix":
+        return  # Windows has no folder handles to sync; its renames are journalled
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

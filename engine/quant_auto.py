@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import devices, quant
-from engine.paths import cache_dir
+from engine.paths import atomic_write, cache_dir
 
 HELDOUT = Path(__file__).resolve().parent.parent / "assets" / "heldout_text.txt"
 PPL_TOLERANCE = 0.02  # a low-bit choice may lose at most 2% perplexity against bf16
@@ -63,10 +63,7 @@ def remember(key: str, choice: Choice) -> None:
     except (OSError, ValueError):
         table = {}
     table[key] = asdict(choice)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
 
 
 def heldout_ids(tokenizer, limit: int = HELDOUT_TOKENS) -> torch.Tensor:

@@ -4,6 +4,8 @@ and learning from each finished reply so that a chat on a familiar topic drafts 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -76,6 +78,28 @@ def test_round_trip_and_refusals(tmp_path, caplog):
     with pytest.raises(ValueError, match="unreadable"):
         load(path, "fp-b")
     assert open_store(path, "fp-b", lambda: [[1, 5, 6]]).continuations([1, 5]).tokens == [6]
+
+
+
+def test_a_save_that_fails_midway_keeps_the_old_store(tmp_path, monkeypatch):
+    """A full disk while saving: the old file stays loadable and no temporary file is left."""
+    import engine.datastore as datastore_module
+
+    path = tmp_path / "store.safetensors"
+    store = Datastore("fp-a")
+    store.add_all([[1, 2, 3, 4]])
+    store.save(path)
+
+    def half_written(arrays, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 64)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(datastore_module, "save_file", half_written)
+    store.add([1, 2, 7, 7])
+    with pytest.raises(OSError, match="No space"):
+        store.save(path)
+    assert load(path, "fp-a").continuations([1, 2]).tokens[:2] == [3, 4]
+    assert list(tmp_path.iterdir()) == [path]
 
 
 def _second_token_counts(lm, prompt, store, n):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from engine import timing
 from engine.chat import render
 from engine.errors import QuickdraftError
-from engine.paths import cache_dir
+from engine.paths import atomic_write, cache_dir
 from engine.progress import Eta, Progress, ProgressFn, ignore
 from trainer.context import fit_sequence, padded
 
@@ -183,10 +182,7 @@ def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
     }
     tensors.update({f"layer{n}": torch.cat(states[n]).contiguous() for n in layers})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    save_file(tensors, tmp)
-    tmp.replace(path)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp))
 
 
 def _forward(lm, batch: list[list[int]]) -> tuple[torch.Tensor, ...]:
