@@ -134,7 +134,8 @@ def load_checkpoint(lm, method: str, folder: Path | None = None) -> Checkpoint:
         info = json.loads((folder / INFO).read_text())
         metrics = json.loads((folder / METRICS).read_text()) if (folder / METRICS).exists() else {}
     except (OSError, ValueError) as exc:
-        raise AcceleratorError(f"the {method} accelerator in {folder} is corrupt ({exc}); {fix}") from exc
+        raise AcceleratorError(
+            f"the {method} accelerator in {folder} is corrupt ({exc}); {fix}") from exc
     _check_info(info, lm, method, folder, fix)
     try:
         tensors = load_file(folder / WEIGHTS, device="cpu")

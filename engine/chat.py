@@ -6,7 +6,8 @@ from engine.config import ChatMessage, ChatPrompt
 from engine.errors import PromptError
 
 
-def conversation(prompt: str, history: list[dict] | None = None, system: str | None = None) -> ChatPrompt:
+def conversation(prompt: str, history: list[dict] | None = None,
+                 system: str | None = None) -> ChatPrompt:
     """Build a ChatPrompt from a new user prompt and earlier {'role', 'content'} turns."""
     if not prompt or not prompt.strip():
         raise PromptError("the prompt is empty: type a message first")

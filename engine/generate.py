@@ -88,7 +88,8 @@ def generate(
         stats.drafted.append(drafted)
 
 
-def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: Drafter) -> DecodeState:
+def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams,
+             drafter: Drafter) -> DecodeState:
     """Run the prompt, choose the first token, and hand the drafter its starting state."""
     generator = make_generator(params.seed, lm.device)
     cache = kv_cache.new_cache(lm.model)

@@ -46,7 +46,8 @@ def drop_last(cache: DynamicCache, n: int) -> None:
         cache.crop(-n)
 
 
-def keep_path(cache: DynamicCache, start: int, keep: Sequence[int], layers: range | None = None) -> None:
+def keep_path(cache: DynamicCache, start: int, keep: Sequence[int],
+              layers: range | None = None) -> None:
     """After a step, keep only the root's and the accepted nodes' entries.
 
     The layers hold `start` committed positions followed by one entry per draft node. Node

@@ -208,8 +208,8 @@ def _load_weights(folder: Path, quant: str, device: torch.device, trust_remote_c
     kwargs = devices.load_kwargs(quant, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, use_safetensors=True, trust_remote_code=trust_remote_code, **kwargs
-        )
+            folder, config=config, use_safetensors=True, trust_remote_code=trust_remote_code,
+            **kwargs)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise ModelLoadError(

@@ -54,7 +54,8 @@ def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator, device=device))
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def next_token(logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None) -> int:
     """Choose the next token from (V,) logits: argmax when greedy, else a sample."""
     if params.greedy:
         return int(logits.argmax().item())

@@ -24,8 +24,8 @@ and a Compare runs. **Retrain** starts from the accelerator already trained for 
 (with the data gathered so far plus anything new) instead of starting from nothing."""
 CHATS_LABEL = "Learn from my chats with this model (they stay on this computer)"
 CHATS_INFO = ("The model's own replies in your conversations with it are training data on "
-              "exactly the prompts you ask, and each finished reply joins the datastore that drafts "
-              "from what the model said before. Stopped replies are left out.")
+              "exactly the prompts you ask, and each finished reply joins the datastore that "
+              "drafts from what the model said before. Stopped replies are left out.")
 CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are slower "
             "while a run is going.")
 TICK_S = 1.0  # how often the page polls a running job

@@ -67,7 +67,8 @@ class Draft:
     children: list[list[int]]  # children[i]: node i's children in the drafter's preference order
     depths: list[int]  # node depth below the root, i.e. its position offset
     tree_mask: torch.Tensor | None = None  # (n, n) bool, node i attends to node j; None = chain
-    draft_probs: torch.Tensor | None = None  # (n - 1, V) q rows of a sampled chain; None = point mass
+    # (n - 1, V) q rows of a sampled chain; None = point mass
+    draft_probs: torch.Tensor | None = None
 
     @classmethod
     def chain(cls, root: int, drafted: list[int], draft_probs: torch.Tensor | None = None) -> Draft:
