@@ -10,6 +10,7 @@ import pandas as pd
 from app.drafting import accel_label
 from app.jobs import Job
 from app.replies import CompareResult, ReplyUpdate
+from engine.progress import Progress
 from engine.stats import CTAR_WINDOWS, GenerationStats
 
 STOP_REASONS = {"eos": "finished", "length": "hit the token limit", "stop": "stop string",
@@ -18,6 +19,18 @@ STOP_REASONS = {"eos": "finished", "length": "hit the token limit", "stop": "sto
 
 def _chip(text: str, cls: str = "") -> str:
     return f'<span class="qd-chip {cls}">{text}</span>'
+
+
+def _row(chips: str) -> str:
+    return f'<div class="qd-readout">{chips}</div>'
+
+
+def _speed_chips(method: str, tokens_per_s: float, ttft_s: float, per_step: float) -> list[str]:
+    """What a reply's readout starts with, streaming or stored."""
+    return [_chip(html.escape(accel_label(method)), "qd-method"),
+            _chip(f"<b>{tokens_per_s:.1f}</b> tok/s", "qd-tps"),
+            _chip(f"TTFT <b>{ttft_s:.2f}</b> s"),
+            _chip(f"<b>{per_step:.2f}</b> tokens/step")]
 
 
 def histogram_counts(accepted: list[int]) -> list[int]:
@@ -41,15 +54,9 @@ def mini_histogram(accepted: list[int]) -> str:
 
 def live_readout(update: ReplyUpdate) -> str:
     """The line under a streaming reply: method, tokens/s, TTFT, tokens per step."""
-    steps = len(update.accepted)
-    per_step = sum(a + 1 for a in update.accepted) / steps if steps else 1.0
-    parts = [
-        _chip(html.escape(accel_label(update.method)), "qd-method"),
-        _chip(f"<b>{update.tokens_per_s:.1f}</b> tok/s", "qd-tps"),
-        _chip(f"TTFT <b>{update.ttft_s:.2f}</b> s"),
-        _chip(f"<b>{per_step:.2f}</b> tokens/step"),
-        mini_histogram(update.accepted) if not update.method.endswith("off") else "",
-    ]
+    per_step = GenerationStats(accepted=update.accepted).mean_accepted or 1.0
+    parts = _speed_chips(update.method, update.tokens_per_s, update.ttft_s, per_step)
+    parts.append(mini_histogram(update.accepted) if not update.method.endswith("off") else "")
     if update.done and update.stats is not None:
         reason = STOP_REASONS.get(update.stats.stop_reason, update.stats.stop_reason)
         parts.append(_chip(f"{update.tokens} tokens · {reason}", "qd-done"))
@@ -59,11 +66,11 @@ def live_readout(update: ReplyUpdate) -> str:
     else:
         parts.append(_chip(f"{update.tokens} tokens…", "qd-live"))
     notes = "".join(f'<div class="qd-note">{html.escape(n)}</div>' for n in update.notices)
-    return f'<div class="qd-readout">{"".join(parts)}</div>{notes}'
+    return _row("".join(parts)) + notes
 
 
 def live_readout_waiting() -> str:
-    return f'<div class="qd-readout">{_chip("waiting for the first token…", "qd-live")}</div>'
+    return _row(_chip("waiting for the first token…", "qd-live"))
 
 
 def error_html(message: str) -> str:
@@ -108,32 +115,25 @@ def compare_html(result: CompareResult) -> str:
     return head + _row(off + on + ratio + same + steps + tail)
 
 
-def _row(chips: str) -> str:
-    return f'<div class="qd-readout">{chips}</div>'
-
-
 def job_html(job: Job | None) -> str:
     """A progress bar with the stage, ETA and latest figures of a background job."""
     if job is None:
         return ""
-    p = job.progress
-    fraction = p.fraction if p is not None else 0.0
-    stage = html.escape(p.stage if p is not None else "starting")
-    message = html.escape(p.message if p is not None else "")
+    p = job.progress or Progress("starting", 0, 0)
     if job.state == "running":
-        eta = f" · about {_duration(p.eta_s)} left" if p is not None and p.eta_s else ""
-        state = f"{stage}{eta}"
+        eta = f" · about {_duration(p.eta_s)} left" if p.eta_s else ""
+        state = f"{html.escape(p.stage)}{eta}"
     elif job.state == "failed":
         state = f"failed: {html.escape(job.error)}"
     else:
         state = job.state
-    figures = " · ".join(f"{html.escape(k)} {v:.3g}" for k, v in (p.metrics if p else {}).items()
+    figures = " · ".join(f"{html.escape(k)} {v:.3g}" for k, v in p.metrics.items()
                          if isinstance(v, (int, float)))
     return (f'<div class="qd-job qd-{job.state}"><div class="qd-job-title">'
             f"{html.escape(job.title)}: {state}</div>"
-            f'<div class="qd-progress"><div style="width:{100 * fraction:.1f}%"></div></div>'
-            f'<div class="qd-job-msg">{message}</div><div class="qd-job-figures">{figures}'
-            "</div></div>")
+            f'<div class="qd-progress"><div style="width:{100 * p.fraction:.1f}%"></div></div>'
+            f'<div class="qd-job-msg">{html.escape(p.message)}</div>'
+            f'<div class="qd-job-figures">{figures}</div></div>')
 
 
 def metric_frames(job: Job | None) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -160,22 +160,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-
-
 def saved_readout(message: dict) -> str:
     """The readout of a stored reply (shown when a conversation is opened again)."""
     stats = message.get("stats") or {}
     if not stats:
         return ""
-    parts = [
-        _chip(html.escape(accel_label(message.get("accel", "off"))), "qd-method"),
-        _chip(f"<b>{stats.get('tokens_per_s', 0):.1f}</b> tok/s", "qd-tps"),
-        _chip(f"TTFT <b>{stats.get('ttft_s', 0):.2f}</b> s"),
-        _chip(f"<b>{stats.get('mean_accepted', 0) or 1:.2f}</b> tokens/step"),
-        _chip(f"{stats.get('tokens', 0)} tokens · "
-              f"{STOP_REASONS.get(stats.get('stop_reason', ''), '')}", "qd-done"),
-    ]
-    return f'<div class="qd-readout">{"".join(parts)}</div>'
+    parts = _speed_chips(message.get("accel", "off"), stats.get("tokens_per_s", 0),
+                         stats.get("ttft_s", 0), stats.get("mean_accepted", 0) or 1)
+    parts.append(_chip(f"{stats.get('tokens', 0)} tokens · "
+                       f"{STOP_REASONS.get(stats.get('stop_reason', ''), '')}", "qd-done"))
+    return _row("".join(parts))
 
 
 CSS = """
