@@ -8,6 +8,7 @@ import functools
 import io
 import json
 import logging
+import math
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -108,12 +109,8 @@ def count_parameters(folder: Path) -> int:
         with open(file, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                n = 1
-                for dim in entry["shape"]:
-                    n *= dim
-                total += n
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items()
+                     if name != "__metadata__")
     return total
 
 
@@ -141,28 +138,20 @@ def memory_estimate(spec: ModelSpec) -> str:
     folder = local_folder(spec)
     if folder is None:
         return "Size unknown until downloaded (the download shows its size as it goes)."
-    if folder.is_file():
-        return _gguf_estimate(folder, spec)
     device = devices.pick_device(spec.device)
-    params = count_parameters(folder)
-    quant = devices.resolve_quant(spec.quant, device, folder_bytes(folder))
-    need = estimate_bytes(params, quant)
+    if folder.is_file():
+        info = gguf.inspect(folder)  # a one-line error when the file cannot be used
+        quant, need = _gguf_need(info.parameters, spec.quant)
+        model = (f"GGUF {info.architecture} ({'/'.join(info.tensor_types)}), "
+                 f"{info.parameters / 1e6:,.0f} M parameters, {_size(info.file_bytes)} file · "
+                 f"converted once to safetensors · {quant}")
+    else:
+        params = count_parameters(folder)
+        quant = devices.resolve_quant(spec.quant, device, folder_bytes(folder))
+        need = estimate_bytes(params, quant)
+        model = f"{params / 1e6:,.0f} M parameters · {quant} on {device.type}"
     free = available_bytes(device)
-    line = (f"{params / 1e6:,.0f} M parameters · {quant} on {device.type}: about "
-            f"{_size(need)} needed, {_size(free)} free")
-    if need > free:
-        line += " — probably not enough: pick a smaller quantization"
-    return line
-
-
-def _gguf_estimate(path: Path, spec: ModelSpec) -> str:
-    info = gguf.inspect(path)  # a one-line error when the file cannot be used
-    quant, need = _gguf_need(info.parameters, spec.quant)
-    free = available_bytes(devices.pick_device(spec.device))
-    line = (f"GGUF {info.architecture} ({'/'.join(info.tensor_types)}), "
-            f"{info.parameters / 1e6:,.0f} M parameters, {_size(info.file_bytes)} file · "
-            f"converted once to safetensors · {quant}: about {_size(need)} needed, "
-            f"{_size(free)} free")
+    line = f"{model}: about {_size(need)} needed, {_size(free)} free"
     if need > free:
         line += " — probably not enough: pick a smaller quantization"
     return line
