@@ -103,8 +103,7 @@ class ChatTab:
         send_in = [self.msg, self.conv_id, self.system, *self.sampling, self.active]
         # The queue position and progress show on the chat itself, not on every output.
         shown = dict(show_progress_on=[self.chatbot], **GENERATE)
-        self.msg.submit(self.send, send_in, reply_out, **shown)
-        self.send_btn.click(self.send, send_in, reply_out, **shown)
+        gr.on([self.msg.submit, self.send_btn.click], self.send, send_in, reply_out, **shown)
         self.regen_btn.click(self.regenerate, [self.conv_id, self.system, *self.sampling,
                                                self.active], reply_out, **shown)
         self.stop_btn.click(self.stop, None, None, **INSTANT)

@@ -43,17 +43,15 @@ class ModelsTab:
                               info="Auto: bf16 or fp32 on this CPU, bf16 or 4-bit on a GPU "
                                    "depending on free memory")
         self.estimate = gr.Markdown(elem_id="qd-model-estimate")
-        self.trust = gr.Markdown(trust_note(service.host.trusted), elem_id="qd-model-trust")
+        gr.Markdown(trust_note(service.host.trusted), elem_id="qd-model-trust")
         self.load_btn = gr.Button("Load model", variant="primary", elem_id="qd-model-load")
         self.status = gr.HTML(elem_id="qd-model-status")
 
     def wire(self) -> gr.events.Dependency:
         """Wire the tab; returns the load event so other tabs can follow it."""
         self.refresh_btn.click(self.choices, None, [self.source], concurrency_limit=None)
-        self.source.change(self.memory, [self.source, self.quant], [self.estimate],
-                           concurrency_limit=None)
-        self.quant.change(self.memory, [self.source, self.quant], [self.estimate],
-                          concurrency_limit=None)
+        gr.on([self.source.change, self.quant.change], self.memory, [self.source, self.quant],
+              [self.estimate], concurrency_limit=None)
         return self.load_btn.click(self.load, [self.source, self.quant],
                                    [self.status, self.current], concurrency_id="load")
 
