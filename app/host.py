@@ -17,7 +17,7 @@ from app.store import Store
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 from engine.loading import LoadedModel, load_model
-from engine.progress import Progress, ProgressFn
+from engine.progress import Progress, ProgressFn, ignore
 
 
 class ModelHost:
@@ -60,7 +60,7 @@ class ModelHost:
         if self.training is not None and self.training.running:
             raise QuickdraftError("an accelerator is training for the current model: "
                                   "cancel it (Train tab) before loading another model")
-        report = report or (lambda _p: None)
+        report = report or ignore
         catalog.fetch_if_needed(spec, report)
         report(Progress("load", 0, 0, f"loading {spec.source} ({spec.quant})"))
         lm = load_model(spec, lambda message: report(Progress("convert", 0, 0, message)))

@@ -51,10 +51,9 @@ def find_models(folders: ModelFolders | None = None) -> list[FoundModel]:
     """Every GGUF model in the folders that exist, LM Studio's first, each sorted by name."""
     folders = folders or ModelFolders.default()
     found: list[FoundModel] = []
-    for root in _existing(folders.lmstudio):
-        found += sorted(_lmstudio(root), key=lambda m: m.name.lower())
-    for root in _existing(folders.ollama):
-        found += sorted(_ollama(root), key=lambda m: m.name.lower())
+    for roots, scan in ((folders.lmstudio, _lmstudio), (folders.ollama, _ollama)):
+        for root in _existing(roots):
+            found += sorted(scan(root), key=lambda m: m.name.lower())
     return found
 
 

@@ -136,9 +136,8 @@ class Replies:
                     if event.done:  # Auto says which arm it drafted with, and why
                         used = reply["accel"] = drafter.used()
                         notices += [line for line in [drafter.reason()] if line]
-                    if event.done:  # saved before the last update goes out
                         reply["stats"] = event.stats.to_json()
-                        save_reply(self.store, conv, reply)
+                        save_reply(self.store, conv, reply)  # before the last update goes out
                         self.accels.learn(reply, token_ids)
                     yield ReplyUpdate(conv, used, event.tokens, event.elapsed_s, ttft,
                                       list(accepted), event.done, event.stats, list(notices))

@@ -48,7 +48,8 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
             lm = _ready(service)
         except ApiError as exc:
             return _error(exc)
-        return {"object": "list", "data": [_model_card(lm)]}
+        card = {"id": lm.model_id, "object": "model", "created": 0, "owned_by": "quickdraft"}
+        return {"object": "list", "data": [card]}
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -127,10 +128,6 @@ def _check_model(model: str | None, lm: LoadedModel) -> None:
     if model is not None and model not in model_ids(lm):
         raise ApiError(404, f"the model {model!r} does not exist here: this server has "
                        f"{lm.model_id!r} loaded (GET /v1/models)", "model", "model_not_found")
-
-
-def _model_card(lm: LoadedModel) -> dict:
-    return {"id": lm.model_id, "object": "model", "created": 0, "owned_by": "quickdraft"}
 
 
 def _head(lm: LoadedModel, kind: str) -> dict:

@@ -44,25 +44,20 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
     # A new model: re-check the acceleration (its accelerators are its own) and retarget.
     loaded.then(chat.select_accel, [chat.active, chat.active], chat.accel_outputs, **INSTANT)
     loaded.then(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT)
+
     # A finished training run: switch its accelerator on and show what it does.
-    switched = train.finished.change(_select_trained(chat), [train.finished, chat.active],
-                                     chat.accel_outputs, **INSTANT)
-    switched.then(_compare_trained(chat), [train.finished, chat.conv_id, chat.active,
-                                           chat.max_new], [chat.compare_out], **GENERATE)
-
-
-def _select_trained(chat: ChatTab):
     def select(finished: str, active: str):
         if not finished:
             return {chat.accel: gr.skip()}
         return chat.select_accel(finished.split("@")[0], active)
-    return select
 
-
-def _compare_trained(chat: ChatTab):
     def compare(finished: str, conv_id: str, active: str, max_new: int, request: gr.Request):
         if not finished or active != finished.split("@")[0]:
             yield gr.skip()
             return
         yield from chat.compare(conv_id, active, max_new, request)
-    return compare
+
+    switched = train.finished.change(select, [train.finished, chat.active], chat.accel_outputs,
+                                     **INSTANT)
+    switched.then(compare, [train.finished, chat.conv_id, chat.active, chat.max_new],
+                  [chat.compare_out], **GENERATE)
