@@ -12,7 +12,7 @@ from engine.config import QUANT_CHOICES
 from engine.drafters.registry import ACCEL_CHOICES
 
 MAX_NEW_TOKENS = 32_768  # the longest reply the page's slider could ask for, with headroom
-CONVERSATION_ID = re.compile(r"[0-9a-f]{1,32}")  # as app.store names conversation files
+CONVERSATION_ID = re.compile(r"[0-9a-f]{1,32}")  # conversation ids, which name their files
 
 
 def _finite(low: float, high: float, low_open: bool = False) -> Callable[[float], str | None]:

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from app.settings_rules import problem
+from app.settings_rules import CONVERSATION_ID, problem
 from engine.errors import QuickdraftError
 from engine.paths import data_dir
 
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 TITLE_CHARS = 48  # a new conversation is titled after its first prompt, cut to this length
 EXPORT_FORMATS = ("md", "json")
-CONV_ID = re.compile(r"[0-9a-f]{1,32}")  # conversation ids, which name their files
 
 
 class StoreError(QuickdraftError):
@@ -113,7 +112,7 @@ class Conversation:
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, found {type(data).__name__}")
         conv_id = conv_id if conv_id is not None else data.get("id")
-        if not isinstance(conv_id, str) or not CONV_ID.fullmatch(conv_id):
+        if not isinstance(conv_id, str) or not CONVERSATION_ID.fullmatch(conv_id):
             raise ValueError(f"not a conversation id: {conv_id!r}")
         for key, kind in (("title", str), ("system", str), ("messages", list)):
             if key in data and not isinstance(data[key], kind):
@@ -292,7 +291,7 @@ class Store:
         return path
 
     def _path(self, conv_id: str) -> Path:
-        if not CONV_ID.fullmatch(conv_id or ""):
+        if not CONVERSATION_ID.fullmatch(conv_id or ""):
             raise StoreError(f"not a conversation id: {conv_id!r}")
         return self.conv_dir / f"{conv_id}.json"
 
