@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.api.schema import ApiError, check_prompt_size, parse
 from app.api.worker import END, Reply, ReplyWorker
 from app.host import model_name
+from app.jobs import one_line
 from app.service import Service
 from engine.config import SamplingParams
 from engine.errors import QuickdraftError
@@ -218,6 +219,5 @@ def _chunk(head: dict, delta: dict, finish: str | None = None, **extra) -> str:
 def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, QuickdraftError):
         return ApiError(400, str(exc), None, "generation_refused")
-    return ApiError(500, f"{type(exc).__name__}: {exc}".splitlines()[0], None, "internal_error",
-                    "server_error")
+    return ApiError(500, one_line(exc), None, "internal_error", "server_error")
 

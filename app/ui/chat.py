@@ -104,8 +104,7 @@ class ChatTab:
         # The queue position and progress show on the chat itself, not on every output.
         shown = dict(show_progress_on=[self.chatbot], **GENERATE)
         gr.on([self.msg.submit, self.send_btn.click], self.send, send_in, reply_out, **shown)
-        self.regen_btn.click(self.regenerate, [self.conv_id, self.system, *self.sampling,
-                                               self.active], reply_out, **shown)
+        self.regen_btn.click(self.regenerate, send_in[1:], reply_out, **shown)  # no message
         self.stop_btn.click(self.stop, None, None, **INSTANT)
         self.compare_btn.click(self.compare, [self.conv_id, self.active, self.max_new],
                                [self.compare_out], **GENERATE)
