@@ -195,9 +195,7 @@ def fetch_if_needed(spec: ModelSpec, report: ProgressFn) -> None:
     """Download a hub model not yet in the cache, with byte progress; ModelLoadError (one
     line: offline, unknown id, gated) when it cannot."""
     source = spec.source.strip()
-    if source.count("/") != 1 or Path(source).expanduser().exists():
-        return
-    if local_folder(spec) is not None:
+    if source.count("/") != 1 or local_folder(spec) is not None:  # not a hub id, or here
         return
 
     def on_bytes(message: str, fraction: float | None) -> None:
