@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from app.model_folders import FoundModel, ModelFolders, find_models
+from app.model_folders import ModelFolders, find_models
 from engine import devices, gguf, hub
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
@@ -65,7 +65,8 @@ def gguf_models(folders: ModelFolders | None = None) -> list[tuple[str, str]]:
             memory = f"~{_size(need)} to run"
         except QuickdraftError as exc:  # listed anyway, with why it cannot be opened
             memory = str(exc).replace(str(found.path), "").strip(" :").split(";")[0]
-        out.append((_label(found, memory), str(found.path)))
+        label = f"{found.app}: {found.name} · {_size(found.size)} file · {memory}"
+        out.append((label, str(found.path)))
     return out
 
 
@@ -74,10 +75,6 @@ def _gguf_parameters(path: str, _size: int, _mtime_ns: int) -> int:
     """Parameters of a GGUF file; reading a big header takes a while, so the Models tab
     reads each file once (size and mtime in the key: a replaced file is read again)."""
     return gguf.inspect(Path(path)).parameters
-
-
-def _label(found: FoundModel, memory: str) -> str:
-    return f"{found.app}: {found.name} · {_size(found.size)} file · {memory}"
 
 
 def _gguf_need(params: int, quant: str) -> tuple[str, int]:
