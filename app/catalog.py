@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 # Bytes per parameter of each resolved quantization. NF4 packs two weights per byte plus
 # (double-quantized) block scales; 8-bit keeps one fp32 scale per row.
 # int4 / int8w on a CPU also keep bf16 copies for multi-token steps (engine/quant.py).
-BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 2.6,
-                   "int8w": 3.05}
+BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 2.6, "int8w": 3.05}
 # Headroom for activations, the KV cache of a long chat and a drafter, on top of weights.
 RUNTIME_OVERHEAD = 1.2
 

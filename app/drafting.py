@@ -86,8 +86,7 @@ class Accelerators:
         try:
             drafter = self.drafter(method)
         except AcceleratorError as exc:
-            return AccelStatus(method, False, trained in TRAINED,
-                               f"{label} cannot be used: {exc}")
+            return AccelStatus(method, False, trained in TRAINED, f"{label} cannot be used: {exc}")
         return AccelStatus(method, True, False, _ready_line(label, info, drafter.pays))
 
     def _auto_status(self) -> AccelStatus:

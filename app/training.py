@@ -46,8 +46,7 @@ class Training:
         if learn_from_chats:
             chats = tuple(self.store.chats_with(lm.fingerprint))
             options = dataclasses.replace(options, chats=chats)
-        job = Job("train", f"{accel_label(options.method)} for {model_name(lm)}",
-                  options.method)
+        job = Job("train", f"{accel_label(options.method)} for {model_name(lm)}", options.method)
         host.training = job
 
         def work():

@@ -114,8 +114,7 @@ def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:
         else:
             turns.append(ChatMessage(role, text))
     if not any(t.role == "user" for t in turns) or not turns[-1].content.strip():
-        raise _bad("messages need a user message, and the last one must not be empty",
-                   "messages")
+        raise _bad("messages need a user message, and the last one must not be empty", "messages")
     return tuple(turns), "\n\n".join(system) if system else None
 
 

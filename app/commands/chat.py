@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     used = drafter.used()  # for Auto, "auto:<arm>"
     if args.json:
         text, ids, stats = reply
-        print(json.dumps({"text": text, "token_ids": ids, "accel": used,
-                          "stats": stats.to_json()}))
+        print(json.dumps({"text": text, "token_ids": ids, "accel": used, "stats": stats.to_json()}))
     return 0
 
 

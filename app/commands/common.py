@@ -40,8 +40,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec | None:
     if args.model is None:
         return None
     return ModelSpec(source=gguf_source(args.model, getattr(args, "gguf_file", None)),
-                     quant=args.quant, device=args.device,
-                     trust_remote_code=args.trust_remote_code)
+                     quant=args.quant, device=args.device, trust_remote_code=args.trust_remote_code)
 
 
 def load(args: argparse.Namespace):

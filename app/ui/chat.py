@@ -93,8 +93,7 @@ class ChatTab:
                                         height=170, title="Tokens added per step",
                                         elem_id="qd-hist-plot")
             self.ctar_plot = gr.BarPlot(x="window", y="CTAR", y_lim=[0, 1], height=170,
-                                        title="CTAR(w)",
-                                        elem_id="qd-ctar-plot")
+                                        title="CTAR(w)", elem_id="qd-ctar-plot")
 
     # -- wiring -------------------------------------------------------------------
     def wire(self) -> None:
@@ -117,8 +116,7 @@ class ChatTab:
                               **INSTANT)
         self.delete_btn.click(self.delete, [self.conv_id], view, **INSTANT)
         self.export_md.click(lambda c: self.export(c, "md"), [self.conv_id], [self.export_file])
-        self.export_json.click(lambda c: self.export(c, "json"), [self.conv_id],
-                               [self.export_file])
+        self.export_json.click(lambda c: self.export(c, "json"), [self.conv_id], [self.export_file])
 
     @property
     def accel_outputs(self) -> list:
@@ -134,7 +132,9 @@ class ChatTab:
              method, request: gr.Request):
         try:
             params = _params(temperature, top_p, top_k, max_new, acceptance)
-            _check_length(message, system, self.service.host.lm.context_len)
+            chars = len(message or "") + len(system or "")
+            if (why := prompt_too_long(chars, self.service.host.lm.context_len)) is not None:
+                raise QuickdraftError(why)  # before the tokenizer reads megabytes of it
             conv = self._conversation(conv_id)
             ask = ReplyRequest(conv.id, params, method, system, _session(request))
             stream = self.service.replies.chat(ask, message)
@@ -143,8 +143,7 @@ class ChatTab:
             return
         self.service.store.remember(system=system, temperature=params.temperature,
                                     top_p=params.top_p, top_k=params.top_k,
-                                    max_new_tokens=params.max_new_tokens,
-                                    last_conversation=conv.id)
+                                    max_new_tokens=params.max_new_tokens, last_conversation=conv.id)
         shown = conv.turns() + [{"role": "user", "content": message}]
         yield {self.chatbot: shown, self.msg: "", self.conv_id: conv.id,
                self.plots: gr.Row(visible=False), self.readout: readout.live_readout_waiting()}
@@ -272,13 +271,6 @@ class ChatTab:
                     self.max_new: s.max_new_tokens})
         out.update(self.select_accel(s.accel, "off"))
         return out
-
-
-def _check_length(message, system, context_len: int) -> None:
-    """Refuse a message that cannot fit before the tokenizer reads megabytes of it."""
-    why = prompt_too_long(len(message or "") + len(system or ""), context_len)
-    if why is not None:
-        raise QuickdraftError(why)
 
 
 def _session(request: gr.Request | None) -> str:

@@ -19,8 +19,7 @@ from engine.errors import QuickdraftError
 
 QUANT_LABELS = [("Auto", "auto"), ("4-bit (PyTorch kernels)", "int4"),
                 ("8-bit (PyTorch kernels)", "int8w"), ("4-bit NF4", "nf4"), ("8-bit", "int8"),
-                ("bf16", "bf16"),
-                ("fp32", "fp32")]
+                ("bf16", "bf16"), ("fp32", "fp32")]
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
 POLL_S = 0.3  # how often the page hears about a load in progress
 
