@@ -106,13 +106,12 @@ class Conversation:
         return "\n".join(lines)
 
     @classmethod
-    def from_json(cls, data, conv_id: str | None = None) -> Conversation:
-        """A conversation from its file's JSON (`conv_id`: the file's name wins over the id
-        inside); ValueError saying what is wrong with a file of another shape."""
+    def from_json(cls, data, conv_id: str) -> Conversation:
+        """A conversation from its file's JSON (`conv_id`: the file's name, which wins over the
+        id inside); ValueError saying what is wrong with a file of another shape."""
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, found {type(data).__name__}")
-        conv_id = conv_id if conv_id is not None else data.get("id")
-        if not isinstance(conv_id, str) or not CONVERSATION_ID.fullmatch(conv_id):
+        if not CONVERSATION_ID.fullmatch(conv_id):
             raise ValueError(f"not a conversation id: {conv_id!r}")
         for key, kind in (("title", str), ("system", str), ("messages", list)):
             if key in data and not isinstance(data[key], kind):
@@ -171,7 +170,7 @@ class Settings:
     learn_from_chats: bool = True
 
     @classmethod
-    def from_json(cls, data: dict, source: str = "settings.json") -> Settings:
+    def from_json(cls, data: dict, source: str) -> Settings:
         """Saved values over the defaults; a value of the wrong type or out of its range
         keeps its default, with one line naming `source` and the key (a hand-edited or
         older file must not break the app)."""
@@ -257,9 +256,9 @@ class Store:
         except (OSError, ValueError, TypeError) as exc:
             raise StoreError(f"conversation file {path} is unreadable: {exc}") from exc
 
-    def new(self, system: str = "", title: str = "New chat") -> Conversation:
+    def new(self, system: str = "") -> Conversation:
         now = time.time()
-        conv = Conversation(uuid.uuid4().hex[:12], title, now, now, system)
+        conv = Conversation(uuid.uuid4().hex[:12], "New chat", now, now, system)
         self.save(conv)
         return conv
 
