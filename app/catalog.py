@@ -19,7 +19,7 @@ from app.model_folders import ModelFolders, find_models
 from engine import devices, gguf, hub
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
-from engine.loading import bundled_folder
+from engine.loading import bundled_folder, weights_bytes
 from engine.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,6 @@ def count_parameters(folder: Path) -> int:
     return total
 
 
-def folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
 def estimate_bytes(params: int, quant: str) -> int:
     """Memory a model with `params` parameters needs in a resolved quantization."""
     return int(params * BYTES_PER_PARAM[quant] * RUNTIME_OVERHEAD)
@@ -143,7 +139,7 @@ def memory_estimate(spec: ModelSpec) -> str:
                  f"converted once to safetensors · {quant}")
     else:
         params = count_parameters(folder)
-        quant = devices.resolve_quant(spec.quant, device, folder_bytes(folder))
+        quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
         need = estimate_bytes(params, quant)
         model = f"{params / 1e6:,.0f} M parameters · {quant} on {device.type}"
     free = available_bytes(device)

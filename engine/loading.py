@@ -56,7 +56,7 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     device = devices.pick_device(spec.device)
     if lowbit_folder.is_lowbit(folder):
         return _load_lowbit(folder, spec, model_id, device, start)
-    quant = devices.resolve_quant(spec.quant, device, _weights_bytes(folder))
+    quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
     # Before quantizing: the same weights give one fingerprint in every quantization.
@@ -194,7 +194,8 @@ def bundled_gguf() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
 
 
-def _weights_bytes(folder: Path) -> int:
+def weights_bytes(folder: Path) -> int:
+    """Bytes of a model folder's safetensors files: what the quantization choice is sized by."""
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
