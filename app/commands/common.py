@@ -39,7 +39,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec | None:
     """The model the flags name; None when --model was left to its default of None."""
     if args.model is None:
         return None
-    return ModelSpec(source=gguf_source(args.model, getattr(args, "gguf_file", None)),
+    return ModelSpec(source=gguf_source(args.model, args.gguf_file),
                      quant=args.quant, device=args.device, trust_remote_code=args.trust_remote_code)
 
 
