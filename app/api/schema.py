@@ -6,6 +6,7 @@ Parsed by hand rather than by a pydantic model so every refusal is a 400 with Op
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.security import prompt_too_long
@@ -131,12 +132,9 @@ def _content(value, i: int) -> str:
 
 
 def _params(body: dict, default_max_tokens: int) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0)
-    if not 0 <= temperature <= TEMPERATURE_MAX:
-        raise _bad(f"temperature must be between 0 and {TEMPERATURE_MAX:g}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise _bad("top_p must be in (0, 1]", "top_p")
+    temperature = _number(body, "temperature", lambda t: 0 <= t <= TEMPERATURE_MAX,
+                          f"between 0 and {TEMPERATURE_MAX:g}")
+    top_p = _number(body, "top_p", lambda p: 0 < p <= 1, "in (0, 1]")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(key)
     if max_tokens is None:
@@ -163,12 +161,15 @@ def _stop(value) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _number(body: dict, key: str, default: float) -> float:
+def _number(body: dict, key: str, inside: Callable[[float], bool], where: str) -> float:
+    """body[key] as a float (1.0, OpenAI's default, when absent), refused outside `where`."""
     value = body.get(key)
     if value is None:
-        return default
+        return 1.0
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(f"{key} must be a number", key)
+    if not inside(float(value)):
+        raise _bad(f"{key} must be {where}", key)
     return float(value)
 
 
