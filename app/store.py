@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from app.settings_rules import CONVERSATION_ID, problem
 from engine.errors import QuickdraftError
-from engine.paths import data_dir
+from engine.paths import atomic_write, data_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,30 +36,12 @@ class StoreError(QuickdraftError):
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so that readers see either the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Unique per writer, and ignored by readers: a half-written temp file is never loaded.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _sync_folder(path.parent)
 
-
-def _sync_folder(folder: Path) -> None:
-    """Make the rename itself durable: a crash after it must not bring back the old file."""
-    if os.name != "posix":
-        return  # Windows has no folder handles to sync; its renames are journalled
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_write(path, write)
 
 
 @dataclass
