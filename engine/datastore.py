@@ -22,6 +22,7 @@ bigram keys, i.e. ~16 MB for 1M tokens.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import logging
@@ -112,6 +113,7 @@ class Datastore:
         self.main = SuffixIndex(np.zeros(0, np.int32))
         self.recent = SuffixIndex(np.zeros(0, np.int32))
         self._last: _LastMatch | None = None  # the latest match, which the next one extends
+        self.seed = ""  # the shipped store this one started from (its file's hash), if any
 
     @property
     def tokens(self) -> int:
@@ -258,7 +260,8 @@ class Datastore:
         """Write atomically (engine.paths.atomic_write)."""
         lengths = np.array([len(d) for d in self.docs], np.int64)
         meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": self.fingerprint,
-                "main_docs": str(self.main_docs), "params": json.dumps(self.params.__dict__)}
+                "main_docs": str(self.main_docs), "params": json.dumps(self.params.__dict__),
+                "seed": self.seed}
         arrays = {"tokens": _join_plain(self.docs), "lengths": lengths, "main_sa": self.main.sa}
         atomic_write(Path(path), lambda tmp: save_file(arrays, str(tmp), metadata=meta))
 
@@ -283,6 +286,7 @@ def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) ->
     store = Datastore(fingerprint, params)
     store.docs = np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1]) if len(lengths) else []
     store.main_docs = int(meta.get("main_docs", 0))
+    store.seed = meta.get("seed", "")
     main = _join(store.docs[: store.main_docs])
     sa = arrays.get("main_sa")
     if sa is None or len(sa) != len(main) or (len(sa) and (sa.min() < 0 or sa.max() >= len(main))):
@@ -295,21 +299,39 @@ def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) ->
 def open_store(path: Path, fingerprint: str, sources: Callable[[], Iterable[list[int]]] | None,
                params: DatastoreParams | None = None,
                fallback: Path | None = None) -> Datastore:
-    """The store at `path`; if it is missing, corrupt or foreign: the `fallback` file (the
-    shipped one) or, failing that, a new store built from `sources` (documents, oldest
-    first) and saved. A refused file is reported in one log line."""
-    for candidate in (path, fallback):
-        if candidate is None or not Path(candidate).is_file():
-            continue
-        try:
-            return load(candidate, fingerprint, params)
-        except ValueError as exc:
-            log.warning("datastore refused, rebuilding it: %s", exc)
-    store = Datastore(fingerprint, params)
-    if sources is not None:
-        store.add_all(sources())
+    """The store at `path`; if it is missing, corrupt, foreign, or started from another
+    version of the `fallback` file (the shipped one): that file, else a new store, with the
+    documents of `sources` (oldest first) added and saved. A user's store is thereby rebuilt
+    from the newer shipped store and the sources it was learned from (their chats and
+    training answers), so an update's bigger store reaches them. A refused file is reported
+    in one log line."""
+    seed = _file_hash(fallback) if fallback is not None and Path(fallback).is_file() else ""
+    store = _load_logged(path, fingerprint, params)
+    if store is not None and (store.seed == seed or sources is None):  # None: cannot rebuild
+        return store
+    base = _load_logged(fallback, fingerprint, params) if seed else None
+    store = base or Datastore(fingerprint, params)
+    store.seed = seed if base else ""
+    docs = list(sources()) if sources is not None else []
+    if docs or (base is None and sources is not None):
+        store.add_all(docs)
         store.save(path)
     return store
+
+
+def _load_logged(path: Path | None, fingerprint: str,
+                 params: DatastoreParams | None) -> Datastore | None:
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        return load(path, fingerprint, params)
+    except ValueError as exc:
+        log.warning("datastore refused, rebuilding it: %s", exc)
+        return None
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _join(docs: list[np.ndarray]) -> np.ndarray:

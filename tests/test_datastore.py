@@ -81,6 +81,35 @@ def test_round_trip_and_refusals(tmp_path, caplog):
 
 
 
+
+def test_a_newer_shipped_store_reaches_a_user_who_already_has_one(tmp_path):
+    """An update ships a bigger store: a user's store started from the older one (or saved
+    before stores recorded their start) is rebuilt from the new one plus what it learned
+    from (their chats and training answers); once rebuilt it is opened as it is."""
+    shipped, mine = tmp_path / "shipped.safetensors", tmp_path / "mine.safetensors"
+    old = Datastore("fp")
+    old.add_all([[1, 2, 3, 4], [7, 7, 1, 2, 9]])  # the older shipped store + a user's reply
+    old.save(mine)
+    new = Datastore("fp")
+    new.add_all([[1, 2, 5, 6], [4, 4, 8, 8]])
+    new.save(shipped)
+    asked = []
+
+    def sources():
+        asked.append(1)
+        return [[7, 7, 1, 2, 9]]
+
+    store = open_store(mine, "fp", sources, fallback=shipped)
+    assert store.continuations([4, 4]).tokens[:2] == [8, 8]  # the new shipped text
+    assert store.continuations([7, 7]).tokens[:3] == [1, 2, 9]  # the user's reply kept
+    assert store.continuations([2, 3]).tokens == []  # the old shipped text is gone
+    again = open_store(mine, "fp", sources, fallback=shipped)
+    assert asked == [1] and again.docs and again.seed == store.seed != ""
+    assert again.continuations([4, 4]).tokens[:2] == [8, 8]
+    old.save(mine)  # without sources nothing can be rebuilt: the user's store as it is
+    assert open_store(mine, "fp", None, fallback=shipped).continuations([2, 3]).tokens == [4]
+
+
 def test_a_save_that_fails_midway_keeps_the_old_store(tmp_path, monkeypatch):
     """A full disk while saving: the old file stays loadable and no temporary file is left."""
     import engine.datastore as datastore_module

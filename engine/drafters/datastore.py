@@ -7,7 +7,8 @@ greedy replies equal plain greedy decoding and sampling stays lossless.
 
 Where the store lives: `<data dir>/datastore/<fingerprint>/store.safetensors`, else the one
 shipped for the bundled model in `assets/accelerators/<fingerprint>-datastore/`, else an
-empty store (the app opens it with its sources, so it is rebuilt from them).
+empty store (the app opens it with its sources, so it is rebuilt from them; a user's store
+started from another version of the shipped one is rebuilt from the shipped one and them).
 """
 
 from __future__ import annotations
