@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
-from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter, fastest_arm
+from engine.drafters.auto import COPY, KANGAROO, MEDUSA, auto, fastest_arm
+from engine.drafters.composite import Composite
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupParams
 from engine.drafters.medusa import MedusaDrafter
@@ -39,7 +40,7 @@ def drafters(lm, exit_layer=2, gamma=4, seed=0):
     return m, k
 
 
-class Counting(AutoDrafter):
+class Counting(Composite):
     """Auto counting how each step drafted, over every reply."""
 
     def start(self, state, prefill):
@@ -53,7 +54,9 @@ class Counting(AutoDrafter):
 
 def make_auto(lm, arm, cls=Counting, lookup=SINGLE, **kw):
     m, k = drafters(lm, **kw)
-    return cls(arm, m, k, lookup)
+    a = auto(arm, {"medusa": m, "kangaroo": k}, lookup)
+    a.__class__ = cls  # a test view of the same drafter
+    return a
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +83,7 @@ def test_each_step_copies_or_takes_the_arm(tiny, arm):
     for prompt in (repetitive_prompt(64), [9, 8, 7, 6]):
         assert run(tiny, prompt, params, a)[1] == run(tiny, prompt, params)[1]
     assert set(a.all_steps) == {COPY, arm}  # nothing else, ever
-    assert a.current == arm and a.wants_hidden == (arm != "off")
+    assert a.used() == f"auto:{arm}" and a.wants_hidden == (arm != "off")
 
 
 def test_copying_is_the_full_lookup_continuation_and_adapts_nothing_else(tiny):
@@ -92,14 +95,14 @@ def test_copying_is_the_full_lookup_continuation_and_adapts_nothing_else(tiny):
 
 def test_the_reason_names_the_arm_its_gain_and_the_mix(tiny):
     m, k = drafters(tiny)
-    a = AutoDrafter(MEDUSA, m, k, speedup=1.6, labels=ACCEL_LABELS)
+    a = auto(MEDUSA, {"medusa": m, "kangaroo": k}, speedup=1.6, labels=ACCEL_LABELS)
     assert a.reason() == ("Auto copies from the conversation where it can, else drafts with "
                           "Medusa+lookup (1.60x Off when calibrated)")
     a.steps = Counter({MEDUSA: 9, COPY: 1})  # as a reply leaves it
     a.finish(None)
     assert a.reason().endswith("; the last reply: Medusa+lookup 90%, copying 10% of the steps")
     with pytest.raises(ValueError, match="needs its trained drafter"):
-        AutoDrafter(KANGAROO, m, None)
+        auto(KANGAROO, {"medusa": m})
 
 
 # -- exactness, caches, sampling ---------------------------------------------------------
@@ -118,7 +121,7 @@ def test_greedy_replies_stay_exact_as_copies_and_the_arm_alternate(name, arm,
     assert a.all_steps[COPY] > 0 and a.all_steps[arm] > 0
 
 
-class Recording(kg.recording(AutoDrafter)):
+class Recording(kg.recording(Composite)):
     """Auto exposing its Kangaroo drafter's state to the cache check."""
 
     run = property(lambda self: self.sources["kangaroo"].run)
@@ -157,7 +160,7 @@ def test_sampling_is_lossless_and_the_test_catches_a_broken_rule(arm, bundled_to
 def test_registry_builds_auto_from_what_is_trained(bundled_tokenizer):
     lm = make_tiny_model("llama-gqa", bundled_tokenizer)
     a = load_drafter(lm, "auto")
-    assert a.arm == "off"  # nothing trained yet
+    assert a.used() == "auto:off"  # nothing trained yet
     assert set(a.sources) == {"lookup", "datastore"} and not a.wants_hidden
     with pytest.raises(AcceleratorError, match="train --method medusa"):
         load_drafter(lm, "medusa+lookup")

@@ -17,7 +17,7 @@ import torch
 
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter
+from engine.drafters.auto import COPY, KANGAROO, MEDUSA, auto
 from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head
@@ -116,7 +116,7 @@ def test_auto(bundled_lm, prompts, plain, trained_adapter, arm):
     kangaroo = KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4), vocab)
     medusa = MedusaDrafter(bundled_lm, _random_heads(int(bundled_lm.model.config.hidden_size)),
                            build_tree(TREE, 4))
-    d = AutoDrafter(arm, medusa, kangaroo)
+    d = auto(arm, {"medusa": medusa, "kangaroo": kangaroo})
     steps = Counter()
     for ids, want in zip(prompts, plain, strict=True):
         assert run(bundled_lm, ids, PARAMS, d)[1] == want

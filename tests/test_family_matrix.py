@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
 from engine.datastore import Datastore
-from engine.drafters.auto import KANGAROO, MEDUSA, AutoDrafter
+from engine.drafters.auto import KANGAROO, MEDUSA, auto
 from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
@@ -94,8 +94,9 @@ def make_drafter(lm, method: str):
         kangaroo = None
     # The arm whose interplay with copy rounds is the most involved: the adapter reads the
     # states of copied tokens at its next round (Medusa+lookup runs as its own method).
-    return AutoDrafter(KANGAROO if kangaroo else MEDUSA, MedusaDrafter(lm, heads, tree),
-                       kangaroo, store=DatastoreDrafter(family_store(lm)))
+    return auto(KANGAROO if kangaroo else MEDUSA,
+                {"medusa": MedusaDrafter(lm, heads, tree), "kangaroo": kangaroo},
+                store=DatastoreDrafter(family_store(lm)))
 
 
 def family_store(lm) -> Datastore:

@@ -13,7 +13,7 @@ import torch
 from engine import verify
 from engine.config import SamplingParams
 from engine.datastore import Continuations, Datastore, DatastoreParams
-from engine.drafters.auto import COPY, KANGAROO, MEDUSA, AutoDrafter
+from engine.drafters.auto import COPY, KANGAROO, MEDUSA, auto
 from engine.drafters.base import Draft
 from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.lookup import LookupParams
@@ -168,8 +168,8 @@ def test_medusa_datastore_matches_plain_greedy_and_the_store_drafts(name, bundle
 
 def auto_with_store(lm, arm, store, cost=None, **kw):
     m, k = drafters(lm, **kw)
-    return counting(AutoDrafter(arm, m, k, LookupParams(), store=DatastoreDrafter(store),
-                                cost=cost))
+    return counting(auto(arm, {"medusa": m, "kangaroo": k}, LookupParams(),
+                         store=DatastoreDrafter(store), cost=cost))
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -238,7 +238,7 @@ def test_registry_rows(bundled_tokenizer):
     with pytest.raises(AcceleratorError, match="train --method medusa"):
         load_drafter(lm, "medusa+datastore")
     a = load_drafter(lm, "auto")
-    assert set(a.sources) == {"lookup", STORE} and a.arm == "off"
+    assert set(a.sources) == {"lookup", STORE} and a.used() == "auto:off"
 
 
 def test_a_deep_node_sees_only_its_window_of_the_tree():

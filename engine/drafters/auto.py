@@ -86,72 +86,53 @@ def choice(arm: str, sources: dict[str, Drafter], speedup: float, cost: StepCost
     return partial(copy_or_alone, source=source, speedup=speedup, cost=cost)
 
 
-class AutoDrafter(Composite):
-    """Copies while a 3-gram match holds; otherwise drafts with one arm (see module doc)."""
+def auto(arm: str = "off", trained: dict[str, Drafter] | None = None,
+         lookup: LookupParams | None = None, speedup: float | None = None,
+         labels: dict[str, str] | None = None, store: Drafter | None = None,
+         cost: StepCost | None = None) -> Composite:
+    """Auto drafting with `arm` where it does not copy (see module doc). trained: source
+    name -> trained drafter, the arm's among them; speedup: the arm's calibrated one;
+    labels: method -> what people read."""
+    source = next((s for s, a in ARMS.items() if a == arm), None)
+    if arm != "off" and (trained or {}).get(source) is None:
+        raise ValueError(f"Auto's arm {arm!r} needs its trained drafter")
+    sources = {"lookup": LookupDrafter(lookup or LookupParams())}
+    if source is not None:
+        sources[source] = trained[source]
+    if store is not None:
+        sources[STORE] = store
+    return Composite("auto", sources, choice(arm, sources, speedup or 1.0, cost or StepCost()),
+                     pick=arm, explain=partial(_reason, arm=arm, speedup=speedup,
+                                               labels=labels or {}))
 
-    def __init__(self, arm: str = "off", medusa: Drafter | None = None,
-                 kangaroo: Drafter | None = None, lookup: LookupParams | None = None,
-                 speedup: float | None = None, labels: dict[str, str] | None = None,
-                 store: Drafter | None = None, cost: StepCost | None = None):
-        trained = {"medusa": medusa, "kangaroo": kangaroo}
-        source = next((s for s, a in ARMS.items() if a == arm), None)
-        if arm != "off" and trained.get(source) is None:
-            raise ValueError(f"Auto's arm {arm!r} needs its trained drafter")
-        sources = {"lookup": LookupDrafter(lookup or LookupParams())}
-        if source is not None:
-            sources[source] = trained[source]
-        if store is not None:
-            sources[STORE] = store
-        super().__init__("auto", sources, choice(arm, sources, speedup or 1.0,
-                                                 cost or StepCost()))
-        self.arm = arm
-        self.speedup = speedup  # the arm's calibrated speedup (None for off)
-        self.labels = labels or {}  # method -> what people read
 
-    @classmethod
-    def over(cls, lm, parts: dict[str, Drafter], labels: dict[str, str]) -> AutoDrafter:
-        """Auto over the drafters of `lm` (source name -> drafter): the trained ones that
-        pay here and the datastore. Copying where a 3-gram match holds, else the trained
-        one with the best calibrated speedup, with or beside the datastore's tree."""
-        from engine.accelerators import describe, measured_speedup
-        from engine.drafters.lookup import fitted
-        from engine.drafters.payoff import step_costs
+def over(lm, parts: dict[str, Drafter], labels: dict[str, str]) -> Composite:
+    """Auto over the drafters of `lm` (source name -> drafter): the trained ones that pay
+    here and the datastore. Copying where a 3-gram match holds, else the trained one with
+    the best calibrated speedup, with or beside the datastore's tree."""
+    from engine.accelerators import describe, measured_speedup
+    from engine.drafters.lookup import fitted
+    from engine.drafters.payoff import step_costs
 
-        trained = {s: d for s, d in parts.items() if s != STORE}
-        store = parts.get(STORE)
-        speedups, arms = {}, {}
-        for source, drafter in trained.items():
-            if drafter.pays:
-                arms[ARMS[source]] = drafter
-                metrics = (describe(lm, source) or {}).get("metrics", {})
-                speedups[ARMS[source]] = (drafter.retimed_speedup
-                                          or measured_speedup(metrics) or 1.0)
-        arm = fastest_arm(speedups)
-        cost = store.cost or StepCost(step_costs(lm)) if store is not None else None
-        return cls(arm, arms.get(MEDUSA), arms.get(KANGAROO), fitted(lm),
-                   speedup=speedups.get(arm), labels=labels, store=store, cost=cost)
+    store = parts.get(STORE)
+    paying = {s: d for s, d in parts.items() if s != STORE and d.pays}
+    speedups = {ARMS[s]: d.retimed_speedup or measured_speedup(
+        (describe(lm, s) or {}).get("metrics", {})) or 1.0 for s, d in paying.items()}
+    arm = fastest_arm(speedups)
+    cost = store.cost or StepCost(step_costs(lm)) if store is not None else None
+    return auto(arm, paying, fitted(lm), speedups.get(arm), labels, store, cost)
 
-    @property
-    def current(self) -> str:
-        """The arm it drafts with when not copying."""
-        return self.arm
 
-    def used(self) -> str:
-        return f"auto:{self.arm}"
-
-    def reason(self) -> str:
-        """One line for the readout: how Auto drafts, and how the last reply did."""
-        gain = f" ({self.speedup:.2f}x Off when calibrated)" if self.speedup else ""
-        store = (", from the datastore where it is confident" if STORE in self.sources
-                 else "")
-        line = f"Auto copies from the conversation where it can{store}, else drafts with " \
-               f"{self._label(self.arm)}{gain}"
-        total = sum(self.last_reply.values())
-        if total:
-            mix = ", ".join(f"{self._label(a)} {100 * n / total:.0f}%"
-                            for a, n in self.last_reply.most_common())
-            line += f"; the last reply: {mix} of the steps"
-        return line
-
-    def _label(self, arm: str) -> str:
-        return "copying" if arm == COPY else self.labels.get(arm, arm)
+def _reason(c: Composite, arm: str, speedup: float | None, labels: dict[str, str]) -> str:
+    """One line for the readout: how Auto drafts, and how the last reply did."""
+    label = {COPY: "copying", **labels}.get
+    gain = f" ({speedup:.2f}x Off when calibrated)" if speedup else ""
+    store = ", from the datastore where it is confident" if STORE in c.sources else ""
+    line = (f"Auto copies from the conversation where it can{store}, else drafts with "
+            f"{label(arm, arm)}{gain}")
+    total = sum(c.last_reply.values())
+    if total:
+        mix = ", ".join(f"{label(a, a)} {100 * n / total:.0f}%"
+                        for a, n in c.last_reply.most_common())
+        line += f"; the last reply: {mix} of the steps"
+    return line

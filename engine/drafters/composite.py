@@ -40,11 +40,14 @@ class Composite(Drafter):
     drafts = True
 
     def __init__(self, name: str, sources: dict[str, Drafter],
-                 choose: Callable[[Composite, object], Step], lead: str | None = None):
+                 choose: Callable[[Composite, object], Step], lead: str | None = None,
+                 pick: str = "", explain: Callable[[Composite], str] | None = None):
         self.name = name
         self.sources = sources  # source name -> drafter, in the order they start
         self.choose = choose  # (composite, state) -> Step, from the past only
         self.lead = sources.get(lead) if lead else None  # the trained source it is judged by
+        self.pick = pick  # what it chose among its sources at load, stored with each reply
+        self.explain = explain  # (composite) -> the readout's line on how it drafts
         self.wants_hidden = any(s.wants_hidden for s in sources.values())
         self.kind = "off"  # this step's kind
         self.steps: Counter = Counter()  # steps per kind in the current reply
@@ -63,6 +66,12 @@ class Composite(Drafter):
     @property
     def retimed_speedup(self) -> float | None:
         return self.lead.retimed_speedup if self.lead else None
+
+    def used(self) -> str:
+        return f"{self.name}:{self.pick}" if self.pick else self.name
+
+    def reason(self) -> str:
+        return self.explain(self) if self.explain else ""
 
     def start(self, state, prefill) -> None:
         self.steps = Counter()

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.drafters.auto import AutoDrafter
+from engine.drafters import auto
 from engine.drafters.base import Drafter
 from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
@@ -41,7 +41,7 @@ class Method:
 
 
 METHODS = (
-    Method("auto", "Auto", lambda lm, parts: AutoDrafter.over(lm, parts, ACCEL_LABELS),
+    Method("auto", "Auto", lambda lm, parts: auto.over(lm, parts, ACCEL_LABELS),
            composes=("medusa", "kangaroo", "datastore")),
     Method("off", "Off", lambda lm, ckpt: Drafter()),
     Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
