@@ -49,6 +49,7 @@ COPY = "copy"  # rounds that draft a 3-gram match's continuation alone
 # hung beside it, and a round of the Kangaroo adapter alone; keyed by the source they need.
 MEDUSA, KANGAROO = "medusa+lookup", "kangaroo"
 ARMS = {"medusa": MEDUSA, "kangaroo": KANGAROO}
+SOURCE_OF = {arm: source for source, arm in ARMS.items()}  # arm -> the source it needs
 
 
 def fastest_arm(speedups: dict[str, float]) -> str:
@@ -82,8 +83,7 @@ def choice(arm: str, sources: dict[str, Drafter], speedup: float, cost: StepCost
             return partial(tree_copy_or_store, merge=merge, join=TreeJoin(), speedup=speedup,
                            cost=cost)
         return partial(tree_or_copy, merge=merge)
-    source = next((s for s, a in ARMS.items() if a == arm), None)
-    return partial(copy_or_alone, source=source, speedup=speedup, cost=cost)
+    return partial(copy_or_alone, source=SOURCE_OF.get(arm), speedup=speedup, cost=cost)
 
 
 def auto(arm: str = "off", trained: dict[str, Drafter] | None = None,
@@ -93,7 +93,7 @@ def auto(arm: str = "off", trained: dict[str, Drafter] | None = None,
     """Auto drafting with `arm` where it does not copy (see module doc). trained: source
     name -> trained drafter, the arm's among them; speedup: the arm's calibrated one;
     labels: method -> what people read."""
-    source = next((s for s, a in ARMS.items() if a == arm), None)
+    source = SOURCE_OF.get(arm)
     if arm != "off" and (trained or {}).get(source) is None:
         raise ValueError(f"Auto's arm {arm!r} needs its trained drafter")
     sources = {"lookup": LookupDrafter(lookup or LookupParams())}
