@@ -4,9 +4,12 @@ cannot run, and the report's "vs llama.cpp" column. None of this needs the bindi
 from __future__ import annotations
 
 import sys
+import types
+from pathlib import Path
 
 import pytest
 
+from engine.benchmark import llamacpp
 from engine.benchmark.methods import METHOD_CHOICES, build_methods, method_names
 from engine.benchmark.report import build_report, notes, overall_table, summarize
 from engine.benchmark.runner import Measurement
@@ -73,3 +76,28 @@ def test_llamacpp_text_differences_are_named_as_other_weights_not_mismatches():
     assert lines == ["- llama.cpp decodes the GGUF file's own weights, so its text differs "
                      "from hf on 2 of 3 prompts (exact match 33.3%)."]
     assert not any("MISMATCH" in line or "near-tie" in line for line in lines)
+
+
+@pytest.mark.parametrize("code, why", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGILL)", "crashes on this CPU (SIGILL"),
+    ("raise SystemExit('cannot open the file')", "could not decode x.gguf: cannot open the file"),
+    ("pass", ""),
+])
+def test_the_probe_finds_a_failing_binding_in_a_child_process(monkeypatch, code, why):
+    monkeypatch.setattr(llamacpp, "PROBE", code)
+    got = llamacpp.probe(Path("x.gguf"))
+    assert why in got and "\n" not in got if why else got == ""
+
+
+def test_a_binding_that_crashes_here_is_skipped_and_the_bench_goes_on(bundled_tokenizer,
+                                                                     monkeypatch):
+    """A binding built for instructions this CPU lacks (SIGILL at its first decode) must
+    not end the run: the peer is skipped with one line."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setattr(llamacpp, "PROBE", "import os, signal; os.kill(os.getpid(), "
+                                           "signal.SIGILL)")
+    lm = make_tiny_model("llama-mha", bundled_tokenizer, num_layers=1)
+    lm.spec = ModelSpec(source="default")
+    methods, skipped = build_methods(lm, ["hf", "llama.cpp"], SamplingParams(max_new_tokens=4))
+    assert list(methods) == ["hf"]
+    assert "crashes on this CPU (SIGILL" in skipped["llama.cpp"]

@@ -9,6 +9,9 @@ is not expected to match hf's token for token.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +40,29 @@ def gguf_file(lm) -> Path | None:
 
 
 LOOKUP_TOKENS = 10  # llama-cpp-python's prompt-lookup default: tokens drafted per step
+# Load the file and decode two tokens, as the bench will (argv[1]: the GGUF file).
+PROBE = ("import sys, llama_cpp; llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, "
+         "verbose=False).eval([1, 2])")
+PROBE_S = 120  # seconds the probe may take (loading a large file included)
+
+
+def probe(path: Path) -> str:
+    """Why llama.cpp cannot decode `path` here, found in a child process ("" when it can).
+    A binding built for instructions this CPU lacks dies of SIGILL at its first decode,
+    which in this process would end the whole bench run with nothing written."""
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True,
+                              text=True, timeout=PROBE_S)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not decode {path.name} within {PROBE_S} s"
+    if done.returncode < 0:
+        return (f"the llama_cpp binding crashes on this CPU "
+                f"({signal.Signals(-done.returncode).name}: built for instructions it lacks); "
+                "rebuild it for this CPU, see README's speed table")
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"llama.cpp could not decode {path.name}: {last}"
+    return ""
 
 
 def llamacpp_decoder(lm, params: SamplingParams, lookup: bool = False):
@@ -52,6 +78,8 @@ def llamacpp_decoder(lm, params: SamplingParams, lookup: bool = False):
         import llama_cpp
     except ImportError as exc:
         return None, f"the llama_cpp binding is not installed ({exc}); see README's speed table"
+    if why := probe(path):
+        return None, why
     draft = None
     if lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
