@@ -22,6 +22,10 @@ class GenerationStats:
     stop_reason: str = ""  # "eos" | "stop" | "length" | "cancelled"
     datastore_drafted: int = 0  # draft tokens that came from the datastore of past replies
     datastore_accepted: int = 0  # of which the model kept
+    # A composite drafter's mix (engine.drafters.composite): steps of each kind ("copy",
+    # "datastore", "medusa+lookup", ...) and the draft tokens accepted in them
+    step_kinds: dict[str, int] = field(default_factory=dict)
+    kind_accepted: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,4 +67,7 @@ class GenerationStats:
             "ctar": [round(c, 4) for c in self.ctar()],
             "datastore_drafted": self.datastore_drafted,
             "datastore_accepted": self.datastore_accepted,
+            "drafting_steps": sum(d > 0 for d in self.drafted),
+            "step_kinds": dict(self.step_kinds),
+            "kind_accepted": dict(self.kind_accepted),
         }

@@ -52,6 +52,7 @@ class Composite(Drafter):
         self.kind = "off"  # this step's kind
         self.steps: Counter = Counter()  # steps per kind in the current reply
         self.last_reply: Counter = Counter()  # the same for the last finished reply
+        self.kept: Counter = Counter()  # draft tokens accepted per kind in the current reply
         self._source: Drafter | None = None  # the source that drafted this step
         self._layers: tuple[torch.Tensor, ...] | None = None  # a whole-model round's states
 
@@ -74,7 +75,7 @@ class Composite(Drafter):
         return self.explain(self) if self.explain else ""
 
     def start(self, state, prefill) -> None:
-        self.steps = Counter()
+        self.steps, self.kept = Counter(), Counter()
         for source in self.sources.values():
             source.start(state, prefill)
 
@@ -100,9 +101,12 @@ class Composite(Drafter):
                 source.observe(state, self._layers, path)
         self._layers = None
         self.steps[self.kind] += 1
+        self.kept[self.kind] += len(path)
 
     def finish(self, stats) -> None:
-        """Keep the reply's mix for the readout."""
+        """Keep the reply's mix for the readout, and put it in the reply's stats."""
         self.last_reply = self.steps
+        if stats is not None:
+            stats.step_kinds, stats.kind_accepted = dict(self.steps), dict(self.kept)
         for source in self.sources.values():
             source.finish(stats)

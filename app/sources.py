@@ -1,0 +1,83 @@
+"""Where a reply's speed came from: the share of its model steps each drafting source made
+(copies from this conversation, the datastore of the model's earlier replies, a trained
+drafter, plain steps), and whether most of the tokens drafting added were earlier text
+repeated. Read from a reply's stats JSON (GenerationStats.to_json), live or stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A composite drafter's step kinds (engine.drafters: auto, hybrid, withstore) -> source.
+KIND_SOURCE = {"copy": "conversation", "lookup": "conversation", "datastore": "datastore",
+               "medusa+lookup": "medusa", "medusa+datastore": "medusa+datastore",
+               "kangaroo": "kangaroo", "off": "plain"}
+# A drafter that is not a composition drafts every step it drafts from one source.
+METHOD_SOURCE = {"lookup": "conversation", "datastore": "datastore", "medusa": "medusa",
+                 "kangaroo": "kangaroo", "off": "plain"}
+LABELS = {"conversation": "copies from this conversation", "datastore": "datastore",
+          "medusa": "Medusa", "medusa+datastore": "Medusa+datastore", "kangaroo": "Kangaroo",
+          "plain": "plain steps"}
+# Sources whose tokens are text that already existed: this conversation or earlier replies.
+REPEATED = ("conversation", "datastore")
+
+
+@dataclass(frozen=True)
+class SourceMix:
+    """One reply's model steps and accepted draft tokens by source."""
+
+    steps: dict[str, int]  # source -> model steps it drafted (plain: steps nothing drafted)
+    gained: dict[str, int]  # source -> draft tokens the model accepted from its steps
+    store_joined: int = 0  # datastore tokens accepted inside Medusa+datastore steps
+
+    @property
+    def total_steps(self) -> int:
+        return sum(self.steps.values())
+
+    def shares(self) -> list[tuple[str, float]]:
+        """(source, share of the steps), the largest first."""
+        total = self.total_steps or 1
+        ranked = sorted(self.steps.items(), key=lambda kv: (-kv[1], kv[0]))
+        return [(source, n / total) for source, n in ranked if n]
+
+    @property
+    def top(self) -> str:
+        """The source that made most steps."""
+        return self.shares()[0][0] if self.total_steps else "plain"
+
+    @property
+    def repeated_share(self) -> float:
+        """Share of the accepted draft tokens that repeated earlier text (this conversation
+        or the datastore); 0 when drafting added nothing."""
+        total = sum(self.gained.values())
+        if not total:
+            return 0.0
+        repeated = sum(self.gained.get(s, 0) for s in REPEATED) + self.store_joined
+        return min(1.0, repeated / total)
+
+
+def mix_of(method: str, stats: dict) -> SourceMix | None:
+    """The mix of a reply decoded with `method` (as stored: "auto:medusa+lookup" for Auto)
+    from its stats JSON; None for a reply stored without the figures it needs."""
+    if not stats or "drafting_steps" not in stats:
+        return None
+    kinds = stats.get("step_kinds") or {}
+    if kinds:
+        steps, gained = {}, {}
+        for kind, n in kinds.items():
+            source = KIND_SOURCE.get(kind, kind)
+            steps[source] = steps.get(source, 0) + n
+            gained[source] = gained.get(source, 0) + stats.get("kind_accepted", {}).get(kind, 0)
+        # datastore tokens beyond those of its own steps came inside joined steps
+        beyond = stats.get("datastore_accepted", 0) - gained.get("datastore", 0)
+        joined = min(max(0, beyond), gained.get("medusa+datastore", 0))
+        return SourceMix(steps, gained, joined)
+    source = METHOD_SOURCE.get(method.split(":")[0], method)
+    total, drafting = stats.get("steps", 0), stats["drafting_steps"]
+    accepted = sum(a * n for a, n in enumerate(stats.get("accepted_histogram", [])[1:]))
+    steps = {source: drafting, "plain": total - drafting} if source != "plain" else \
+        {"plain": total}
+    return SourceMix(steps, {source: accepted})
+
+
+def label(source: str) -> str:
+    return LABELS.get(source, source)
