@@ -212,6 +212,23 @@ def test_held_out_figures_are_reported_as_training_proceeds():
     assert [row["step"] for row in figures["heldout_curve"]] == [8, 16, 24]
     assert "held-out head-1 top-1 2.0%" in seen[-1].message
     assert "held-out" not in seen[0].message  # nothing evaluated before the first epoch ends
+    # the figures reach the progress metrics (the Train tab's accuracy chart) once per
+    # evaluation, at the step they were measured
+    plotted = [(p.done, p.metrics["head-1 top-1"]) for p in seen if "head-1 top-1" in p.metrics]
+    assert plotted == [(8, 0.0), (16, 0.01), (24, 0.02)]
+
+
+def test_a_run_stopped_between_reports_still_reports_its_last_loss():
+    module, batches = _regression()
+    seen, cancel = [], threading.Event()
+
+    def eval_fn(m):
+        cancel.set()  # the first evaluation ends the run, before any regular report
+        return 1.0, {"top-1": 0.5}
+
+    train_module(module, lambda e: batches, _mse, TrainConfig(lr=0.05, epochs=5,
+                 report_every=100), seen.append, cancel=cancel, eval_fn=eval_fn)
+    assert seen and "loss" in seen[-1].metrics and seen[-1].metrics["top-1"] == 0.5
 
 
 def test_the_time_budget_stops_the_loop():

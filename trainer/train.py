@@ -84,13 +84,15 @@ def train_module(module: torch.nn.Module, batches_fn: BatchesFn, loss_fn: LossFn
             if eval_fn is not None and (i + 1) in eval_at:
                 _evaluate(module, eval_fn, best, step)
                 evaluated = step
-            if step % config.report_every == 0 or step == total:
-                _report(progress, step, total, start, config, smoothed, metrics,
-                        best["shown"])
+            if step % config.report_every == 0 or step == total or evaluated == step:
+                _report(progress, step, total, start, config, smoothed, metrics, best,
+                        evaluated == step)
         if stopped:
             break
     if eval_fn is not None and evaluated != step:  # the last weights were not evaluated yet
         _evaluate(module, eval_fn, best, step)
+        if smoothed is not None:
+            _report(progress, step, total, start, config, smoothed, metrics, best, True)
     if best["state"] is not None:
         module.load_state_dict(best["state"])
     module.eval()
@@ -153,10 +155,15 @@ def _evaluate(module: torch.nn.Module, eval_fn: EvalFn, best: dict, step: int) -
 
 
 def _report(progress: ProgressFn, step: int, total: int, start: float, config: TrainConfig,
-            loss: float | None, metrics: dict, heldout: str) -> None:
+            loss: float | None, metrics: dict, best: dict, evaluated: bool) -> None:
+    """A progress line; the held-out figures join its metrics when they were just measured
+    (plotted once per evaluation, not repeated with every report)."""
     elapsed = time.perf_counter() - start
     left = elapsed / step * (total - step)
     if config.max_seconds is not None:
         left = min(left, max(0.0, config.max_seconds - elapsed))
+    heldout = best["shown"]
     line = f"step {step}/{total}, loss {loss:.3f}" + (f"; held-out {heldout}" if heldout else "")
-    progress(Progress("train", step, total, line, left, {"loss": loss, **metrics}))
+    figures = ({k: v for k, v in best["curve"][-1].items() if k != "step"}
+               if evaluated and best["curve"] else {})
+    progress(Progress("train", step, total, line, left, {"loss": loss, **metrics, **figures}))
