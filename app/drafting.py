@@ -9,8 +9,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.conversation import own_reply
 from app.host import ModelHost, model_name
-from app.store import Store, own_reply
+from app.store import Store
 from engine.accelerators import (
     INFO,
     METRICS,

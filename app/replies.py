@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from app.drafting import Accelerators, accel_label
 from app.host import ModelHost
-from app.store import Conversation, Store, StoreError, title_from_prompt
+from app.conversation import Conversation
+from app.store import Store, StoreError
 from engine import neartie
 from engine.chat import conversation, encode, fit_to_context
 from engine.config import ChatMessage, ChatPrompt, SamplingParams
@@ -108,7 +109,7 @@ class Replies:
     def _reply(self, request: ReplyRequest, prompt: str | None) -> Iterator[ReplyUpdate]:
         with self.host.lock, self._owned(request.owner):
             conv = self.store.get(request.conv_id)  # under the lock: queued replies keep order
-            add_prompt(conv, prompt)
+            add_prompt(self.store, conv, prompt)
             if request.system is not None:
                 conv.system = request.system.strip()
             lm = self.host.lm
@@ -199,11 +200,11 @@ class Replies:
             yield result
 
 
-def add_prompt(conv: Conversation, prompt: str | None) -> None:
+def add_prompt(store: Store, conv: Conversation, prompt: str | None) -> None:
     """Append the new prompt, or (regenerate) drop the replies after the last prompt."""
     if prompt is not None:
         if not any(m["role"] == "user" for m in conv.messages):
-            conv.title = title_from_prompt(prompt)
+            conv.title = store.title_for(conv, prompt)
         conv.messages.append({"role": "user", "content": prompt})
         return
     while conv.messages and conv.messages[-1]["role"] == "assistant":

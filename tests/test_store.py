@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app.store import Settings, Store, StoreError, atomic_write_text, title_from_prompt
+from app.conversation import title_from_prompt
+from app.store import Settings, Store, StoreError, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,3 +167,81 @@ def test_writing_in_place_would_lose_the_conversation(tmp_path):
     store, conv_id = _crash_while_saving(tmp_path, "naive")
     with pytest.raises(StoreError, match="unreadable"):
         store.get(conv_id)
+
+
+def test_delete_and_clear_can_be_undone(tmp_path):
+    store = Store(tmp_path)
+    conv = store.new()
+    conv.messages.append({"role": "user", "content": "keep me"})
+    store.save(conv)
+    store.clear(conv.id)
+    assert store.get(conv.id).messages == []  # forgotten: the next reply will not see it
+    assert store.undo(conv.id).messages[0]["content"] == "keep me"
+    store.delete(conv.id)
+    assert store.list() == []
+    assert store.undo(conv.id).turns() == [{"role": "user", "content": "keep me"}]
+    with pytest.raises(StoreError, match="nothing to undo"):
+        store.undo(conv.id)
+
+
+def test_the_trash_keeps_only_the_newest_deletions(tmp_path, monkeypatch):
+    monkeypatch.setattr("app.store.TRASH_KEEP", 2)
+    store = Store(tmp_path)
+    ids = []
+    for n in range(3):
+        conv = store.new()
+        ids.append(conv.id)
+        os.utime(store.conv_dir / f"{conv.id}.json", (n, n))  # deleted in this order
+        store.delete(conv.id)
+    kept = sorted(p.stem for p in store.trash_dir.iterdir())
+    assert len(kept) == 2 and ids[0] not in kept
+
+
+def test_the_same_question_gets_titles_that_tell_the_chats_apart(tmp_path):
+    store = Store(tmp_path)
+    titles = []
+    for _ in range(3):
+        conv = store.new()
+        conv.title = store.title_for(conv, "What is the capital of France?")
+        store.save(conv)
+        titles.append(conv.title)
+    assert titles == ["What is the capital of France?", "What is the capital of France? (2)",
+                      "What is the capital of France? (3)"]
+
+
+def test_search_finds_every_word_in_titles_and_messages(tmp_path):
+    store = Store(tmp_path)
+    rain = store.new()
+    rain.title = "Weather"
+    rain.messages += [{"role": "user", "content": "Why does RAIN fall?"},
+                      {"role": "assistant", "content": "Gravity pulls the drops down."}]
+    store.save(rain)
+    store.new()
+    assert [c.id for c in store.list("rain gravity")] == [rain.id]
+    assert [c.id for c in store.list("weather")] == [rain.id]
+    assert store.list("snow") == [] and len(store.list("")) == 2
+
+
+def test_text_that_is_not_valid_unicode_is_refused_where_it_enters(tmp_path):
+    store = Store(tmp_path)
+    conv = store.new()
+    for call in (lambda: store.new(system="hi \ud800"), lambda: store.rename(conv.id, "\udfff"),
+                 lambda: store.set_system(conv.id, "a\ud800b")):
+        with pytest.raises(StoreError, match="not valid text"):
+            call()
+    assert store.get(conv.id).system == "" and len(store.list()) == 1
+
+
+def test_a_fifo_named_like_a_conversation_is_skipped_not_waited_on(tmp_path):
+    import threading
+
+    store = Store(tmp_path)
+    good = store.new()
+    os.mkfifo(store.conv_dir / "0abc.json")  # opening it for reading would wait for a writer
+    listed = []
+    reader = threading.Thread(target=lambda: listed.append(store.list()), daemon=True)
+    reader.start()
+    reader.join(30)  # a guard against a hang, not a timing
+    assert listed and [c.id for c in listed[0]] == [good.id]
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.get("0abc")

@@ -39,6 +39,12 @@ def test_each_bad_conversation_is_named_once(tmp_path, caplog):
     named = [r.getMessage() for r in caplog.records]
     assert len(named) == 2 and any("bbbb.json" in m for m in named)
     assert any("cccc.json" in m for m in named)
+    caplog.clear()
+    store = Store(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # the page lists them on every event: said once per file
+            store.list()
+    assert len(caplog.records) == 2
 
 
 BAD_SETTINGS = {"quant": "bogus", "top_p": 7, "max_new_tokens": -5, "accel": "warp",
@@ -84,3 +90,35 @@ def test_the_folder_is_synced_after_the_rename(tmp_path, monkeypatch):
                         or real(fd))
     store_module.atomic_write_text(tmp_path / "x.json", "{}")
     assert synced[-1] is True  # the folder, after the file
+
+
+def test_a_settings_file_that_is_replaced_is_kept_and_unknown_keys_stay(tmp_path, caplog):
+    store = Store(tmp_path)
+    store.settings_path.write_text(json.dumps({**BAD_SETTINGS, "top_k": 5, "newer": [1, 2]}))
+    with caplog.at_level(logging.WARNING):
+        store.remember(model="org/model")  # what the app does at start-up
+    saved = json.loads(store.settings_path.read_text())
+    assert saved["newer"] == [1, 2] and saved["model"] == "org/model" and saved["top_k"] == 5
+    kept = list(tmp_path.glob("settings.json.bad-*"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["quant"] == "bogus"
+    assert any("kept as settings.json.bad-" in r.getMessage() for r in caplog.records)
+    store.remember(top_k=6)  # a clean file is not copied again
+    assert len(list(tmp_path.glob("settings.json.bad-*"))) == 1
+    store.settings_path.write_text("{not json")
+    store.remember(top_k=7)
+    copies = [json.loads(p.read_text()) if p.read_text().startswith("{\"") else p.read_text()
+              for p in tmp_path.glob("settings.json.bad-*")]
+    assert len(copies) == 2 and "{not json" in copies and store.load_settings().top_k == 7
+
+
+def test_a_value_a_page_sends_is_refused_not_saved(tmp_path):
+    from app.settings_rules import SettingError
+
+    store = Store(tmp_path)
+    store.remember(temperature=0.5)
+    for key, value in (("temperature", float("nan")), ("top_p", float("inf")),
+                       ("max_new_tokens", 10**9), ("acceptance", "greedy"), ("system", "\ud800")):
+        with pytest.raises(SettingError, match=key):
+            store.remember(**{key: value})
+    assert "NaN" not in store.settings_path.read_text()  # settings.json stays JSON
+    assert store.load_settings().temperature == 0.5

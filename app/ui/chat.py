@@ -9,7 +9,7 @@ from app.drafting import accel_label
 from app.replies import ReplyRequest
 from app.security import prompt_too_long
 from app.service import Service
-from app.store import Conversation
+from app.conversation import Conversation
 from app.ui import readout
 from engine.config import SamplingParams
 from engine.drafters.registry import ACCEL_CHOICES
