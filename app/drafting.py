@@ -21,6 +21,7 @@ from engine.accelerators import (
     measured_speedup,
     shipped_root,
 )
+from engine.drafters.auto import SOURCE_OF
 from engine.drafters.base import Drafter
 from engine.drafters.datastore import open_datastore, store_file
 from engine.drafters.registry import (
@@ -63,19 +64,30 @@ class Accelerators:
         self._drafters: dict[str, Drafter] = {}  # ready drafters for host.lm, by method
         self._found: dict[str, tuple] = {}  # checkpoint -> (folder stamp, describe())
         self._datastore = None  # the datastore of host.lm's own outputs, once opened
+        self._for: LoadedModel | None = None  # the model all of the above were built for
         host.on_swap.append(self.forget)
 
     def forget(self) -> None:
         """Drop everything built for the model (it is being swapped)."""
-        self._drafters, self._found, self._datastore = {}, {}, None
+        self._drafters, self._found, self._datastore, self._for = {}, {}, None, None
+
+    def _sync(self) -> LoadedModel:
+        """The host's model, after dropping what was built for another: a build that was
+        still running when the model was swapped may have kept its drafter after `forget`."""
+        lm = self.host.lm
+        if self._for is not lm:
+            self.forget()
+            self._for = lm
+        return lm
 
     def status(self, method: str) -> AccelStatus:
         """Can `method` be used now? Loads (and keeps) its drafter when it can."""
-        label = accel_label(method)
         if method == "off":
             return AccelStatus(method, True, False, "Plain decoding: one token per model step.")
         if method not in ACCEL_CHOICES:
-            raise QuickdraftError(f"unknown acceleration {method!r}")
+            raise QuickdraftError(f"unknown acceleration {str(method)[:40]!r}")
+        label = accel_label(method)
+        self._sync()
         if method == "auto":
             return self._auto_status()
         trained = base_method(method)
@@ -88,26 +100,45 @@ class Accelerators:
             drafter = self.drafter(method)
         except AcceleratorError as exc:
             return AccelStatus(method, False, trained in TRAINED, f"{label} cannot be used: {exc}")
-        return AccelStatus(method, True, False, _ready_line(label, info, drafter.pays))
+        speed = self._speed(label, trained, drafter) if trained in TRAINED else ""
+        return AccelStatus(method, True, False, _ready_line(label, speed, drafter.pays))
 
     def _auto_status(self) -> AccelStatus:
-        auto = self.drafter("auto")
-        untrained = not any(self._describe(m) for m in TRAINED)
-        hint = " Train an accelerator to give it more to choose from." if untrained else ""
-        return AccelStatus("auto", True, False, f"{auto.reason()}.{hint}")
+        """How Auto drafts with what is trained here, and how fast its trained arm is (a
+        figure re-timed at each load, so it is said where it comes from)."""
+        arm = self.drafter("auto").used().partition(":")[2] or "off"
+        source = SOURCE_OF.get(arm)
+        store = ", from the datastore of its earlier replies where it is confident" \
+            if "datastore" in self._drafters else ""
+        if source is None:
+            line = (f"Auto copies from this conversation where it can{store}, else decodes "
+                    "plainly: no trained accelerator beats plain decoding here.")
+        else:
+            speed = self._speed(accel_label(arm), source, self.drafter(source))
+            line = (f"Auto copies from this conversation where it can{store}, else drafts with "
+                    f"{accel_label(arm)}. {speed}")
+        if not any(self._describe(m) for m in TRAINED):
+            line += " Train an accelerator to give it more to choose from."
+        return AccelStatus("auto", True, False, line)
+
+    def _speed(self, label: str, checkpoint: str, drafter: Drafter) -> str:
+        info = self._describe(checkpoint) or {}
+        shipped = "folder" in info and is_shipped(info["folder"])
+        return speed_words(label, measured_speedup(info.get("metrics", {})),
+                           drafter.retimed_speedup, shipped)
 
     def drafter(self, method: str) -> Drafter:
         """The ready drafter of `method` (AcceleratorError when it cannot be built)."""
         if method == "off":
             return Drafter()
+        lm = self._sync()
         for checkpoint in checkpoints(method):
             self._describe(checkpoint)  # drops drafters whose checkpoint changed
         if method == "datastore" and method not in self._drafters:
-            self._drafters[method] = over_datastore(self.datastore, self.host.lm)
+            self._drafters[method] = over_datastore(self.datastore, lm)
         if method not in self._drafters:
             # Composed methods share the drafters held here.
-            self._drafters[method] = load_drafter(self.host.lm, method,
-                                                  lambda _lm, m: self.drafter(m))
+            self._drafters[method] = load_drafter(lm, method, lambda _lm, m: self.drafter(m))
         return self._drafters[method]
 
     def drafter_or_off(self, method: str) -> tuple[Drafter, str, list[str]]:
@@ -123,8 +154,8 @@ class Accelerators:
     def datastore(self):
         """The model's datastore; a missing or refused one is rebuilt from the self-distilled
         answers and (unless switched off) the user's chats with it."""
+        lm = self._sync()
         if self._datastore is None:
-            lm = self.host.lm
             self._datastore = open_datastore(lm, lambda: self._datastore_sources(lm))
         return self._datastore
 
@@ -149,7 +180,7 @@ class Accelerators:
     def _describe(self, checkpoint: str) -> dict | None:
         """describe() of the checkpoint that loads, read again only when its folder changed
         (then the drafters that load it are dropped too)."""
-        lm = self.host.lm
+        lm = self._sync()
         stamp = _stamp(checkpoint_dir(lm.fingerprint, checkpoint))
         seen = self._found.get(checkpoint)
         if seen is None or seen[0] != stamp:
@@ -176,17 +207,24 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return found.st_ino, found.st_mtime_ns
 
 
-def _ready_line(label: str, info: dict, pays: bool) -> str:
-    """Status of a trained accelerator from its description (speedup measured here) and
-    whether its drafter pays here (Drafter.pays: calibration's verdict, or the re-timed
-    one in another dtype or on another device)."""
-    metrics = info.get("metrics", {})
-    line = f"{label} is ready."
-    speedup = measured_speedup(metrics)
-    if speedup is not None:
-        shipped = "folder" in info and is_shipped(info["folder"])
-        where = "on the machine it was built on" if shipped else "when it was trained"
-        line += f" Measured {speedup:.2f}× over plain decoding {where}."
+def speed_words(label: str, calibrated: float | None, retimed: float | None,
+                shipped: bool) -> str:
+    """Where an accelerator's speed figure comes from: calibration when it was trained (on
+    the machine it was built on, for a shipped one), and the figure re-timed when this model
+    loaded (in another dtype or on another device), which moves with the machine's load."""
+    where = "on the machine it was built on" if shipped else "when it was trained"
+    measured = f"calibration measured {calibrated:.2f}× {where}" if calibrated else ""
+    if retimed is None:
+        return f"{label}: {measured[0].upper() + measured[1:]}." if measured else ""
+    line = f"{label}: {retimed:.2f}× plain decoding as re-timed when the model loaded"
+    line += f" ({measured})" if measured else ""
+    return line + "; a re-timing moves with what else this machine is doing."
+
+
+def _ready_line(label: str, speed: str, pays: bool) -> str:
+    """Status of a trained accelerator: ready, how fast (speed_words), and whether its
+    drafter pays here (Drafter.pays: calibration's verdict, or the re-timed one)."""
+    line = f"{label} is ready." + (f" {speed}" if speed else "")
     if not pays:
         line += " It did not beat plain decoding on this machine: Off may be faster."
     return line

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from app.conversation import Conversation
 from app.drafting import Accelerators, accel_label
 from app.host import ModelHost
-from app.conversation import Conversation
 from app.store import Store, StoreError
 from engine import neartie
 from engine.chat import conversation, encode, fit_to_context
@@ -89,6 +89,7 @@ class Replies:
         self.accels = accels
         self._cancel = threading.Event()  # Stop: ends the running generation
         self._owner: str | None = None  # the browser session whose generation is running
+        self._conv_id = ""  # the conversation its reply goes to ("" for Compare)
 
     def chat(self, request: ReplyRequest, prompt: str) -> Iterator[ReplyUpdate]:
         """Add `prompt` to the conversation and stream the reply. The reply is saved when it
@@ -107,7 +108,7 @@ class Replies:
             self._cancel.set()
 
     def _reply(self, request: ReplyRequest, prompt: str | None) -> Iterator[ReplyUpdate]:
-        with self.host.lock, self._owned(request.owner):
+        with self.host.lock, self._owned(request.owner, request.conv_id):
             conv = self.store.get(request.conv_id)  # under the lock: queued replies keep order
             add_prompt(self.store, conv, prompt)
             if request.system is not None:
@@ -134,9 +135,8 @@ class Replies:
                         ttft = event.elapsed_s  # prefill and the first token
                     else:
                         accepted.append(event.accepted)  # one event per model step
-                    if event.done:  # Auto says which arm it drafted with, and why
+                    if event.done:  # Auto's arm; its stats say which sources drafted
                         used = reply["accel"] = drafter.used()
-                        notices += [line for line in [drafter.reason()] if line]
                         reply["stats"] = event.stats.to_json()
                         save_reply(self.store, conv, reply)  # before the last update goes out
                         self.accels.learn(reply, token_ids)
@@ -160,15 +160,33 @@ class Replies:
                     used = drafter.used()
                 yield event, used
 
+    def clear(self, conv_id: str, owner: str = "") -> Conversation:
+        """Forget the conversation's messages (Store.clear): this browser's reply in progress
+        there stops first, and no reply saves them back."""
+        self._stop_in(conv_id, owner)
+        with self.host.lock:
+            return self.store.clear(conv_id)
+
+    def delete(self, conv_id: str, owner: str = "") -> None:
+        """Delete the conversation (Store.delete): this browser's reply in progress there
+        stops first, and no reply brings it back."""
+        self._stop_in(conv_id, owner)
+        with self.host.lock:
+            self.store.delete(conv_id)
+
+    def _stop_in(self, conv_id: str, owner: str) -> None:
+        if conv_id and conv_id == self._conv_id:
+            self.stop(owner)
+
     @contextlib.contextmanager
-    def _owned(self, owner: str):
+    def _owned(self, owner: str, conv_id: str = ""):
         """Mark the running generation as `owner`'s; a fresh Stop state for it."""
         self._cancel.clear()
-        self._owner = owner
+        self._owner, self._conv_id = owner, conv_id
         try:
             yield
         finally:
-            self._owner = None
+            self._owner, self._conv_id = None, ""
 
     def compare(self, request: ReplyRequest) -> Iterator[CompareResult]:
         """Replay the conversation's last prompt greedily (same length limit and stop
