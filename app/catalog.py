@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from app.model_folders import ModelFolders, find_models
-from engine import devices, gguf, hub
+from engine import devices, gguf, hub, quant, quant_auto
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
-from engine.loading import bundled_folder, weights_bytes
+from engine.loading import LoadedModel, bundled_folder, weights_bytes
 from engine.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 # (double-quantized) block scales; 8-bit keeps one fp32 scale per row.
 # int4 / int8w on a CPU also keep bf16 copies for multi-token steps (engine/quant.py).
 BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 2.6, "int8w": 3.05}
+LOW_BIT = ("int4", "int8w")  # the choices that keep bf16 copies beside their codes on a CPU
+LOW_BIT_NOTE = ("4- and 8-bit weights on a CPU keep bf16 copies for multi-token steps: more "
+                "memory than bf16 alone, for speed")
 # Headroom for activations, the KV cache of a long chat and a drafter, on top of weights.
 RUNTIME_OVERHEAD = 1.2
 
@@ -110,6 +113,30 @@ def count_parameters(folder: Path) -> int:
     return total
 
 
+def measured_size(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters, bytes) of a loaded model, measured from its modules. A low-bit layer
+    stores packed codes: it counts its logical weights (in x out; its bias is a parameter)
+    and the bytes it really holds (codes, scales and any bf16 copy). A tensor two modules
+    share (a tied head's bf16 copy is the embedding table) counts once."""
+    storages: dict[int, int] = {}  # storage address -> bytes
+
+    def first_time(tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage()
+        new = storage.data_ptr() not in storages
+        storages[storage.data_ptr()] = storage.nbytes()
+        return new
+
+    params = 0
+    for module in model.modules():
+        for buffer in module.buffers(recurse=False):
+            first_time(buffer)
+        if isinstance(module, quant.LowBitLinear):
+            counted = module.wide is None or first_time(module.wide)
+            params += module.in_features * module.out_features if counted else 0
+        params += sum(p.numel() for p in module.parameters(recurse=False) if first_time(p))
+    return params, sum(storages.values())
+
+
 def estimate_bytes(params: int, quant: str) -> int:
     """Memory a model with `params` parameters needs in a resolved quantization."""
     return int(params * BYTES_PER_PARAM[quant] * RUNTIME_OVERHEAD)
@@ -125,8 +152,9 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def memory_estimate(spec: ModelSpec) -> str:
-    """One line for the Models tab: resolved quantization, size and free memory."""
+def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
+    """One line for the Models tab: the quantization it will load with, its size and the
+    free memory; `loaded`: the model loaded from `spec` now, whose bytes are measured."""
     folder = local_folder(spec)
     if folder is None:
         return "Size unknown until downloaded (the download shows its size as it goes)."
@@ -134,6 +162,7 @@ def memory_estimate(spec: ModelSpec) -> str:
     if folder.is_file():
         info = gguf.inspect(folder)  # a one-line error when the file cannot be used
         quant, need = _gguf_need(info.parameters, spec.quant)
+        params = info.parameters
         model = (f"GGUF {info.architecture} ({'/'.join(info.tensor_types)}), "
                  f"{info.parameters / 1e6:,.0f} M parameters, {_size(info.file_bytes)} file · "
                  f"converted once to safetensors · {quant}")
@@ -143,7 +172,18 @@ def memory_estimate(spec: ModelSpec) -> str:
         need = estimate_bytes(params, quant)
         model = f"{params / 1e6:,.0f} M parameters · {quant} on {device.type}"
     free = available_bytes(device)
-    line = f"{model}: about {_size(need)} needed, {_size(free)} free"
+    if spec.quant == "auto" and device.type == "cpu" and quant == "bf16":
+        choices = ("bf16", *quant_auto.CANDIDATES)
+        need = max(estimate_bytes(params, q) for q in choices)
+        sizes = ", ".join(f"{q} ~{_size(estimate_bytes(params, q))}" for q in choices)
+        line = (f"{params / 1e6:,.0f} M parameters · Auto on cpu measures {sizes} the first time "
+                f"this model loads and keeps one ({LOW_BIT_NOTE}) · {_size(free)} free")
+    else:
+        line = f"{model}: about {_size(need)} needed, {_size(free)} free"
+        if quant in LOW_BIT and device.type == "cpu":
+            line += f" ({LOW_BIT_NOTE})"
+    if loaded is not None:
+        line += f" · loaded now as {loaded.quant}: {_size(measured_size(loaded.model)[1])} measured"
     if need > free:
         line += " — probably not enough: pick a smaller quantization"
     return line

@@ -41,6 +41,11 @@ class ModelHost:
         return self._lm
 
     @property
+    def current(self) -> LoadedModel | None:
+        """The loaded model, or None (where no model is a state to show, not an error)."""
+        return self._lm
+
+    @property
     def busy(self) -> bool:
         """True while a generation or a model swap holds the model."""
         return self.lock.locked()
@@ -80,3 +85,13 @@ class ModelHost:
 def model_name(lm: LoadedModel) -> str:
     """The short name people know a model by (repo name or folder name)."""
     return Path(lm.model_id).name or lm.model_id
+
+
+def quant_verdict(lm: LoadedModel) -> str:
+    """One line on the loaded weights: their quantization and, when Auto chose it, why
+    (its measured verdict). The Models tab and the Chat tab's header both show this line."""
+    where = f"{lm.quant} on {lm.device.type}"
+    if lm.spec.quant != "auto":
+        return f"{where}, as asked"
+    reason = lm.quant_reason.removeprefix(f"{lm.quant}: ")  # the verdict names it already
+    return f"{where}, chosen by Auto: {reason}" if reason else f"{where}, chosen by Auto"

@@ -11,7 +11,7 @@ import time
 import gradio as gr
 
 from app import catalog
-from app.host import model_name
+from app.host import model_name, quant_verdict
 from app.service import Service
 from app.ui import readout
 from engine.config import ModelSpec
@@ -21,6 +21,9 @@ QUANT_LABELS = [("Auto", "auto"), ("4-bit (PyTorch kernels)", "int4"),
                 ("8-bit (PyTorch kernels)", "int8w"), ("4-bit NF4", "nf4"), ("8-bit", "int8"),
                 ("bf16", "bf16"), ("fp32", "fp32")]
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
+QUANT_INFO = ("Auto: on a CPU, measured the first time a model loads (bf16, 8-bit or 4-bit "
+              "weights; what it chose and why shows above); on a GPU, bf16, or NF4 where bf16 "
+              "would not fit")
 POLL_S = 0.3  # how often the page hears about a load in progress
 
 
@@ -37,10 +40,9 @@ class ModelsTab:
                                       info="the bundled model, a Hugging Face repo id "
                                            "(owner/name, or owner/name:file.gguf), the path "
                                            "of a local folder or of a .gguf file")
-            self.refresh_btn = gr.Button("Refresh list", scale=1, size="sm")
-        self.quant = gr.Radio(QUANT_LABELS, value=s.quant, label="Quantization",
-                              info="Auto: bf16 or fp32 on this CPU, bf16 or 4-bit on a GPU "
-                                   "depending on free memory")
+            self.refresh_btn = gr.Button("Refresh list", scale=0, min_width=110, size="sm",
+                                         elem_id="qd-model-refresh")
+        self.quant = gr.Radio(QUANT_LABELS, value=s.quant, label="Quantization", info=QUANT_INFO)
         self.estimate = gr.Markdown(elem_id="qd-model-estimate")
         gr.Markdown(trust_note(service.host.trusted), elem_id="qd-model-trust")
         self.load_btn = gr.Button("Load model", variant="primary", elem_id="qd-model-load")
@@ -62,15 +64,17 @@ class ModelsTab:
                 self.estimate: self.memory(s.model, s.quant), self.status: notice}
 
     def describe(self) -> str:
+        """The loaded model: its figures measured from its modules, and its quantization."""
         try:
             lm = self.service.host.lm
         except QuickdraftError as exc:
             return f"**No model loaded.** {exc}"
-        params = sum(p.numel() for p in lm.model.parameters())
-        return (f"**Loaded: {model_name(lm)}** (`{lm.model_id}`) · {lm.quant} on {lm.device} · "
-                f"{params / 1e6:,.0f} M parameters · {lm.context_len} tokens of context · "
-                f"loaded in {lm.load_seconds:.1f} s"
-                + (f"\n\nAuto chose {lm.quant}: {lm.quant_reason}" if lm.quant_reason else ""))
+        params, size = catalog.measured_size(lm.model)
+        return (f"**Loaded: {model_name(lm)}** (`{lm.model_id}`) · "
+                f"<span id='qd-model-params'>{params / 1e6:,.1f} M parameters</span> · "
+                f"<span id='qd-model-bytes'>{size / 2**20:,.1f} MB in memory</span> · "
+                f"{lm.context_len} tokens of context · loaded in {lm.load_seconds:.1f} s\n\n"
+                f"Quantization: {quant_verdict(lm)}")
 
     def choices(self, value: str | None = None) -> gr.Dropdown:
         """The bundled model, every model already in the Hugging Face cache, and the GGUF
@@ -81,9 +85,16 @@ class ModelsTab:
 
     def memory(self, source, quant) -> str:
         try:
-            return catalog.memory_estimate(ModelSpec(source=source or "default", quant=quant))
+            spec = ModelSpec(source=source or "default", quant=quant)
+            return catalog.memory_estimate(spec, self._loaded_from(spec))
         except (QuickdraftError, OSError, ValueError) as exc:
             return f"Cannot estimate the size: {exc}"
+
+    def _loaded_from(self, spec: ModelSpec):
+        """The loaded model when `spec` names it (its bytes are measured, not estimated)."""
+        lm = self.service.host.current
+        same = lm is not None and lm.spec.source == spec.source
+        return lm if same and spec.quant in ("auto", lm.quant) else None
 
     def load(self, source, quant):
         """Load in the background and report progress; on failure the old model stays. The
