@@ -25,12 +25,16 @@ from engine.progress import Progress, ProgressFn
 log = logging.getLogger(__name__)
 
 # Bytes per parameter of each resolved quantization. NF4 packs two weights per byte plus
-# (double-quantized) block scales; 8-bit keeps one fp32 scale per row.
-# int4 / int8w on a CPU also keep bf16 copies for multi-token steps (engine/quant.py).
-BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 2.6, "int8w": 3.05}
-LOW_BIT = ("int4", "int8w")  # the choices that keep bf16 copies beside their codes on a CPU
-LOW_BIT_NOTE = ("4- and 8-bit weights on a CPU keep bf16 copies for multi-token steps: more "
-                "memory than bf16 alone, for speed")
+# (double-quantized) block scales; 8-bit keeps one fp32 scale per row. int4 / int8w: codes,
+# scales, the 8-bit LM head and a bf16 embedding table (the bundled model measured 1.13 and
+# 1.42); where this CPU runs multi-token steps faster on bf16 copies of the weights (timed
+# at load, engine/quant.py) the copies add COPY_BYTES per parameter.
+BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 1.15,
+                   "int8w": 1.45}
+LOW_BIT = ("int4", "int8w")  # the choices that may keep bf16 copies beside their codes
+COPY_BYTES = 2.0
+LOW_BIT_NOTE = ("more where this CPU runs multi-token steps faster on bf16 copies of the "
+                "weights, which it times at load")
 # Headroom for activations, the KV cache of a long chat and a drafter, on top of weights.
 RUNTIME_OVERHEAD = 1.2
 
@@ -165,28 +169,35 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
         params = info.parameters
         model = (f"GGUF {info.architecture} ({'/'.join(info.tensor_types)}), "
                  f"{info.parameters / 1e6:,.0f} M parameters, {_size(info.file_bytes)} file · "
-                 f"converted once to safetensors · {quant}")
+                 "converted once to safetensors")
     else:
         params = count_parameters(folder)
         quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
         need = estimate_bytes(params, quant)
-        model = f"{params / 1e6:,.0f} M parameters · {quant} on {device.type}"
+        model = f"{params / 1e6:,.0f} M parameters"
     free = available_bytes(device)
     if spec.quant == "auto" and device.type == "cpu" and quant == "bf16":
         choices = ("bf16", *quant_auto.CANDIDATES)
-        need = max(estimate_bytes(params, q) for q in choices)
         sizes = ", ".join(f"{q} ~{_size(estimate_bytes(params, q))}" for q in choices)
-        line = (f"{params / 1e6:,.0f} M parameters · Auto on cpu measures {sizes} the first time "
-                f"this model loads and keeps one ({LOW_BIT_NOTE}) · {_size(free)} free")
+        need = max(estimate_bytes(params, q) + _copies(params, q) for q in choices)
+        line = (f"{model} · Auto on cpu measures {sizes} the first time this model loads "
+                f"and keeps one (4- and 8-bit: {LOW_BIT_NOTE}): up to {_size(need)} needed, "
+                f"{_size(free)} free")
     else:
-        line = f"{model}: about {_size(need)} needed, {_size(free)} free"
+        line = f"{model} · {quant} on {device.type}: about {_size(need)} needed, {_size(free)} free"
         if quant in LOW_BIT and device.type == "cpu":
-            line += f" ({LOW_BIT_NOTE})"
+            need += _copies(params, quant)
+            line += f" (up to {_size(need)}: {LOW_BIT_NOTE})"
     if loaded is not None:
         line += f" · loaded now as {loaded.quant}: {_size(measured_size(loaded.model)[1])} measured"
     if need > free:
         line += " — probably not enough: pick a smaller quantization"
     return line
+
+
+def _copies(params: int, quant: str) -> int:
+    """Bytes of the bf16 copies a low-bit choice may keep on a CPU (none otherwise)."""
+    return int(params * COPY_BYTES * RUNTIME_OVERHEAD) if quant in LOW_BIT else 0
 
 
 def download(repo_id: str, revision: str | None, report: Report) -> Path:
