@@ -27,6 +27,7 @@ class Job:
     started: float = field(default_factory=time.monotonic)  # monotonic clock at creation
     state: str = "running"  # "running" | "done" | "cancelled" | "failed"
     progress: Progress | None = None  # the latest report
+    fraction: float = 0.0  # share of the whole job done (run_fraction): never goes back
     history: list[dict] = field(default_factory=list)  # {"t": s, **metrics} for the plots
     error: str = ""  # one line when failed
     result: object = None  # what the work returned
@@ -37,8 +38,10 @@ class Job:
         return self.state == "running"
 
     def report(self, progress: Progress) -> None:
-        """A ProgressFn: keep the latest snapshot and the metrics history."""
+        """A ProgressFn: keep the latest snapshot, the share done and the metrics history."""
         self.progress = progress
+        elapsed = time.monotonic() - self.started
+        self.fraction = max(self.fraction, run_fraction(progress, elapsed))
         if progress.metrics:
             self.history.append({"t": time.monotonic() - self.started, **progress.metrics})
             del self.history[:-HISTORY_LIMIT]
@@ -63,6 +66,18 @@ class Job:
         except Exception as exc:  # a background thread must report, not die silently
             log.exception("%s job failed", self.kind)
             self.error, self.state = one_line(exc), "failed"
+
+
+def run_fraction(p: Progress, elapsed_s: float) -> float:
+    """Share of a job done after `elapsed_s`: the time spent against the time spent plus
+    the job's ETA where the report has one (a training run's covers the whole run, so its
+    stages, each counted from 0 to 1, do not restart the bar), else the stage's own share
+    (a download's bytes)."""
+    if p.stage == "done":
+        return 1.0
+    if p.eta_s is not None and elapsed_s + p.eta_s > 0:
+        return min(1.0, elapsed_s / (elapsed_s + p.eta_s))
+    return p.fraction
 
 
 def one_line(exc: BaseException) -> str:

@@ -108,12 +108,9 @@ def launch(options: LaunchOptions, block: bool = True):
     port = pick_port(options.host, options.port)
     # A local app does not report usage anywhere (read when gradio is imported).
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    import gradio as gr
-
     from app.service import Service
     from app.store import Store
     from app.ui.layout import build_app
-    from app.ui.readout import CSS
 
     log.info("loading the model…")
     service = Service.open(Store(), options.model)
@@ -124,8 +121,6 @@ def launch(options: LaunchOptions, block: bool = True):
     if not is_loopback(options.host):
         log.warning("serving on %s:%d: reachable from other machines, login required",
                     options.host, port)
-    theme = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
-                           font_mono=["ui-monospace", "monospace"])  # no web fonts: offline
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     policy = make_policy(options.host, options.allowed_hosts, options.allowed_origins,
                          options.limits)
@@ -134,7 +129,7 @@ def launch(options: LaunchOptions, block: bool = True):
         server_name=options.host, server_port=port, auth=options.auth, share=False,
         auth_message="Log in with the user and password given to --auth.",
         inbrowser=options.open_browser, prevent_thread_lock=True, show_error=True,
-        theme=theme, css=CSS, footer_links=[], ssr_mode=False, quiet=True, _app=app,
+        **page_style(), footer_links=[], ssr_mode=False, quiet=True, _app=app,
     )
     install_head_timeout(demo.server.config, options.limits.header_timeout_s)
     print(f"Quickdraft is running at {url}  (Ctrl-C to quit)", flush=True)
@@ -143,6 +138,17 @@ def launch(options: LaunchOptions, block: bool = True):
     if block:
         demo.block_thread()
     return demo, url, service
+
+
+def page_style() -> dict:
+    """The theme and style sheet every launch of the page uses (tests' servers too)."""
+    import gradio as gr
+
+    from app.ui.style import CSS
+
+    theme = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
+                           font_mono=["ui-monospace", "monospace"])  # no web fonts: offline
+    return {"theme": theme, "css": CSS}
 
 
 def _server_app(service, options: LaunchOptions, policy: Policy):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app.service import Service
-from app.ui.chat import GENERATE, INSTANT, ChatTab
+from app.ui.chat import ACCEL, GENERATE, INSTANT, ChatTab
 from app.ui.models import ModelsTab
 from app.ui.train import TrainTab
 
@@ -16,7 +16,7 @@ HEADER = ("## Quickdraft\nChat with a local model; switch on a trained accelerat
 def build_app(service: Service) -> gr.Blocks:
     """The whole UI for `service` (not launched)."""
     with gr.Blocks(title="Quickdraft", analytics_enabled=False) as demo:
-        gr.Markdown(HEADER)
+        gr.Markdown(HEADER, elem_id="qd-intro")
         with gr.Tabs(selected="chat", elem_id="qd-tabs") as tabs:
             with gr.Tab("Chat", id="chat"):
                 chat = ChatTab(service)
@@ -28,8 +28,9 @@ def build_app(service: Service) -> gr.Blocks:
         loaded = models.wire()
         train.wire()
         _wire_across(chat, models, train, tabs, loaded)
-        demo.load(chat.restore, None, chat.view_outputs + chat.sampling + chat.accel_outputs,
-                  **INSTANT)
+        restored = demo.load(chat.restore, None,
+                             chat.view_outputs + chat.sampling + chat.accel_outputs, **INSTANT)
+        restored.then(chat.check_accel, [chat.accel], chat.accel_outputs, **ACCEL)
         demo.load(models.refresh, None, [models.current, models.source, models.estimate,
                                          models.status], **INSTANT)
         demo.load(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT)
@@ -42,7 +43,7 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
     chat.train_btn.click(lambda pending: (gr.Tabs(selected="train"), pending or gr.skip()),
                          [chat.pending], [tabs, train.method], **INSTANT)
     # A new model: re-check the acceleration (its accelerators are its own) and retarget.
-    loaded.then(chat.select_accel, [chat.active, chat.active], chat.accel_outputs, **INSTANT)
+    loaded.then(chat.select_accel, [chat.active, chat.active], chat.accel_outputs, **ACCEL)
     loaded.then(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT)
 
     # A finished training run: switch its accelerator on and show what it does.
@@ -58,6 +59,6 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
         yield from chat.compare(conv_id, active, max_new, request)
 
     switched = train.finished.change(select, [train.finished, chat.active], chat.accel_outputs,
-                                     **INSTANT)
+                                     **ACCEL)
     switched.then(compare, [train.finished, chat.conv_id, chat.active, chat.max_new],
                   [chat.compare_out], **GENERATE)

@@ -1,5 +1,6 @@
-"""Turning service results into what people read: the live speed readout under a reply,
-the plots after it, the Compare verdict and the training progress. Pure formatting."""
+"""Turning service results into what people read: the speed readout under a reply (what it
+came from included), the plots after it, the Compare verdict and a background job's progress.
+Pure formatting. Every figure says which reply or run it belongs to."""
 
 from __future__ import annotations
 
@@ -10,27 +11,55 @@ import pandas as pd
 from app.drafting import accel_label
 from app.jobs import Job
 from app.replies import CompareResult, ReplyUpdate
+from app.sources import SourceMix, label, mix_of
 from engine.progress import Progress
 from engine.stats import CTAR_WINDOWS, GenerationStats
 
 STOP_REASONS = {"eos": "finished", "length": "hit the token limit", "stop": "stop string",
                 "cancelled": "stopped"}
+# What each figure means, on hover (the page's "What these figures mean" says more).
+TIPS = {
+    "tps": "tokens of this reply per second, from the request to its last token",
+    "ttft": "time to first token: reading the prompt and choosing the first token",
+    "step": "tokens added per full-model step: accepted draft tokens plus the model's own "
+            "(1.00 is plain decoding)",
+    "sources": "which source drafted each full-model step of this reply",
+}
+REPEATED_FLAG = 0.5  # Compare warns when more of the gain than this repeated earlier text
 
 
-def _chip(text: str, cls: str = "") -> str:
-    return f'<span class="qd-chip {cls}">{text}</span>'
+def _chip(text: str, cls: str = "", tip: str = "") -> str:
+    title = f' title="{html.escape(tip)}"' if tip else ""
+    return f'<span class="qd-chip {cls}"{title}>{text}</span>'
 
 
 def _row(chips: str) -> str:
     return f'<div class="qd-readout">{chips}</div>'
 
 
-def _speed_chips(method: str, tokens_per_s: float, ttft_s: float, per_step: float) -> list[str]:
+def method_label(method: str) -> str:
+    """The method a reply was asked with ("auto:kangaroo" -> "Auto": which sources made
+    its steps is said beside it, not the arm Auto had ready)."""
+    return accel_label(method.split(":")[0])
+
+
+def _speed_chips(which: str, method: str, tokens_per_s: float, ttft_s: float,
+                 per_step: float) -> list[str]:
     """What a reply's readout starts with, streaming or stored."""
-    return [_chip(html.escape(accel_label(method)), "qd-method"),
-            _chip(f"<b>{tokens_per_s:.1f}</b> tok/s", "qd-tps"),
-            _chip(f"TTFT <b>{ttft_s:.2f}</b> s"),
-            _chip(f"<b>{per_step:.2f}</b> tokens/step")]
+    return [_chip(which, "qd-which"),
+            _chip(html.escape(method_label(method)), "qd-method"),
+            _chip(f"<b>{tokens_per_s:.1f}</b> tok/s", "qd-tps", TIPS["tps"]),
+            _chip(f"TTFT <b>{ttft_s:.2f}</b> s", "qd-ttft", TIPS["ttft"]),
+            _chip(f"<b>{per_step:.2f}</b> tokens/step", "qd-per-step", TIPS["step"])]
+
+
+def sources_chip(mix: SourceMix | None) -> str:
+    """The share of the reply's steps each source made, the largest (named first) in bold."""
+    if mix is None or not mix.total_steps:
+        return ""
+    shares = [f"{html.escape(label(s))} {100 * f:.0f}%" for s, f in mix.shares()]
+    shares[0] = f"<b>{shares[0]}</b>"
+    return _chip("steps: " + " · ".join(shares), "qd-sources", TIPS["sources"])
 
 
 def histogram_counts(accepted: list[int]) -> list[int]:
@@ -53,13 +82,17 @@ def mini_histogram(accepted: list[int]) -> str:
 
 
 def live_readout(update: ReplyUpdate) -> str:
-    """The line under a streaming reply: method, tokens/s, TTFT, tokens per step."""
+    """The line under a streaming reply: method, tokens/s, TTFT, tokens per step; once it
+    ends, how it ended and which sources made its steps."""
     per_step = GenerationStats(accepted=update.accepted).mean_accepted or 1.0
-    parts = _speed_chips(update.method, update.tokens_per_s, update.ttft_s, per_step)
+    parts = _speed_chips("this reply", update.method, update.tokens_per_s, update.ttft_s,
+                         per_step)
     parts.append(mini_histogram(update.accepted) if not update.method.endswith("off") else "")
     if update.done and update.stats is not None:
+        stats = update.stats.to_json()
         reason = STOP_REASONS.get(update.stats.stop_reason, update.stats.stop_reason)
         parts.append(_chip(f"{update.tokens} tokens · {reason}", "qd-done"))
+        parts.append(sources_chip(mix_of(update.method, stats)))
         if update.stats.datastore_drafted:
             parts.append(_chip(f"datastore <b>{update.stats.datastore_accepted}</b> of "
                                f"{update.stats.datastore_drafted} drafts kept", "qd-datastore"))
@@ -67,6 +100,20 @@ def live_readout(update: ReplyUpdate) -> str:
         parts.append(_chip(f"{update.tokens} tokens…", "qd-live"))
     notes = "".join(f'<div class="qd-note">{html.escape(n)}</div>' for n in update.notices)
     return _row("".join(parts)) + notes
+
+
+def saved_readout(message: dict) -> str:
+    """The readout of a stored reply, labelled as such (shown when a conversation opens)."""
+    stats = message.get("stats") or {}
+    if not stats:
+        return ""
+    method = message.get("accel", "off")
+    parts = _speed_chips("last reply in this chat", method, stats.get("tokens_per_s", 0),
+                         stats.get("ttft_s", 0), stats.get("mean_accepted", 0) or 1)
+    parts.append(_chip(f"{stats.get('tokens', 0)} tokens · "
+                       f"{STOP_REASONS.get(stats.get('stop_reason', ''), '')}", "qd-done"))
+    parts.append(sources_chip(mix_of(method, stats)))
+    return _row("".join(parts))
 
 
 def live_readout_waiting() -> str:
@@ -77,11 +124,12 @@ def error_html(message: str) -> str:
     return f'<div class="qd-error">{html.escape(message)}</div>'
 
 
-def accepted_frame(stats: GenerationStats) -> pd.DataFrame:
-    """Steps by tokens added, for the bar plot after a reply."""
+def accepted_frame(stats: GenerationStats) -> tuple[pd.DataFrame, list[str]]:
+    """Steps by tokens added, for the bar plot after a reply, and the bars' order (the
+    labels are text: as numbers the bars would be drawn as thin marks on a number line)."""
     counts = histogram_counts(stats.accepted)
-    return pd.DataFrame({"tokens per step": [str(k) for k in range(1, len(counts) + 1)],
-                         "steps": counts})
+    order = [str(k) for k in range(1, len(counts) + 1)]
+    return pd.DataFrame({"tokens per step": order, "steps": counts}), order
 
 
 def ctar_frame(stats: GenerationStats) -> pd.DataFrame:
@@ -91,16 +139,17 @@ def ctar_frame(stats: GenerationStats) -> pd.DataFrame:
 
 
 def compare_html(result: CompareResult) -> str:
-    """Compare's verdict: both speeds, their ratio and whether the texts match."""
-    label = accel_label(result.method)
+    """Compare's verdict: both speeds, their ratio, whether the texts match, and what the
+    accelerated run's speed came from (flagged when mostly repeated text)."""
+    label_ = accel_label(result.method)
     prompt = html.escape(result.prompt if len(result.prompt) < 80 else result.prompt[:77] + "…")
     head = f'<div class="qd-compare-prompt">Greedy replay of “{prompt}”</div>'
     if result.off is None:
         return head + _row(_chip("running Off…", "qd-live"))
     off = _chip(f"Off <b>{result.off.tokens_per_s:.1f}</b> tok/s")
     if result.on is None:
-        return head + _row(off + _chip(f"running {label}…", "qd-live"))
-    on = _chip(f"{label} <b>{result.on.tokens_per_s:.1f}</b> tok/s")
+        return head + _row(off + _chip(f"running {label_}…", "qd-live"))
+    on = _chip(f"{label_} <b>{result.on.tokens_per_s:.1f}</b> tok/s")
     ratio = _chip(f"<b>{result.ratio:.2f}×</b>", "qd-ratio")
     d = result.divergence
     if result.identical:
@@ -110,13 +159,25 @@ def compare_html(result: CompareResult) -> str:
     else:  # a near-tie is within the dtype's rounding; anything else is a defect
         same = _chip("texts differ: " + html.escape(d.verdict(result.dtype)),
                      "qd-differ" if d.near_tie else "qd-mismatch")
-    steps = _chip(f"{result.on.mean_accepted:.2f} tokens/step")
+    steps = _chip(f"{result.on.mean_accepted:.2f} tokens/step", tip=TIPS["step"])
     tail = _chip("stopped early: figures are partial", "qd-differ") if result.stopped else ""
-    return head + _row(off + on + ratio + same + steps + tail)
+    mix = mix_of(result.method, result.on.to_json())
+    return (head + _row(off + on + ratio + same + steps + sources_chip(mix) + tail)
+            + repeated_note(mix))
+
+
+def repeated_note(mix: SourceMix | None) -> str:
+    """A warning when most accepted draft tokens repeated text the model saw before."""
+    if mix is None or mix.repeated_share <= REPEATED_FLAG:
+        return ""
+    return (f'<div class="qd-repeated">{100 * mix.repeated_share:.0f}% of the drafted tokens '
+            "the model accepted repeated text already in this conversation or in the "
+            "datastore of its earlier replies: this speedup comes mostly from repetition, and "
+            "a question in fresh words will gain less.</div>")
 
 
 def job_html(job: Job | None) -> str:
-    """A progress bar with the stage, ETA and latest figures of a background job."""
+    """A progress bar over the whole job (it never goes back), its stage, ETA and figures."""
     if job is None:
         return ""
     p = job.progress or Progress("starting", 0, 0)
@@ -128,28 +189,39 @@ def job_html(job: Job | None) -> str:
     else:
         state = job.state
     figures = " · ".join(f"{html.escape(k)} {v:.3g}" for k, v in p.metrics.items()
-                         if isinstance(v, (int, float)))
+                         if _is_number(v))
     return (f'<div class="qd-job qd-{job.state}"><div class="qd-job-title">'
             f"{html.escape(job.title)}: {state}</div>"
-            f'<div class="qd-progress"><div style="width:{100 * p.fraction:.1f}%"></div></div>'
+            f'<div class="qd-progress" title="the whole run">'
+            f'<div style="width:{100 * job.fraction:.1f}%"></div></div>'
             f'<div class="qd-job-msg">{html.escape(p.message)}</div>'
             f'<div class="qd-job-figures">{figures}</div></div>')
 
 
 def metric_frames(job: Job | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(loss, accuracy) over time from a job's metric reports, in long format."""
+    """(loss, held-out accuracy) over the run's minutes from a job's metric reports, in
+    long format with numeric columns (even when empty: a text column would make the chart's
+    axis a list of labels)."""
     rows_loss, rows_acc = [], []
     for row in job.history if job is not None else []:
         for key, value in row.items():
-            if key == "t" or not isinstance(value, (int, float)):
+            if key == "t" or not _is_number(value):
                 continue
-            point = {"minutes": round(row["t"] / 60, 2), "value": round(value, 4), "metric": key}
+            point = {"minutes": row["t"] / 60, "value": float(value), "metric": key}
             if "loss" in key:
                 rows_loss.append(point)
             elif 0.0 <= value <= 1.0:
                 rows_acc.append(point)
-    columns = ["minutes", "value", "metric"]
-    return pd.DataFrame(rows_loss, columns=columns), pd.DataFrame(rows_acc, columns=columns)
+    return _frame(rows_loss), _frame(rows_acc)
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    frame = pd.DataFrame(rows, columns=["minutes", "value", "metric"])
+    return frame.astype({"minutes": float, "value": float, "metric": str})
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _duration(seconds: float) -> str:
@@ -158,36 +230,3 @@ def _duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def saved_readout(message: dict) -> str:
-    """The readout of a stored reply (shown when a conversation is opened again)."""
-    stats = message.get("stats") or {}
-    if not stats:
-        return ""
-    parts = _speed_chips(message.get("accel", "off"), stats.get("tokens_per_s", 0),
-                         stats.get("ttft_s", 0), stats.get("mean_accepted", 0) or 1)
-    parts.append(_chip(f"{stats.get('tokens', 0)} tokens · "
-                       f"{STOP_REASONS.get(stats.get('stop_reason', ''), '')}", "qd-done"))
-    return _row("".join(parts))
-
-
-CSS = """
-.qd-readout {display:flex; flex-wrap:wrap; gap:6px; align-items:center; font-size:0.9em;}
-.qd-chip {padding:2px 8px; border-radius:10px; background:var(--block-background-fill);
-  border:1px solid var(--border-color-primary); white-space:nowrap;}
-.qd-method {background:var(--color-accent-soft); font-weight:600;}
-.qd-ratio {background:#d1fae5; color:#065f46;} .qd-same {color:#047857;}
-.qd-differ {color:#b45309;} .qd-mismatch {color:#dc2626; font-weight:600;}
-.qd-live {opacity:0.7;}
-.qd-hist {display:inline-flex; gap:2px; align-items:flex-end; height:30px;}
-.qd-bar {display:inline-flex; flex-direction:column; align-items:center; width:12px;}
-.qd-bar i {display:block; width:9px; background:var(--color-accent); border-radius:2px;}
-.qd-bar small {font-size:0.65em; line-height:1;}
-.qd-note {font-size:0.85em; opacity:0.8;} .qd-error {color:#b91c1c; font-weight:500;}
-.qd-compare-prompt {font-size:0.85em; opacity:0.75; margin-bottom:4px;}
-.qd-progress {height:10px; background:var(--border-color-primary); border-radius:5px;
-  overflow:hidden; margin:6px 0;}
-.qd-progress div {height:100%; background:var(--color-accent);}
-.qd-job-title {font-weight:600;} .qd-job-msg, .qd-job-figures {font-size:0.9em;}
-"""

@@ -57,11 +57,13 @@ class TrainTab:
                                          elem_id="qd-train-retrain")
             self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="qd-train-cancel")
         self.status = gr.HTML(elem_id="qd-train-status")
-        with gr.Row():
+        with gr.Row():  # shown once the run has figures to draw
             self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
-                                         title="Loss")
+                                         title="Training loss (this run)", visible=False,
+                                         elem_id="qd-train-loss")
             self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
-                                        y_lim=[0, 1], title="Accuracy", visible=False)
+                                        y_lim=[0, 1], title="Held-out accuracy (this run)",
+                                        visible=False, elem_id="qd-train-accuracy")
         self.timer = gr.Timer(TICK_S, active=False)
         # "<method>@<start time>" of the last run that finished; the chat tab follows it
         self.finished = gr.State("")
@@ -126,7 +128,8 @@ class TrainTab:
     def tick(self) -> dict:
         job = self.service.training.job
         loss, acc = readout.metric_frames(job)
-        out = {self.status: readout.job_html(job), self.loss_plot: loss,
+        out = {self.status: readout.job_html(job),
+               self.loss_plot: gr.LinePlot(value=loss, visible=not loss.empty),
                self.acc_plot: gr.LinePlot(value=acc, visible=not acc.empty)}
         if job is None or job.running:
             return out
