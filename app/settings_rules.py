@@ -20,7 +20,7 @@ CONVERSATION_ID = re.compile(r"[0-9a-f]{1,32}")  # conversation ids, which name 
 PAGE_ACCEPTANCE = ("auto", "typical")
 # What the page calls each number it sends (for its one-line refusals).
 LABELS = {"temperature": "temperature", "top_p": "top-p", "top_k": "top-k",
-          "max_new_tokens": "max new tokens"}
+          "max_new_tokens": "max new tokens", "train_minutes": "the time budget"}
 
 
 class SettingError(QuickdraftError):
@@ -62,6 +62,7 @@ RULES: dict[str, Callable] = {
     "last_conversation": lambda v: None if v == "" or CONVERSATION_ID.fullmatch(v) else
     "is not a conversation id",
     "system": lambda v: text_problem(v),
+    "train_minutes": _finite(1.0, 24 * 60.0),  # a training run's time budget (page only)
 }
 
 

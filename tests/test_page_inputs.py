@@ -64,6 +64,17 @@ def test_events_with_hostile_values_answer_one_line_and_save_nothing(tab):
     assert tab.new_conv("", "\ud800") == {} and tab.service.store.list() == []
 
 
+def test_a_training_run_asked_with_hostile_values_is_refused_in_one_line(tab):
+    from app.ui.train import TrainTab
+
+    with gr.Blocks():
+        train = TrainTab(tab.service)
+    for method, minutes in (("medusa", float("nan")), (None, 5), ("medusa", "5")):
+        status, _timer = train.start(method, minutes, None, True)
+        assert status.startswith('<div class="qd-error">') and "Error" not in status
+    assert tab.service.training.job is None
+
+
 def test_speed_figures_say_where_they_come_from():
     assert speed_words("Medusa", 1.4, None, False) == (
         "Medusa: Calibration measured 1.40× when it was trained.")

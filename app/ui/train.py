@@ -11,6 +11,7 @@ import gradio as gr
 from app.drafting import accel_label
 from app.host import model_name
 from app.service import Service
+from app.settings_rules import page_choice, page_number, page_text
 from app.training import training_summary
 from app.ui import readout
 from engine.drafters.registry import TRAINED
@@ -105,7 +106,10 @@ class TrainTab:
         from trainer.pipeline import options_for
 
         try:
-            options = options_for(method, float(minutes), Path(prompts) if prompts else None,
+            method = page_choice("the method", method, TRAINED)
+            minutes = page_number("train_minutes", minutes)
+            prompts = page_text("the prompts file", prompts)
+            options = options_for(method, minutes, Path(prompts) if prompts else None,
                                   continue_training=continue_training)
             job = self.service.training.start(options, learn_from_chats=bool(chats))
         except QuickdraftError as exc:
