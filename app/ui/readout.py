@@ -171,9 +171,9 @@ def repeated_note(mix: SourceMix | None) -> str:
     if mix is None or mix.repeated_share <= REPEATED_FLAG:
         return ""
     return (f'<div class="qd-repeated">{100 * mix.repeated_share:.0f}% of the drafted tokens '
-            "the model accepted repeated text already in this conversation or in the "
-            "datastore of its earlier replies: this speedup comes mostly from repetition, and "
-            "a question in fresh words will gain less.</div>")
+            "the model accepted repeated text it had seen before (in this conversation, the "
+            "prompt included, or in the datastore of its earlier replies): this speedup comes "
+            "mostly from repetition, and a reply in fresh words will gain less.</div>")
 
 
 def job_html(job: Job | None) -> str:

@@ -24,6 +24,7 @@ CSS = """
 .qd-repeated {color:#b45309; font-size:0.9em; margin-top:4px;}
 .qd-header {font-size:0.95em;} .qd-header p {margin:0;}
 .qd-queued {font-size:0.85em; opacity:0.8;}
+#qd-queued:has(.prose:empty) {display:none;}  /* no gap while nothing is queued */
 #qd-chatbot .bubble-wrap {padding-top:30px;}  /* the first message clear of Clear and Copy */
 @media (max-width: 720px) {
   #qd-chat-col {order:-1;}
