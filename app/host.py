@@ -16,7 +16,7 @@ from app.jobs import Job
 from app.store import Store
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
-from engine.loading import LoadedModel, load_model
+from engine.loading import LoadedModel, load_model, start_compiling
 from engine.progress import Progress, ProgressFn, ignore
 
 
@@ -31,6 +31,7 @@ class ModelHost:
         self.training: Job | None = None  # the training run using the model (app.training)
         self.notice = ""  # shown once on the Models tab, e.g. why the last model did not load
         self.trusted: str | None = None  # the start-up model the command line let run its code
+        self.step = "auto"  # how decode steps run for every model loaded (engine/config.py)
         # Called under the lock when the model changes: drop what was built for the old one.
         self.on_swap: list[Callable[[], None]] = []
 
@@ -66,6 +67,7 @@ class ModelHost:
             raise QuickdraftError("an accelerator is training for the current model: "
                                   "cancel it (Train tab) before loading another model")
         report = report or ignore
+        spec = dataclasses.replace(spec, step=self.step)
         catalog.fetch_if_needed(spec, report)
         report(Progress("load", 0, 0, f"loading {spec.source} ({spec.quant})"))
         lm = load_model(spec, lambda message: report(Progress("convert", 0, 0, message)))
@@ -74,12 +76,24 @@ class ModelHost:
             for forget in self.on_swap:
                 forget()
         del old
+        # The compiled step loads at once where it was built before; else it is built in
+        # the background, and the accelerators are re-timed on it once it is ready.
+        start_compiling(lm, on_ready=lambda: self._retime(lm))
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.store.remember(model=spec.source, quant=spec.quant)
         report(Progress("done", 1, 1, f"loaded {lm.model_id} as {lm.quant} on {lm.device}"))
         return lm
+
+
+    def _retime(self, lm: LoadedModel) -> None:
+        """The decode step got faster (compiled): what was built on the old step's
+        timings is dropped and rebuilt on the new ones when next asked for."""
+        with self.lock:
+            if self._lm is lm:
+                for forget in self.on_swap:
+                    forget()
 
 
 def model_name(lm: LoadedModel) -> str:

@@ -25,10 +25,12 @@ class Service:
         self.training = Training(store, self.host)
 
     @classmethod
-    def open(cls, store: Store, spec: ModelSpec | None = None) -> Service:
-        """Start with `spec`, else the last model used, else the bundled one."""
+    def open(cls, store: Store, spec: ModelSpec | None = None, step: str = "auto") -> Service:
+        """Start with `spec`, else the last model used, else the bundled one; `step`: how
+        decode steps run for every model this service loads."""
         settings = store.load_settings()
         service = cls(store)
+        service.host.step = step
         if spec is not None and spec.trust_remote_code:
             service.host.trusted = spec.source
         wanted = spec or ModelSpec(settings.model, settings.quant)

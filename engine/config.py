@@ -11,6 +11,9 @@ from engine.errors import QuickdraftError
 QUANT_CHOICES = ("auto", "int4", "int8w", "nf4", "int8", "bf16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ACCEPTANCE_CHOICES = ("auto", "greedy", "lossless", "typical")
+# auto: the lean step where the family is covered (compiled once the app starts compiling),
+# else transformers; eager: the lean step, never compiled; transformers: the model's own
+STEP_CHOICES = ("auto", "eager", "transformers")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class ModelSpec:
     device: str = "auto"  # one of DEVICE_CHOICES; "auto" = CUDA when present
     trust_remote_code: bool = False  # run code shipped with a hub model (off: secure default)
     revision: str | None = None  # hub branch, tag or commit; None = the default branch
+    step: str = "auto"  # one of STEP_CHOICES: how decode steps run (engine/target.py)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_CHOICES:
@@ -31,6 +35,10 @@ class ModelSpec:
         if self.device not in DEVICE_CHOICES:
             raise QuickdraftError(
                 f"unknown device {self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}"
+            )
+        if self.step not in STEP_CHOICES:
+            raise QuickdraftError(
+                f"unknown step {self.step!r}: choose one of {', '.join(STEP_CHOICES)}"
             )
         if not self.source or not self.source.strip():
             raise QuickdraftError("no model given: use 'default', a local folder or a repo id")

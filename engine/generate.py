@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import kv_cache, verify
+from engine import verify
 from engine.chat import fit_to_context
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, start_drafter
@@ -74,6 +74,7 @@ def generate(
         elapsed = time.perf_counter() - start
         if stats.stop_reason:
             stats.elapsed_s = elapsed
+            stats.step = lm.target.name
             drafter.finish(stats)
             text += stream.flush()
             yield StepEvent(text, new, _last(stats), stats.tokens, elapsed, True, stats,
@@ -92,20 +93,15 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams,
              drafter: Drafter) -> DecodeState:
     """Run the prompt, choose the first token, and hand the drafter its starting state."""
     generator = make_generator(params.seed, lm.device)
-    cache = kv_cache.new_cache(lm.model)
+    target = lm.target
+    cache = target.new_cache()
     if drafter.drafts:
-        kv_cache.check_draftable(cache)
+        target.check_draftable(cache)
     with torch.inference_mode():
-        out = lm.model(
-            input_ids=torch.tensor([ids], device=lm.device),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states=drafter.wants_hidden,
-        )
-        first = next_token(out.logits[0, -1], params, generator)
+        out = target.forward(cache, ids, 0, states=drafter.wants_hidden, last_only=True)
+        first = next_token(out.logits[-1], params, generator)
         state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator)
-        start_drafter(drafter, state, out)
+        start_drafter(drafter, state, out.states)
     return state
 
 

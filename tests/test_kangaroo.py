@@ -8,17 +8,18 @@ import torch
 from transformers import DynamicCache
 
 import engine.generate as generate_mod
+from engine import split as layers
 from engine import verify
 from engine.accelerators import load_checkpoint, save_checkpoint
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters import kangaroo_layers as layers
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import adapt
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.sampling import sample_from
+from tests.cache_util import held
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 
@@ -211,7 +212,7 @@ def recording(cls):
         def commit(self, state, draft, path):
             super().commit(state, draft, path)
             committed = state.ids + [draft.tokens[i] for i in path]
-            copy = [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers]
+            copy = [(k.clone(), v.clone()) for k, v in held(state.cache, len(committed))]
             ad = self.run.cache.layers[0]
             adapter = (ad.keys.clone(), ad.values.clone())
             self.snapshots.append((committed, copy, *adapter, self.run.lag.clone()))
@@ -252,9 +253,9 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
     for committed, caches, ad_k, ad_v, lag in d.snapshots:
         n = len(committed)
         assert committed == final[:n]
-        for (k, v), layer in zip(caches, ref.layers, strict=True):
-            torch.testing.assert_close(k, layer.keys[..., :n, :], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v, layer.values[..., :n, :], atol=1e-4, rtol=1e-4)
+        for (k, v), (rk, rv) in zip(caches, held(ref, len(final)), strict=True):
+            torch.testing.assert_close(k, rk[:, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, rv[:, :n], atol=1e-4, rtol=1e-4)
         m = ad_k.shape[-2]
         assert m + lag.shape[1] == n  # the adapter has read, or will read, every committed token
         torch.testing.assert_close(ad_k, ad_ref.layers[0].keys[..., :m, :], atol=1e-4, rtol=1e-4)
@@ -264,9 +265,14 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
     return kept
 
 
-def test_caches_equal_one_by_one_decoding_after_any_accept_pattern(bundled_tokenizer, monkeypatch):
+@pytest.mark.parametrize("step", ["auto", "transformers"])
+def test_caches_equal_one_by_one_decoding_after_any_accept_pattern(bundled_tokenizer, monkeypatch,
+                                                                   step):
+    from engine.loading import make_target
+
     lm = make_tiny_model("qwen2", bundled_tokenizer)
     lm.eos_ids = ()
+    lm.target = make_target(lm.model, step, torch.float32)
     torch.manual_seed(0)
     d = recording(KangarooDrafter)(lm, Adapter(lm.model),
                                    KangarooSettings(exit_layer=2, eta=0.0, gamma=4))

@@ -140,7 +140,7 @@ def test_the_command_learns_from_chats_unless_no_chats(lm, monkeypatch):
 
     captured = _Captured()
     monkeypatch.setattr(trainer.pipeline, "train_accelerator", captured)
-    monkeypatch.setattr(command, "load", lambda args: lm)
+    monkeypatch.setattr(command, "load", lambda args, compiled="load": lm)
     monkeypatch.setattr(command, "summary", lambda result: "")
     _chat_with(Service(Store(), lm), "Tell me about rain")
     assert main(["train", "--method", "medusa"]) == 0

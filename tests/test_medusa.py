@@ -145,8 +145,13 @@ def test_no_tree_means_plain_decoding(tiny_lm):
 
 
 def test_cache_after_a_tree_step_equals_decoding_the_path_one_by_one(tiny_lm):
-    """Verify a tree, keep a non-contiguous path, and compare with sequential decoding."""
+    """Verify a tree, keep a non-contiguous path, and compare with sequential decoding
+    (transformers' cache; the lean cache's test is in test_family_matrix.py)."""
+    from engine.loading import make_target
+
     model, prompt = tiny_lm.model, PROMPTS[0]
+    tiny_lm = dataclasses.replace(tiny_lm, target=make_target(model, "transformers",
+                                                              torch.float32))
     choices = [(0,), (1,), (0, 0), (1, 0), (1, 1)]  # nodes: 1=(0,) 2=(1,) 3 4=(1,0) 5=(1,1)
     tree = build_tree(choices, 4)
     tokens = [9, 100, 200, 300, 400, 500]

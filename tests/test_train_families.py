@@ -138,7 +138,7 @@ def test_an_unforeseen_training_failure_is_one_line(bundled_tokenizer, monkeypat
     def crash(*_args, **_kwargs):
         raise RuntimeError("something inside transformers\nwith a second line")
 
-    monkeypatch.setattr(train_command, "load", lambda _args: short_gpt2(bundled_tokenizer))
+    monkeypatch.setattr(train_command, "load", lambda _args, compiled="load": short_gpt2(bundled_tokenizer))
     monkeypatch.setattr(trainer.pipeline, "train_accelerator", crash)
     assert main(["train", "--method", "medusa", "--max-minutes", "1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

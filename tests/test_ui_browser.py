@@ -75,8 +75,10 @@ def app_url(tmp_path_factory):
            "QUICKDRAFT_SHIPPED_DIR": str(tmp_path_factory.mktemp("shipped")),
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
+        # the eager lean step: compiling it would take the CPU the test runs on
         proc = subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), "--no-browser",
-                                 "--port", str(port)], cwd=ROOT, env=env, stdout=log,
+                                 "--port", str(port), "--step", "eager"], cwd=ROOT, env=env,
+                                stdout=log,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:

@@ -75,7 +75,7 @@ def execute(args: argparse.Namespace, command: str) -> int:
         raise QuickdraftError("--passes must be at least 1")
     prompt_file = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
     prompts = round_robin(load_prompts(prompt_file), args.limit)
-    lm = load(args)
+    lm = load(args, "wait")  # every method is timed on the step the app would run
     assistant = _load_assistant(args) if "hf-assisted" in names else None
     methods, skipped = build_methods(lm, names, params, assistant)
     for name, why in skipped.items():

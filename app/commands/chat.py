@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     params = sampling(args)
     if args.prompt is not None:
         conversation(args.prompt)  # refuse an empty prompt before loading anything
-    lm = load(args)
+    # A one-shot reply uses a compiled step already built; a terminal chat builds it.
+    lm = load(args, "load" if args.prompt is not None else "background")
     drafter = load_drafter(lm, args.accel)
     if drafter.notice:  # e.g. it does not pay in this dtype here: plain decoding
         print(f"quickdraft: {drafter.notice}", file=sys.stderr)

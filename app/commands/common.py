@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import QUANT_CHOICES, ModelSpec
+from engine.config import QUANT_CHOICES, STEP_CHOICES, ModelSpec
 from engine.errors import QuickdraftError
 
 
@@ -20,6 +20,10 @@ def add_model_args(parser: argparse.ArgumentParser, start: bool = False) -> None
     parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
                         help="weights: auto picks per device (default: auto)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--step", default="auto", choices=STEP_CHOICES,
+                        help="how decode steps run: auto (the lean step, compiled, where the "
+                             "model's family allows), eager (the lean step, never compiled), "
+                             "transformers (the model's own forward)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow code shipped with the --model to run, for that model only "
                              "(off by default; the page cannot switch it on)")
@@ -39,17 +43,25 @@ def model_spec(args: argparse.Namespace) -> ModelSpec | None:
     """The model the flags name; None when --model was left to its default of None."""
     if args.model is None:
         return None
-    return ModelSpec(source=gguf_source(args.model, args.gguf_file),
-                     quant=args.quant, device=args.device, trust_remote_code=args.trust_remote_code)
+    return ModelSpec(source=gguf_source(args.model, args.gguf_file), quant=args.quant,
+                     device=args.device, trust_remote_code=args.trust_remote_code,
+                     step=args.step)
 
 
-def load(args: argparse.Namespace):
-    """Load the model the arguments name, telling the user on stderr."""
-    from engine.loading import load_model
+def load(args: argparse.Namespace, compiled: str = "load"):
+    """Load the model the arguments name, telling the user on stderr. `compiled`: what to do
+    about the compiled decode step (engine/lean/compiled.py) where none is built on this
+    machine yet: "load" only uses one already built, "background" builds it while
+    decoding eagerly, "wait" builds it first (timings then measure the compiled step)."""
+    from engine.loading import load_model, start_compiling
 
     spec = model_spec(args)
     print(f"Loading {spec.source} ({args.quant})...", file=sys.stderr, flush=True)
     lm = load_model(spec, lambda message: print(message, file=sys.stderr, flush=True))
-    print(f"Loaded {lm.model_id} as {lm.quant} on {lm.device} in {lm.load_seconds:.1f} s",
-          file=sys.stderr, flush=True)
+    if compiled == "wait" and spec.step == "auto":
+        print("Compiling the decode step for this model and machine (first time only)...",
+              file=sys.stderr, flush=True)
+    start_compiling(lm, build=compiled != "load", background=compiled == "background")
+    print(f"Loaded {lm.model_id} as {lm.quant} on {lm.device} in {lm.load_seconds:.1f} s; "
+          f"decode step: {lm.target.name}", file=sys.stderr, flush=True)
     return lm

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
     options = LaunchOptions(host=args.host, port=args.port, auth=parse_auth(auth),
                             open_browser=open_browser, model=model, api_key=api_key,
                             allowed_hosts=tuple(args.allowed_host),
-                            allowed_origins=tuple(args.allowed_origin), limits=limits)
+                            allowed_origins=tuple(args.allowed_origin), limits=limits,
+                            step=args.step)
     launch(options, block=True)
     return 0

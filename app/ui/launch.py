@@ -34,6 +34,7 @@ class LaunchOptions:
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback and `host`
     allowed_origins: tuple[str, ...] = ()  # web origins allowed to call (plus QUICKDRAFT_ORIGINS)
     limits: Limits = Limits()  # body cap, timeouts, login lockout
+    step: str = "auto"  # how decode steps run for every model loaded (engine/config.py)
 
 
 def is_loopback(host: str) -> bool:
@@ -113,7 +114,7 @@ def launch(options: LaunchOptions, block: bool = True):
     from app.ui.layout import build_app
 
     log.info("loading the model…")
-    service = Service.open(Store(), options.model)
+    service = Service.open(Store(), options.model, options.step)
     lm = service.host.lm
     log.info("model ready: %s (%s on %s)", lm.model_id, lm.quant, lm.device)
     demo = build_app(service)

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import kv_cache
 from engine.config import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,7 +26,7 @@ class DecodeState:
 
     lm: LoadedModel
     params: SamplingParams
-    cache: object  # transformers DynamicCache holding the committed tokens
+    cache: object  # the target's cache holding the committed tokens (engine/target.py)
     ids: list[int]  # prompt + generated tokens; ids[-1] is pending (chosen, not yet cached)
     prompt_len: int
     generator: torch.Generator
@@ -36,6 +35,11 @@ class DecodeState:
     @property
     def model(self):
         return self.lm.model
+
+    @property
+    def target(self):
+        """How steps run the model (engine/target.py)."""
+        return self.lm.target
 
     @property
     def device(self) -> torch.device:
@@ -113,7 +117,7 @@ class Drafter:
 
     def commit(self, state: DecodeState, draft: Draft, path: list[int]) -> None:
         """Keep the cache entries of the root and the accepted nodes."""
-        kv_cache.keep_path(state.cache, state.cached, [0, *path])
+        state.target.keep_path(state.cache, state.cached, [0, *path])
 
     def observe(self, state: DecodeState, layers: tuple[torch.Tensor, ...] | None,
                 path: list[int]) -> None:
@@ -148,37 +152,18 @@ def forward_layers(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """One target-model forward over all draft nodes, appended to the cache: (n, V) logits
     and, if wanted, every layer's (1, n, H) states (embeddings first, final normed last).
-
-    Trees use a 4-D additive mask (each node sees the cache and its ancestors) and explicit
-    position ids (cache length + depth); chains need neither.
-    """
-    model = state.model
-    device = state.device
-    n = draft.size
-    ids = torch.tensor([draft.tokens], device=device)
-    kwargs = {}
-    if draft.tree_mask is not None:
-        past = state.cached
-        positions = torch.tensor([draft.depths], device=device) + past
-        mask = kv_cache.tree_attention_mask(
-            state.cache, past, draft.tree_mask, draft.depths,
-            getattr(model.config, "layer_types", None), state.dtype, device)
-        kwargs = {"position_ids": positions, "attention_mask": mask}
-    out = model(
-        input_ids=ids,
-        cache=state.cache,
-        use_cache=True,
-        logits_to_keep=n,
-        output_hidden_states=want_hidden,
-        **kwargs,
-    )
-    return out.logits[0], out.hidden_states if want_hidden else None
+    A tree is verified in one pass (each node sees the cache and its ancestors)."""
+    tree = draft.tree_mask is not None
+    out = state.target.forward(state.cache, draft.tokens, state.cached,
+                               draft.depths if tree else None, draft.tree_mask,
+                               states=want_hidden)
+    return out.logits, out.states
 
 
-def start_drafter(drafter: Drafter, state: DecodeState, out) -> None:
-    """Hand the drafter the prefill's output `out` (a model output computed with
-    output_hidden_states=drafter.wants_hidden) once `state` holds the pending token."""
-    hidden = out.hidden_states if drafter.wants_hidden else None
-    if hidden is not None:
-        state.hidden = hidden[-1][0, -1]
-    drafter.start(state, hidden)
+def start_drafter(drafter: Drafter, state: DecodeState,
+                  states: tuple[torch.Tensor, ...] | None) -> None:
+    """Hand the drafter the prefill's every-layer `states` (computed when
+    drafter.wants_hidden, else None) once `state` holds the pending token."""
+    if states is not None:
+        state.hidden = states[-1][0, -1]
+    drafter.start(state, states)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kv_cache
 from engine.drafters.base import Draft, Drafter, forward_layers
 
 
@@ -95,7 +94,7 @@ class Composite(Drafter):
         if own is not None:
             own.commit(state, draft, path)
         else:
-            kv_cache.keep_path(state.cache, state.cached, [0, *path])
+            state.target.keep_path(state.cache, state.cached, [0, *path])
         for source in self.sources.values():
             if source is not own:
                 source.observe(state, self._layers, path)

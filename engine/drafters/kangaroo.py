@@ -19,8 +19,8 @@ import torch
 from transformers import DynamicCache
 
 from engine import kv_cache
+from engine import split as layers
 from engine.accelerators import check_format
-from engine.drafters import kangaroo_layers as layers
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
 from engine.drafters.payoff import (
@@ -236,7 +236,7 @@ class KangarooDrafter(Drafter):
         if layers is None or self.off:
             return
         self.absorb(layers[self.settings.exit_layer][:, [0, *path]])
-        kv_cache.rollback(state.cache, 0)  # trims sliding-window layers
+        state.target.rollback(state.cache, 0)  # trims sliding-window layers
 
     def guesses(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The adapter's drafts over (n, H) adapter states: (n, Vd) float32 logits, the (n,)
@@ -257,9 +257,9 @@ class KangarooDrafter(Drafter):
         the accepted ones at its next round (they join the lag)."""
         if self.off:
             return Draft.chain(state.ids[-1], tokens)
-        model, run = self.lm.model, self.run
-        h = layers.embed(model, [state.ids[-1], *tokens], state.cached)
-        run.drafted = layers.run_layers(model, h, range(self.settings.exit_layer), state.cache,
+        target, run = state.target, self.run
+        h = target.embed([state.ids[-1], *tokens], state.cached)
+        run.drafted = target.run_layers(h, range(self.settings.exit_layer), state.cache,
                                         state.cached)
         run.external = True
         return Draft.chain(state.ids[-1], tokens)
@@ -276,10 +276,10 @@ class KangarooDrafter(Drafter):
         if run.drafted.shape[1] == k:
             last = self._shallow(state, draft.tokens[-1], start + k)
             run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
+        target = state.target
         deep = range(self.settings.exit_layer, layers.num_layers(model))
-        h = layers.run_layers(model, run.scored, deep, state.cache, start)
-        h = layers.parts(model).norm(h)
-        return layers.logits(model, h)[0], h[0]
+        h = target.norm(target.run_layers(run.scored, deep, state.cache, start))
+        return target.logits(h)[0], h[0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
@@ -287,7 +287,7 @@ class KangarooDrafter(Drafter):
             return super().commit(state, draft, path)
         run = self.run
         k, a = draft.size - 1, len(path)
-        kv_cache.rollback(state.cache, k - a)  # every layer held start + k + 1 positions
+        state.target.rollback(state.cache, k - a)  # every layer held start + k + 1
         if run.external:  # the adapter has read none of this round's states
             self.absorb(run.scored[:, :a + 1])
         elif a < k:
@@ -301,9 +301,9 @@ class KangarooDrafter(Drafter):
 
     def _shallow(self, state, token: int, position: int) -> torch.Tensor:
         """(1, 1, H): `token` at `position` through the first l layers (cached)."""
-        model = self.lm.model
-        h = layers.embed(model, [token], position)
-        return layers.run_layers(model, h, range(self.settings.exit_layer), state.cache, position)
+        h = state.target.embed([token], position)
+        return state.target.run_layers(h, range(self.settings.exit_layer), state.cache,
+                                       position)
 
     def _adapt(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Adapter over x (1, n, H) at positions start..; returns its (n, H) states."""

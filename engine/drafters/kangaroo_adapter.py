@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from engine.drafters import kangaroo_layers as layers
+from engine import split as layers
 
 
 def source_index(model, source: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kv_cache, timing
+from engine import timing
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, start_drafter
 from engine.sampling import make_generator
@@ -66,15 +66,14 @@ def round_seconds(lm, drafter: Drafter, ids: list[int] | None = None,
         ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, 193)]
     n = max(2, min(len(ids), lm.context_len - 16 - repeats))  # drafts stay inside the window
     ids = list(ids[-n:])
-    cache = kv_cache.new_cache(lm.model)
+    cache = lm.target.new_cache()
     times = []
     with torch.inference_mode():
-        out = lm.model(input_ids=torch.tensor([ids[:-1]], device=lm.device), cache=cache,
-                       use_cache=True, output_hidden_states=drafter.wants_hidden,
-                       logits_to_keep=1)
+        out = lm.target.forward(cache, ids[:-1], 0, states=drafter.wants_hidden,
+                                last_only=True)
         state = DecodeState(lm, SamplingParams(), cache, list(ids), n - 1,
                             make_generator(0, lm.device))
-        start_drafter(drafter, state, out)
+        start_drafter(drafter, state, out.states)
         for _ in range(repeats + 1):  # the first round warms up
             times.append(timing.seconds(lm.device, _round, drafter, state))
     return statistics.median(times[1:])

@@ -28,8 +28,8 @@ import torch
 from transformers import DynamicCache
 
 from engine import kv_cache, timing
+from engine import split as layers
 from engine.config import SamplingParams
-from engine.drafters import kangaroo_layers as layers
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import adapt, sequence_states
 from engine.generate import run

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.drafters import kangaroo_layers as layers
+from engine import split as layers
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head, sequence_states
 from engine.errors import QuickdraftError

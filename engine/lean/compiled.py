@@ -1,0 +1,160 @@
+"""Compiled layer calls at fixed step sizes, ahead of time: the pure layer function is
+exported once per size (torch.export, the attended window and the cache's capacity left
+symbolic) and compiled by AOTInductor into a package of C++ kernels and a C++ wrapper. A call
+then goes straight into C++ with the layer's tensors: no Python per operation and no guard
+checks, which on a small model cost more than the arithmetic.
+
+Packages are kept in the user cache folder under a key of everything they were built for
+(the model's layer shapes and dtypes, torch, the CPU), so only the first start on a machine
+pays for compiling; a later start loads them in milliseconds. Until a size is ready (or
+where compiling fails: no C++ compiler, an unsupported operation) the eager layer serves,
+and the state says so in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+from engine.lean.layer import LayerWeights
+from engine.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+SIZES = (1, 2, 4, 8, 16)  # tokens per compiled step; a draft is padded to the next one
+LAYOUT = 1  # bumped when the layer function changes: packages of another layout are rebuilt
+
+
+def size_for(n: int) -> int | None:
+    """The compiled size a step of n tokens is padded to (None: larger than any)."""
+    return next((s for s in SIZES if s >= n), None)
+
+
+class Steps:
+    """The layer call for each step size: a loaded package where ready, else the eager
+    function. `call(size)` returns call(i, x, cos, sin, mask, keys, values, slots) running
+    layer i (its weights are the ones given here)."""
+
+    def __init__(self, layer: Callable, weights: list[LayerWeights]):
+        self.layer, self.weights = layer, weights
+        # Each layer's tensors flattened once, in the order the packages take them (the
+        # absent ones, None in every layer alike, are left out).
+        leaves, self.structure = pytree.tree_flatten(weights[0])
+        self.present = [i for i, t in enumerate(leaves) if t is not None]
+        self.flat = [[pytree.tree_flatten(w)[0][i] for i in self.present] for w in weights]
+        self.ready: dict[int, Callable] = {}  # size -> loaded package
+        self.failed = ""  # why compiling failed, once it has
+        self.compiling = False
+        self.seconds: float | None = None  # how long loading or compiling every size took
+
+    def state(self) -> str:
+        """Which step runs: what the Models tab and a reply's stats show."""
+        if len(self.ready) == len(SIZES):
+            return "lean-compiled"
+        if self.failed:
+            return "lean-eager (compiling failed)"
+        return "lean-compiling" if self.compiling else "lean-eager"
+
+    def for_size(self, n: int, start: int) -> tuple[Callable, int]:
+        """(layer call, padded size) for a step of n tokens after `start` cached slots."""
+        size = size_for(n)
+        runner = self.ready.get(size) if size is not None else None
+        # The packages were exported for windows of two slots or more.
+        if runner is None or start + size < 2:
+            return self._eager, n
+        # Straight into the package's C++ runner with a flat list of tensors (its Python
+        # wrapper would flatten and check the arguments' structure on every call).
+        run = runner.loader.boxed_run
+        return (lambda i, *args: run([*args, *self.flat[i]])[0]), size
+
+    def _eager(self, i: int, *args) -> torch.Tensor:
+        x, cos, sin, mask, keys, values, slots = args
+        return self.layer(x, self.weights[i], cos, sin, mask, keys, values, slots)
+
+    def compile(self, example: Callable[[int], tuple], key: str, build: bool = True,
+                background: bool = True, on_ready: Callable[[], None] | None = None) -> None:
+        """Load the package of every size (`key` names what they are built for), building
+        the missing ones when `build` (`example(size)`: the layer's arguments for a step of
+        that size, weights excluded). Packages already built load at once; building runs
+        in the background unless asked otherwise, and `on_ready` is called once every size
+        is ready."""
+        if self.compiling or self.ready or self.failed:
+            return
+        folder = cache_dir() / "compiled" / _digest(key)
+        if all(_path(folder, size).is_file() for size in SIZES):
+            self._build_all(example, folder)  # loading only: milliseconds
+            return
+        if not build:
+            return
+        self.compiling = True
+        work = lambda: self._build_all(example, folder, on_ready)  # noqa: E731
+        if background:
+            threading.Thread(target=work, daemon=True, name="quickdraft-compile").start()
+        else:
+            work()
+
+    def _build_all(self, example: Callable[[int], tuple], folder: Path,
+                   on_ready: Callable[[], None] | None = None) -> None:
+        begin = time.perf_counter()
+        try:
+            ready = {size: self._package(_path(folder, size), example, size) for size in SIZES}
+            self.ready = ready  # all sizes at once: a step never mixes compiled and eager
+            self.seconds = time.perf_counter() - begin
+            log.info("compiled decode steps ready in %.1f s", self.seconds)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the eager layer serving
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self.failed = f"{type(exc).__name__}: {first}"[:300]
+            log.warning("compiling the decode step failed, decoding eagerly: %s", self.failed)
+        finally:
+            self.compiling = False
+        if self.ready and on_ready is not None:
+            on_ready()
+
+    def _package(self, path: Path, example: Callable[[int], tuple], size: int) -> Callable:
+        """The loaded package for steps of `size` tokens: from `path`, or built there."""
+        if not path.is_file():
+            self._build(example(size), path)
+        return torch._inductor.aoti_load_package(str(path))
+
+    def _build(self, args: tuple, path: Path) -> None:
+        """Export the layer over `args` (window and capacity symbolic) and compile it."""
+        from torch.export import Dim
+
+        layer, structure, present = self.layer, self.structure, self.present
+
+        class Layer(torch.nn.Module):
+            def forward(self, x, cos, sin, mask, keys, values, slots, *flat):
+                leaves = [None] * structure.num_leaves
+                for i, tensor in zip(present, flat, strict=True):
+                    leaves[i] = tensor
+                weights = pytree.tree_unflatten(leaves, structure)
+                return layer(x, weights, cos, sin, mask, keys, values, slots)
+
+        window, capacity = Dim("window", min=2), Dim("capacity", min=2)
+        shapes = (None, None, None, {1: window}, {1: capacity}, {1: capacity}, None,
+                  tuple(None for _ in self.flat[0]))
+        with torch.inference_mode():
+            program = torch.export.export(Layer(), (*args, *self.flat[0]),
+                                          dynamic_shapes=shapes, strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.stem}.partial.pt2")
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+        partial.replace(path)  # a package appears whole or not at all
+
+
+def _path(folder: Path, size: int) -> Path:
+    return folder / f"layer-{size}.pt2"
+
+
+def _digest(key: str) -> str:
+    """The folder name for packages built for `key` (with this layout and torch)."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    full = f"{key}|layout {LAYOUT}|torch {torch.__version__}|{cpu}"
+    return hashlib.sha256(full.encode()).hexdigest()[:16]

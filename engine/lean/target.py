@@ -1,0 +1,185 @@
+"""The lean step as the decode loop's target (engine/target.py): the Llama family run from
+its own layer function (engine/lean/layer.py) over a preallocated cache, one layer call per
+decoder layer, eager or compiled per step size (engine/lean/compiled.py).
+
+A step of n tokens writes cache slots start..start+n-1 in node order, at positions
+start + depth (a tree) or start + i (a chain); each query sees the slots before `start`
+and, among this step's, its ancestors (a tree) or those before it (a chain). Sliding-window
+layers see only positions within their window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.lean import compiled as compiling
+from engine.lean.cache import LeanCache
+from engine.lean.layer import make_layer
+from engine.lean.rope import RopeTable
+from engine.lean.spec import LeanSpec, spec_for
+from engine.lean.weights import layer_weights
+from engine.target import Forward, Target
+
+PREFILL_CHUNK = 512  # prompt tokens per pass: bounds the (heads, n, positions) scores
+
+
+class LeanTarget(Target):
+    """See the module doc. Built from a loaded transformers model, sharing its weights."""
+
+    def __init__(self, model, spec: LeanSpec, act_dtype: torch.dtype):
+        base = model.model
+        self.model, self.spec = model, spec
+        self.device = next(model.parameters()).device
+        self.act_dtype = act_dtype  # the residual stream's dtype (bf16 under low-bit)
+        # Attention reads the cache in fp32 on a CPU: bf16 arithmetic is emulated on many
+        # CPUs, and the cache is small next to the weights there.
+        self.cache_dtype = torch.float32 if self.device.type == "cpu" else act_dtype
+        self.weights = [layer_weights(spec, block) for block in base.layers]
+        self.embedding, self.final_norm = base.embed_tokens, base.norm
+        self.head = model.get_output_embeddings()
+        self.rope = RopeTable(base.rotary_emb, act_dtype, self.device, spec.context)
+        self.layer = make_layer(spec)
+        self.steps = compiling.Steps(self.layer, self.weights)  # layer calls per step size
+
+    @property
+    def name(self) -> str:
+        return self.steps.state()
+
+    def new_cache(self) -> LeanCache:
+        s = self.spec
+        return LeanCache(s.layers, s.kv_heads, s.head_dim, self.cache_dtype, self.device,
+                         s.context)
+
+    def forward(self, cache, tokens, start, depths=None, tree_mask=None, states=False,
+                last_only=False) -> Forward:
+        if len(tokens) > PREFILL_CHUNK:  # a long prompt (no tree): in chunks
+            return self._chunked(cache, tokens, start, states, last_only)
+        h = self.embed(tokens, start)
+        hidden = self._layers(h[0], range(self.spec.layers), cache, start, depths, tree_mask,
+                              keep=states)
+        x = hidden[-1]
+        x = self.final_norm(x[-1:] if last_only else x)
+        logits = self.logits(x)
+        if not states:
+            return Forward(logits)
+        return Forward(logits, (*[s[None] for s in hidden[:-1]], self.final_norm(hidden[-1])[None]))
+
+    def _chunked(self, cache, tokens, start, states, last_only) -> Forward:
+        parts = [self.forward(cache, tokens[i:i + PREFILL_CHUNK], start + i, states=states,
+                              last_only=last_only)
+                 for i in range(0, len(tokens), PREFILL_CHUNK)]
+        logits = parts[-1].logits if last_only else torch.cat([p.logits for p in parts])
+        if not states:
+            return Forward(logits)
+        layers = zip(*[p.states for p in parts], strict=True)
+        return Forward(logits, tuple(torch.cat(layer, dim=1) for layer in layers))
+
+    def compile(self, build: bool = True, background: bool = True,
+                on_ready: Callable[[], None] | None = None) -> None:
+        """Load or build the compiled layer at every step size (engine/lean/compiled.py),
+        exported on this model's first layer and a scratch cache."""
+        def example(size: int) -> tuple:
+            # Ordinary tensors, not inference ones: compiling runs the graph outside
+            # inference_mode (the cache is written in place).
+            s, kv, d = self.spec, self.spec.kv_heads, self.spec.head_dim
+            start = 2 * size  # a window longer than one step: its size stays symbolic
+            keys, values = (torch.zeros(kv, 4 * size, d, dtype=self.cache_dtype,
+                                        device=self.device) for _ in range(2))
+            x = torch.zeros(size, s.hidden, dtype=self.act_dtype, device=self.device)
+            slots = torch.arange(start, start + size, device=self.device)
+            cos, sin = (t.clone() for t in self.rope.rows(slots, start + size - 1))
+            mask = step_mask(start, list(range(size)), None, size, None, self.device)
+            return x, cos, sin, mask, keys, values, slots
+        self.steps.compile(example, self._signature(), build, background, on_ready)
+
+    def _signature(self) -> str:
+        """Everything a compiled layer depends on besides torch and the CPU."""
+        shapes = [(tuple(t.shape), str(t.dtype)) for t in self.steps.flat[0]]
+        return (f"{self.spec}|{shapes}|{self.act_dtype}|{self.cache_dtype}|"
+                f"{self.device.type}")
+
+    def keep_path(self, cache, start, keep, layers=None) -> None:
+        cache.keep_path(start, keep, layers)
+
+    def rollback(self, cache, n: int) -> None:
+        """Nothing to do: the next step's `start` leaves the last n slots uncounted."""
+
+    def embed(self, tokens, start) -> torch.Tensor:
+        ids = torch.tensor([list(tokens)], device=self.device)
+        return self.embedding(ids).to(self.act_dtype)
+
+    def run_layers(self, h, layers, cache, start) -> torch.Tensor:
+        return self._layers(h[0], layers, cache, start, None, None, keep=False)[-1][None]
+
+    def norm(self, h) -> torch.Tensor:
+        return self.final_norm(h)
+
+    def logits(self, h, weight=None) -> torch.Tensor:
+        out = self.head(h) if weight is None else torch.nn.functional.linear(h, weight)
+        cap = self.spec.final_softcap
+        return out if not cap else torch.tanh(out / cap) * cap
+
+    def _layers(self, x: torch.Tensor, layers: range, cache: LeanCache, start: int,
+                depths: Sequence[int] | None, tree_mask: torch.Tensor | None,
+                keep: bool) -> list[torch.Tensor]:
+        """Run `layers` over x (n, H) at slots start..; the states after each layer (only
+        the last unless `keep`; the input first when `keep`)."""
+        with torch.inference_mode():  # the cache is written in place (inference tensors)
+            return self._run(x, layers, cache, start, depths, tree_mask, keep)
+
+    def _run(self, x, layers, cache, start, depths, tree_mask, keep) -> list[torch.Tensor]:
+        n = x.shape[0]
+        call, size = self.steps.for_size(n, start)
+        depths = list(range(n)) if depths is None else list(depths)
+        cache.reserve(start + size)
+        positions = torch.tensor(depths + [depths[-1]] * (size - n), device=self.device) + start
+        slots = torch.arange(start, start + size, device=self.device)
+        cos, sin = self.rope.rows(positions, start + max(depths))
+        masks = {w: step_mask(start, depths, tree_mask, size, w, self.device)
+                 for w in {self.spec.windows[i] for i in layers}}
+        if size > n:
+            x = torch.cat([x, x[-1:].expand(size - n, -1)])
+        kept = [x[:n]] if keep else []
+        for i in layers:
+            x = call(i, x, cos, sin, masks[self.spec.windows[i]], cache.keys[i],
+                     cache.values[i], slots)
+            if keep:
+                kept.append(x[:n])
+        return kept if keep else [x[:n]]
+
+
+def step_mask(start: int, depths: list[int], tree_mask: torch.Tensor | None, size: int,
+              window: int | None, device: torch.device) -> torch.Tensor:
+    """(size, start + size) additive float mask for n = len(depths) real queries (rows past
+    n pad the step to `size`: they see slot 0 only, and no real query sees them).
+
+    A query sees the slots before `start` and its ancestors among this step's (tree_mask
+    (n, n) bool, or causal for a chain); within `window` positions where one is set."""
+    n = len(depths)
+    allowed = torch.zeros(size, start + size, dtype=torch.bool, device=device)
+    allowed[:n, :start] = True
+    own = (torch.ones(n, n, dtype=torch.bool, device=device).tril() if tree_mask is None
+           else tree_mask.to(device))
+    allowed[:n, start:start + n] = own
+    if window is not None:
+        at = torch.tensor(depths, device=device) + start  # query positions
+        keys = torch.cat([torch.arange(start, device=device), at,
+                          torch.full((size - n,), -1, device=device)])
+        allowed[:n] &= keys[None, :] > at[:, None] - window
+    allowed[n:, 0] = True
+    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+
+
+def build(model, act_dtype: torch.dtype) -> LeanTarget | None:
+    """The lean target for `model`, or None where the family is not covered (or its
+    layers are not the plain linear and norm modules the lean step reads)."""
+    spec = spec_for(model)
+    if spec is None:
+        return None
+    try:
+        return LeanTarget(model, spec, act_dtype)
+    except (AttributeError, TypeError):
+        return None

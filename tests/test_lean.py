@@ -1,0 +1,149 @@
+"""The lean decode step (engine/lean/) against transformers' own forward: every covered
+family decodes the same tokens and states in fp32, long prompts and long replies included;
+the compiled step equals the eager one, is kept on disk and loaded on the next start, and a
+failure to compile leaves the eager step decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.config import ModelSpec, SamplingParams
+from engine.drafters.lookup import LookupDrafter
+from engine.generate import run
+from engine.lean import compiled
+from engine.lean.target import LeanTarget
+from engine.loading import make_target, wrap_model
+from engine.target import TransformersTarget
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 100
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024)
+FAMILIES = {
+    "llama": ("llama", BASE),
+    "mistral-sliding": ("mistral", {**BASE, "sliding_window": 8}),
+    "qwen2-bias": ("qwen2", {**BASE, "tie_word_embeddings": False}),
+    "qwen3-qknorm": ("qwen3", {**BASE, "head_dim": 16}),
+    "phi3-fused": ("phi3", {**BASE, "pad_token_id": 0}),
+    "gemma2-softcap": ("gemma2", {**BASE, "sliding_window": 8, "head_dim": 16,
+                                  "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0,
+                                  "attn_logit_softcapping": 50.0}),
+    "olmo2-postnorm": ("olmo2", BASE),
+}
+
+
+def family_lm(name: str, tokenizer, step: str = "auto"):
+    model_type, extra = FAMILIES[name]
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, initializer_range=0.2, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    lm = wrap_model(model, tokenizer, ModelSpec(source=name, step=step), name, "fp32")
+    return dataclasses.replace(lm, eos_ids=())
+
+
+def as_transformers(lm):
+    return dataclasses.replace(lm, target=make_target(lm.model, "transformers", torch.float32))
+
+
+def prompt(n: int, seed: int = 3) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(3, VOCAB, (n,), generator=gen)]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_decodes_as_transformers_does(name, bundled_tokenizer):
+    lm = family_lm(name, bundled_tokenizer)
+    assert isinstance(lm.target, LeanTarget)
+    ref = as_transformers(lm)
+    params = SamplingParams(max_new_tokens=40)
+    ids = prompt(20)
+    assert run(lm, ids, params)[1] == run(ref, ids, params)[1]
+    # every layer's states over a prompt, as the drafters read them
+    with torch.inference_mode():
+        lean = lm.target.forward(lm.target.new_cache(), ids, 0, states=True)
+        want = ref.target.forward(ref.target.new_cache(), ids, 0, states=True)
+    assert len(lean.states) == len(want.states)
+    for a, b in zip(lean.states, want.states, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lean.logits, want.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_outside_the_families_keeps_transformers(bundled_tokenizer):
+    config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4)
+    model = AutoModelForCausalLM.from_config(config)
+    lm = wrap_model(model, bundled_tokenizer, ModelSpec(source="gpt2"), "gpt2", "fp32")
+    assert isinstance(lm.target, TransformersTarget)
+    llama = family_lm("llama", bundled_tokenizer, step="transformers")
+    assert isinstance(llama.target, TransformersTarget)  # asked for
+
+
+def test_long_prompts_and_replies_past_the_first_allocation(bundled_tokenizer):
+    """A prompt longer than one prefill chunk, and a reply that outgrows the cache's first
+    allocation (it doubles), decode as transformers does."""
+    lm = family_lm("qwen2-bias", bundled_tokenizer)
+    ref = as_transformers(lm)
+    ids = prompt(600, seed=5)  # > PREFILL_CHUNK (512)
+    params = SamplingParams(max_new_tokens=20)
+    assert run(lm, ids, params)[1] == run(ref, ids, params)[1]
+    short = prompt(10)
+    params = SamplingParams(max_new_tokens=560)  # past 512 slots
+    assert run(lm, short, params)[1] == run(ref, short, params)[1]
+
+
+@pytest.fixture
+def small_sizes(monkeypatch, tmp_path):
+    """Two compiled sizes instead of five (compiling is slow), and their packages in the
+    test's cache folder."""
+    monkeypatch.setattr(compiled, "SIZES", (1, 4))
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_compiled_step_equals_the_eager_one_and_is_kept(bundled_tokenizer, small_sizes,
+                                                            monkeypatch):
+    lm = family_lm("llama", bundled_tokenizer)
+    eager = family_lm("llama", bundled_tokenizer, step="eager")
+    ids = prompt(9, seed=7) * 3  # repeats: lookup drafts, steps of 2..4 tokens are padded
+    params = SamplingParams(max_new_tokens=30)
+    want = run(eager, ids, params, LookupDrafter())[1]
+    lm.target.compile(background=False)
+    assert lm.target.name == "lean-compiled", lm.target.steps.failed
+    _text, got, stats = run(lm, ids, params, LookupDrafter())
+    assert got == want and stats.step == "lean-compiled"
+    assert sum(stats.drafted) > 0
+    assert list(small_sizes.rglob("layer-*.pt2"))
+    # the next start loads what was built: nothing is compiled again
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiling)
+    again = family_lm("llama", bundled_tokenizer)
+    again.target.compile(build=False, background=False)
+    assert again.target.name == "lean-compiled"
+    assert run(again, ids, params, LookupDrafter())[1] == want
+
+
+def _no_compiling(*_args, **_kwargs):
+    raise RuntimeError("no C++ compiler found")
+
+
+def test_a_failure_to_compile_leaves_the_eager_step(bundled_tokenizer, small_sizes, monkeypatch,
+                                                    caplog):
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiling)
+    lm = family_lm("llama", bundled_tokenizer)
+    want = run(family_lm("llama", bundled_tokenizer, step="eager"), prompt(8),
+               SamplingParams(max_new_tokens=12))[1]
+    lm.target.compile(background=False)
+    assert lm.target.name == "lean-eager (compiling failed)"
+    assert "no C++ compiler found" in caplog.text
+    _text, got, stats = run(lm, prompt(8), SamplingParams(max_new_tokens=12))
+    assert got == want and stats.step == "lean-eager (compiling failed)"
+
+
+def test_building_waits_for_an_explicit_ask(bundled_tokenizer, small_sizes):
+    """A one-shot command only loads packages already built: it never starts compiling."""
+    lm = family_lm("llama", bundled_tokenizer)
+    lm.target.compile(build=False, background=False)
+    assert lm.target.name == "lean-eager" and not list(small_sizes.rglob("*.pt2"))
