@@ -26,6 +26,9 @@ class ModelSpec:
     trust_remote_code: bool = False  # run code shipped with a hub model (off: secure default)
     revision: str | None = None  # hub branch, tag or commit; None = the default branch
     step: str = "auto"  # one of STEP_CHOICES: how decode steps run (engine/target.py)
+    # int4/int8w on a CPU: also keep bf16 copies of the weights for steps of many tokens,
+    # where this CPU runs them faster (about 2.6 bytes per parameter in all for int4)
+    wide_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_CHOICES:

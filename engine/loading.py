@@ -3,6 +3,7 @@ describe it."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 import time
@@ -68,11 +69,22 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     if spec.quant == "auto" and device.type == "cpu" and quant == "bf16":
         quant, reason = _auto_low_bit(model, tokenizer, spec, model_id, weights_print, report)
     if quant in LOW_BIT:
-        quantize_model(model, quant)
+        quantize_model(model, quant, wide_rows=None if spec.wide_copies else 0)
     lm = wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start,
                     weights_print)
     lm.quant_reason = reason
+    release_freed_memory()
     return lm
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed while loading (the full-precision weights a low-bit model was made
+    from) back to the system: glibc keeps freed heap pages, so the process would go on
+    holding them. Elsewhere nothing to do."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: float):
@@ -82,6 +94,7 @@ def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: fl
     lm = wrap_model(loaded.model, tokenizer, spec, model_id, loaded.quant,
                     time.perf_counter() - start, loaded.fingerprint)
     lm.quant_reason = loaded.reason
+    release_freed_memory()
     return lm
 
 

@@ -129,8 +129,6 @@ def load(folder: Path, asked: str, device: torch.device) -> Loaded:
             if quant.fits(linear, "int8w", device):
                 _place(model, name, quant.LowBitLinear.from_linear(linear, "int8w", device))
     model.to(device)
-    if asked in KEEP:
-        quant.set_wide_rows(model, quant.measured_wide_rows(model))
     return Loaded(model.eval().requires_grad_(False), _label(model, layers, asked),
                   manifest["fingerprint"], _reason(layers, asked))
 
@@ -174,10 +172,12 @@ def _load_rest(model: nn.Module, state: dict, layers: dict, head: str | None) ->
     `head`: the tied head's module name (None: untied)."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     if head in layers:
-        module = model.get_submodule(head)
-        table = module.weight if isinstance(module, nn.Linear) else module.wide
-        model.get_input_embeddings().weight = nn.Parameter(table, requires_grad=False)
-        missing = [k for k in missing if k != _embedding_key(model)]
+        module, key = model.get_submodule(head), _embedding_key(model)
+        if isinstance(module, nn.Linear):
+            model.get_input_embeddings().weight = module.weight
+        else:
+            quant.tie_embedding(model)
+        missing = [k for k in missing if k != key]
     elif head is not None:
         model.get_submodule(head).weight = model.get_input_embeddings().weight
         missing = [k for k in missing if k != f"{head}.weight"]

@@ -114,7 +114,8 @@ class LowBitLinear(nn.Module):
     Built from canonical codes (`Codes`, also what a converted GGUF folder stores), packed
     here for the device's kernel."""
 
-    def __init__(self, codes: Codes, bias: torch.Tensor | None, device: torch.device):
+    def __init__(self, codes: Codes, bias: torch.Tensor | None, device: torch.device,
+                 wide: bool = False):
         super().__init__()
         self.kind = codes.kind
         self.out_features, self.in_features = codes.shape
@@ -129,13 +130,15 @@ class LowBitLinear(nn.Module):
         else:
             self.register_buffer("packed", codes.values.to(device))
             self.register_buffer("scales", scale.to(device))
-        # (N, K) bf16 dequantized weights for wide steps; None: every step uses the kernel
-        self.wide: torch.Tensor | None = codes.kernel_dense().to(device)
+        # (N, K) bf16 dequantized weights for wide steps, kept only when asked (they cost
+        # more memory than the codes); None: every step uses the kernel
+        self.wide: torch.Tensor | None = codes.kernel_dense().to(device) if wide else None
         self.wide_rows = 0  # rows from which a step uses `wide` (0: never); see `crossover`
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kind: str, device: torch.device) -> LowBitLinear:
-        return cls(Codes.of(linear.weight, kind), linear.bias, device)
+    def from_linear(cls, linear: nn.Linear, kind: str, device: torch.device,
+                    wide: bool = False) -> LowBitLinear:
+        return cls(Codes.of(linear.weight, kind), linear.bias, device, wide)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -185,6 +188,8 @@ def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
     into it, so nothing is stored twice."""
     first = layers[0]
     if any(m.kind != first.kind or m.in_features != first.in_features for m in layers):
+        return None
+    if any(m.wide is not None for m in layers):  # bf16 copies kept: they stay per layer
         return None
     if any((m.bias is None) != (first.bias is None) for m in layers):
         return None
@@ -249,10 +254,11 @@ def _as_linear(module: nn.Module) -> nn.Linear | None:
     return None
 
 
-def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = 0) -> nn.Module:
     """Replace every linear layer of a loaded causal LM (the LM head included) by a
-    LowBitLinear in place; the rest goes to bf16. `wide_rows`: rows from which steps use the
-    bf16 copies (None: measured here, see `crossover`; 0: never, and no copies are kept)."""
+    LowBitLinear in place; the rest goes to bf16. `wide_rows`: 0 (the default) keeps the
+    codes alone and runs every step on the kernels; n keeps bf16 copies of the weights and
+    runs steps of n rows or more on them; None measures that n here (`crossover`)."""
     if kind not in LOW_BIT:
         raise ModelLoadError(f"unknown low-bit choice {kind!r}: choose one of {LOW_BIT}")
     device = next(model.parameters()).device
@@ -269,13 +275,43 @@ def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = None) ->
     for name, linear, layer_kind in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child,
-                LowBitLinear.from_linear(linear, layer_kind, device))
-    head = model.get_output_embeddings()
-    if tied and isinstance(head, LowBitLinear):
-        # The lookup table becomes the head's dequantized copy: one table, as in GGUF files.
-        embedding.weight = nn.Parameter(head.wide, requires_grad=False)
+                LowBitLinear.from_linear(linear, layer_kind, device, wide_rows != 0))
+    if tied:
+        tie_embedding(model)
     set_wide_rows(model, measured_wide_rows(model) if wide_rows is None else wide_rows)
     return model
+
+
+def tie_embedding(model: nn.Module) -> None:
+    """A tied table whose head went low-bit: the embedding looks its rows up in the head's
+    codes (one table, as in GGUF files, and no bf16 copy of it)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if not isinstance(head, LowBitLinear):
+        return
+    if head.kind == "int8w" and type(embedding) is nn.Embedding:
+        model.set_input_embeddings(CodedEmbedding(head))
+    else:  # a family's own embedding module (e.g. a scaled one): a dense table, once
+        embedding.weight = nn.Parameter(head.dequantized(), requires_grad=False)
+
+
+class CodedEmbedding(nn.Module):
+    """Token embeddings read from an 8-bit LM head's codes: row t is codes[t] * scale[t]
+    in bf16, the same values the head multiplies by, without a table of their own."""
+
+    def __init__(self, head: LowBitLinear):
+        super().__init__()
+        self.head = [head]  # a list: the head is the model's module, not a child of this one
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        rows = head.packed[ids].float() * head.scales[ids].float()[..., None]
+        return rows.to(torch.bfloat16)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole (V, H) table, made on demand (what code reading a table gets)."""
+        return self.forward(torch.arange(self.num_embeddings, device=self.head[0].packed.device))
 
 
 def low_bit_layers(model: nn.Module) -> list[LowBitLinear]:
@@ -283,12 +319,10 @@ def low_bit_layers(model: nn.Module) -> list[LowBitLinear]:
 
 
 def set_wide_rows(model: nn.Module, rows: int) -> None:
-    """Use the bf16 copies from `rows` rows on (0: never, and drop the copies that only
-    served wide steps; the tied head's copy stays: it is the embedding table)."""
-    keep = model.get_input_embeddings().weight.data_ptr()
+    """Use the bf16 copies from `rows` rows on (0: never, and drop them)."""
     for layer in low_bit_layers(model):
         layer.wide_rows = rows
-        if rows == 0 and layer.wide is not None and layer.wide.data_ptr() != keep:
+        if rows == 0:
             layer.wide = None
 
 

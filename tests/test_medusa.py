@@ -110,7 +110,7 @@ def test_untrained_heads_repeat_the_models_next_token_guess(tiny_lm):
     whatever the pending token."""
     heads = MedusaHeads(int(tiny_lm.model.config.hidden_size), MedusaSettings(3))
     hidden = torch.randn(5, heads.weight.shape[-1])
-    pending = pending_inputs(tiny_lm.model.get_input_embeddings().weight, torch.arange(5))
+    pending = pending_inputs(tiny_lm.model.get_input_embeddings(), torch.arange(5))
     lm_head = tiny_lm.model.get_output_embeddings()
     logits = heads.logits(hidden, pending, heads.project(lm_head.weight))  # (5, K, V)
     assert logits.shape == (5, 3, lm_head.weight.shape[0])

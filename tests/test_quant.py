@@ -80,15 +80,25 @@ def test_greedy_with_every_drafter_equals_plain_on_the_same_weights(name, kind, 
             assert divergence is None or divergence.near_tie, (method, key, divergence)
 
 
-def test_tied_embeddings_look_up_the_heads_table(bundled_tokenizer):
-    lm = fm.family_model("gemma2-alternating", bundled_tokenizer)  # tied by default
+def test_tied_embeddings_read_the_heads_codes(bundled_tokenizer):
+    """A tied table whose head went to 8 bits is read from the head's codes: the same
+    values the head multiplies by, and no bf16 table of its own. A family's own embedding
+    module (Gemma's scaled one) gets the head's values as a table, once."""
+    from tests.conftest import make_tiny_model
+
+    lm = make_tiny_model("llama-mha", bundled_tokenizer)  # tied
     assert lm.model.get_output_embeddings().weight is lm.model.get_input_embeddings().weight
-    low = quantized(lm, "int4", wide_rows=4)
-    head = low.model.get_output_embeddings()
-    assert low.model.get_input_embeddings().weight.data_ptr() == head.wide.data_ptr()
-    quant.set_wide_rows(low.model, 0)  # the table stays: it is the embedding
-    assert head.wide is not None
-    assert all(m.wide is None for m in quant.low_bit_layers(low.model) if m is not head)
+    low = quantized(lm, "int4", wide_rows=0)
+    head, table = low.model.get_output_embeddings(), low.model.get_input_embeddings()
+    assert isinstance(table, quant.CodedEmbedding) and head.kind == "int8w"
+    ids = torch.tensor([0, 5, 77, 300])
+    assert torch.equal(table(ids), head.dequantized()[ids])
+    rows = head.out_features
+    tensors = [*low.model.parameters(), *low.model.buffers()]
+    assert not any(t.dim() == 2 and t.shape[0] == rows and t.is_floating_point() for t in tensors)
+    gemma = quantized(fm.family_model("gemma2-alternating", bundled_tokenizer), "int4", 0)
+    head = gemma.model.get_output_embeddings()
+    assert torch.equal(gemma.model.get_input_embeddings().weight, head.dequantized())
 
 
 def test_dequantized_weights_are_what_the_kernel_multiplies(bundled_tokenizer):

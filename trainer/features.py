@@ -199,7 +199,7 @@ def forward_seconds_per_token(lm, rows: int = 4, width: int = 256) -> float:
     of rows x width tokens after a short warm-up. The pipeline sizes the data stage with it,
     since every token the data stage writes costs the features stage this much again."""
     width = max(8, min(width, lm.context_len))
-    vocab = int(lm.model.get_input_embeddings().weight.shape[0])
+    vocab = int(lm.model.get_input_embeddings().num_embeddings)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, vocab, (rows, width), generator=gen).tolist()
     _forward(lm, [batch[0][:16]])

@@ -34,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for report.json, report.md and the PNG plots")
     parser.add_argument("--limit", type=int, default=None,
                         help="use N prompts, taken evenly across categories")
+    parser.add_argument("--llama-bench", metavar="PATH", default=None,
+                        help="llama.cpp's llama-bench program, run on the same GGUF file in the "
+                             "same run (default: the one on PATH, if any)")
+    parser.add_argument("--llama-bench-file", metavar="GGUF", default=None,
+                        help="the GGUF file llama-bench runs (default: the one the model was "
+                             "loaded from), e.g. a Q8_0 file to compare bf16 or int8w with")
     parser.add_argument("--passes", type=int, default=1,
                         help="run the prompts N times, each pass with freshly built methods; "
                              "a prompt's speed is the median over the passes (default 1)")
@@ -82,10 +88,11 @@ def execute(args: argparse.Namespace, command: str) -> int:
         print(f"{name}: {why}", file=sys.stderr)
     context = {"command": command, "model": args.model, "prompt_file": str(prompt_file),
                "assistant": assistant.model_id if assistant else None}
+    peer = _peer(args, lm)
     bar = ProgressLine()
     try:
         report = bench_report(lm, prompts, methods, skipped, params, context, bar, args.passes,
-                              lambda: build_methods(lm, names, params, assistant)[0])
+                              lambda: build_methods(lm, names, params, assistant)[0], peer)
     finally:
         bar.close()
     print("\n".join([*overall_table(report), "", *notes(report)]))
@@ -93,6 +100,24 @@ def execute(args: argparse.Namespace, command: str) -> int:
         written = write_report(report, Path(args.out))
         print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
+
+
+def _peer(args: argparse.Namespace, lm):
+    """llama-bench on the model's GGUF file (or the one named), or None (said on stderr)."""
+    import torch
+
+    from engine.benchmark.llamabench import LlamaBench, find
+    from engine.benchmark.llamacpp import gguf_file
+
+    exe = find(args.llama_bench)
+    if exe is None:
+        return None
+    path = Path(args.llama_bench_file).expanduser() if args.llama_bench_file else gguf_file(lm)
+    if path is None or not path.is_file():
+        print(f"llama-bench: no GGUF file to run ({lm.model_id} was not loaded from one; "
+              "name one with --llama-bench-file)", file=sys.stderr)
+        return None
+    return LlamaBench(exe, path, torch.get_num_threads())
 
 
 def _load_assistant(args: argparse.Namespace):

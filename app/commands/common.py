@@ -24,6 +24,9 @@ def add_model_args(parser: argparse.ArgumentParser, start: bool = False) -> None
                         help="how decode steps run: auto (the lean step, compiled, where the "
                              "model's family allows), eager (the lean step, never compiled), "
                              "transformers (the model's own forward)")
+    parser.add_argument("--wide-copies", action="store_true",
+                        help="int4/int8w: also keep bf16 copies of the weights for steps of "
+                             "many tokens where this CPU runs them faster (more memory)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow code shipped with the --model to run, for that model only "
                              "(off by default; the page cannot switch it on)")
@@ -45,7 +48,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec | None:
         return None
     return ModelSpec(source=gguf_source(args.model, args.gguf_file), quant=args.quant,
                      device=args.device, trust_remote_code=args.trust_remote_code,
-                     step=args.step)
+                     step=args.step, wide_copies=args.wide_copies)
 
 
 def load(args: argparse.Namespace, compiled: str = "load"):

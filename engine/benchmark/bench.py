@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.benchmark import leaveout, stepcost
+from engine.benchmark import leaveout, llamabench, stepcost
 from engine.benchmark.memory import MemoryProbe
 from engine.benchmark.methods import LOOKUP_TOKENS, Contender
 from engine.benchmark.prompts import BenchPrompt, encode_prompt
 from engine.benchmark.report import build_report, divergences, machine_info
 from engine.benchmark.runner import run_bench
 from engine.config import SamplingParams
-from engine.progress import ProgressFn, ignore
+from engine.progress import Progress, ProgressFn, ignore
 
 
 def bench_report(
@@ -25,11 +25,14 @@ def bench_report(
     progress: ProgressFn = ignore,
     passes: int = 1,
     fresh: Callable[[], dict[str, Contender]] | None = None,
+    peer: llamabench.LlamaBench | None = None,
 ) -> dict:
     """Run `methods` (the first is the baseline, `hf`) over `prompts` on `lm` and return the
     report.json object. `context` adds settings the caller knows: the command line, the
     prompt file, the assistant model. `passes` > 1 runs the prompts that many times, each
-    pass after the first with `fresh()`'s method table, and keeps the median speeds."""
+    pass after the first with `fresh()`'s method table, and keeps the median speeds.
+    `peer`: llama.cpp's own benchmark program, run before and after the methods at the
+    prompts' mean length."""
     if not prompts:
         raise ValueError("no prompts to run")
     machine = machine_info(lm.device)
@@ -39,7 +42,10 @@ def bench_report(
     replies = leaveout.plain_replies(lm, prompt_ids, params) if store else {}
     leaveout.ready(methods, replies)
     renew = fresh and (lambda: leaveout.ready(fresh(), replies))
+    depth = round(sum(map(len, prompt_ids)) / len(prompt_ids))
+    peer_runs = [_peer(peer, depth, params, progress)] if peer else []
     results = run_bench(methods, prompts, prompt_ids, probe, progress, passes, renew)
+    peer_runs += [_peer(peer, depth, params, progress)] if peer else []
     settings = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         **context,
@@ -64,4 +70,21 @@ def bench_report(
         "step_costs": {n: round(t * 1e3, 2) for n, t in stepcost.step_costs(lm).items()},
     }
     verdicts = divergences(lm, prompt_ids, results) if params.temperature == 0 else {}
-    return build_report(machine, settings, results, skipped, verdicts)
+    report = build_report(machine, settings, results, skipped, verdicts)
+    if peer_runs:
+        report["peers"] = {"llama-bench": _pooled(peer, peer_runs)}
+    return report
+
+
+def _peer(peer: llamabench.LlamaBench, depth: int, params: SamplingParams,
+          progress: ProgressFn) -> dict:
+    progress(Progress("llama-bench", 0, 1, f"llama-bench at depth {depth}"))
+    return llamabench.measure(peer, depth, params.max_new_tokens)
+
+
+def _pooled(peer: llamabench.LlamaBench, runs: list[dict]) -> dict:
+    """The peer's figures: the mean of its runs before and after the methods, and each."""
+    tps = sum(r["tokens_per_s"] for r in runs) / len(runs)
+    return {**llamabench.described(peer), "tokens_per_s": round(tps, 3),
+            "ms_per_token": round(1e3 / tps, 3), "depth": runs[0]["depth"],
+            "tokens": runs[0]["tokens"], "runs": runs}

@@ -248,10 +248,12 @@ def overall_table(report: dict) -> list[str]:
     """Markdown rows: one per method, the pooled figures; with a llama.cpp row, each
     method's tok/s over llama.cpp's."""
     peer = report["methods"].get(LLAMACPP)
+    bench = report.get("peers", {}).get("llama-bench")
     columns = [  # (header, the cell from a method's figures)
         ("tok/s", lambda f: f"{f['tokens_per_s']:.1f}"),
         ("speedup vs hf", lambda f: f"{f['speedup_vs_hf']:.2f}x"),
         ("vs hf-lookup", lambda f: _fmt(f["speedup_vs_hf_lookup"], "x")),
+        *([("vs llama-bench", lambda f: _fmt(vs_llamacpp(f, bench), "x"))] if bench else []),
         *([("vs llama.cpp", lambda f: _fmt(vs_llamacpp(f, peer), "x"))] if peer else []),
         ("tokens/step", lambda f: _fmt(f["mean_accepted"])),
         ("CTAR(1)", lambda f: _fmt(f["ctar"][0]) if f["ctar"] else "n/a"),
@@ -268,7 +270,8 @@ def overall_table(report: dict) -> list[str]:
 
 
 def vs_llamacpp(f: dict, peer: dict) -> float | None:
-    """A method's median tok/s over llama.cpp's (None when llama.cpp produced nothing)."""
+    """A method's median tok/s over llama.cpp's (its binding's row, or llama-bench's
+    figures; None when llama.cpp produced nothing)."""
     return f["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
 
 
@@ -335,6 +338,16 @@ def notes(report: dict) -> list[str]:
         lines.append(f"- Every method matched {BASELINE} token for token on every prompt.")
     lines += [f"- {name} did not run: {why}" for name, why in report["skipped"].items()]
     lines += _picks(report["measurements"])
+    if bench := report.get("peers", {}).get("llama-bench"):
+        runs = ", ".join(f"{r['tokens_per_s']:.1f}" for r in bench["runs"])
+        steps = bench["runs"][-1]["step_ms"]
+        costs = ", ".join(f"{n}: {ms / steps[1]:.2f}" for n, ms in steps.items()
+                          if 1 in steps and n > 1)
+        lines.append(f"- llama-bench ({bench['exe']}, {bench['threads']} threads, "
+                     f"{Path(bench['gguf']).name}): {bench['tokens_per_s']:.1f} tok/s "
+                     f"generating {bench['tokens']} tokens after {bench['depth']} (runs before "
+                     f"and after the methods: {runs}); its n-token step in plain steps: "
+                     f"{costs}.")
     if store := report["settings"].get("datastore"):
         lines.append(f"- Datastore methods ({', '.join(WITH_STORE)}; compare "
                      f"{', '.join(WITH_STORE.values())}): {store['rule']}.")

@@ -55,11 +55,11 @@ class MedusaSettings:
                 "pending_rank": self.pending_rank}
 
 
-def pending_inputs(embedding: torch.Tensor, tokens) -> torch.Tensor:
-    """Input-embedding rows of the pending tokens, scaled to unit RMS: (V, H) table and
-    (...,) ids -> (..., H) float32. Families scale their tables differently (Gemma
-    multiplies by sqrt(H) in the forward), so the heads see one scale everywhere."""
-    rows = embedding[tokens].float()
+def pending_inputs(embedding: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Input embeddings of the pending tokens, scaled to unit RMS: the model's embedding
+    module and (...,) ids on its device -> (..., H) float32. Families scale their tables
+    differently (Gemma multiplies by sqrt(H)), so the heads see one scale everywhere."""
+    rows = embedding(tokens).float()
     return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
@@ -188,8 +188,8 @@ class MedusaDrafter(Drafter):
         self.heads = heads.to(lm.device, lm.dtype).eval().requires_grad_(False)
         # (V', H) LM-head rows the heads read: a small copy for a draft vocabulary.
         self._projection = heads.project(lm.model.get_output_embeddings().weight.detach())
-        # The input embeddings the pending token is looked up in (no copy).
-        self._embedding = (lm.model.get_input_embeddings().weight.detach()
+        # The input embeddings the pending token is looked up in (the model's own module).
+        self._embedding = (lm.model.get_input_embeddings()
                            if heads.settings.pending_rank else None)
         self.tree = tree
         # The best tree's estimate when it was re-timed at load (uncalibrated dtype or
@@ -250,7 +250,8 @@ class MedusaDrafter(Drafter):
         root, t = state.ids[-1], self.tree
         if t.size == 1:  # calibration found no tree that pays: plain decoding
             return Draft.chain(root, [])
-        pending = None if self._embedding is None else pending_inputs(self._embedding, root)
+        pending = None if self._embedding is None else pending_inputs(
+            self._embedding, torch.tensor(root, device=self._slots[0].device))
         logits = self.heads.logits(state.hidden, pending, self._projection)  # (K, V')
         if state.room < t.depth:
             return Draft.chain(root, self.heads.tokens(logits[:state.room].argmax(-1)).tolist())

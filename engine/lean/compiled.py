@@ -37,19 +37,47 @@ def size_for(n: int) -> int | None:
     return next((s for s in SIZES if s >= n), None)
 
 
+class Kind:
+    """Layers whose weights have one layout (which tensors, their shapes and dtypes): one
+    compiled package per step size serves them all. A GGUF file that stores some layers in
+    other types (Q4_K_M's 6-bit ones) has a few kinds."""
+
+    def __init__(self, weights: LayerWeights):
+        leaves, self.structure = pytree.tree_flatten(weights)
+        self.present = [i for i, t in enumerate(leaves) if t is not None]
+        self.key = (str(self.structure),
+                    tuple((tuple(t.shape), str(t.dtype)) for t in leaves if t is not None))
+        self.example = weights  # the first layer of this kind (what packages are built on)
+
+    def flat(self, weights: LayerWeights) -> list[torch.Tensor]:
+        """A layer's tensors in the order its kind's packages take them (absent ones out)."""
+        leaves = pytree.tree_flatten(weights)[0]
+        return [leaves[i] for i in self.present]
+
+    def unflatten(self, flat) -> LayerWeights:
+        leaves = [None] * self.structure.num_leaves
+        for i, tensor in zip(self.present, flat, strict=True):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, self.structure)
+
+
 class Steps:
-    """The layer call for each step size: a loaded package where ready, else the eager
-    function. `call(size)` returns call(i, x, cos, sin, mask, keys, values, slots) running
+    """The layer call for each step size: loaded packages where ready, else the eager
+    function. `for_size` returns call(i, x, cos, sin, mask, keys, values, slots) running
     layer i (its weights are the ones given here)."""
 
     def __init__(self, layer: Callable, weights: list[LayerWeights]):
         self.layer, self.weights = layer, weights
-        # Each layer's tensors flattened once, in the order the packages take them (the
-        # absent ones, None in every layer alike, are left out).
-        leaves, self.structure = pytree.tree_flatten(weights[0])
-        self.present = [i for i, t in enumerate(leaves) if t is not None]
-        self.flat = [[pytree.tree_flatten(w)[0][i] for i in self.present] for w in weights]
-        self.ready: dict[int, Callable] = {}  # size -> loaded package
+        kinds: dict[tuple, Kind] = {}
+        keys = []
+        for w in weights:
+            kind = Kind(w)
+            keys.append(kinds.setdefault(kind.key, kind).key)
+        self.kinds = list(kinds.values())
+        self.kind_of = [list(kinds).index(key) for key in keys]  # layer -> its kind
+        # Each layer's tensors flattened once, in the order its package takes them.
+        self.flat = [self.kinds[k].flat(w) for k, w in zip(self.kind_of, weights, strict=True)]
+        self.ready: dict[int, list[Callable]] = {}  # size -> each kind's package runner
         self.failed = ""  # why compiling failed, once it has
         self.compiling = False
         self.seconds: float | None = None  # how long loading or compiling every size took
@@ -65,14 +93,15 @@ class Steps:
     def for_size(self, n: int, start: int) -> tuple[Callable, int]:
         """(layer call, padded size) for a step of n tokens after `start` cached slots."""
         size = size_for(n)
-        runner = self.ready.get(size) if size is not None else None
+        runners = self.ready.get(size) if size is not None else None
         # The packages were exported for windows of two slots or more.
-        if runner is None or start + size < 2:
+        if runners is None or start + size < 2:
             return self._eager, n
-        # Straight into the package's C++ runner with a flat list of tensors (its Python
+        # Straight into a package's C++ runner with a flat list of tensors (its Python
         # wrapper would flatten and check the arguments' structure on every call).
-        run = runner.loader.boxed_run
-        return (lambda i, *args: run([*args, *self.flat[i]])[0]), size
+        runs = [r.loader.boxed_run for r in runners]
+        kind_of, flat = self.kind_of, self.flat
+        return (lambda i, *args: runs[kind_of[i]]([*args, *flat[i]])[0]), size
 
     def _eager(self, i: int, *args) -> torch.Tensor:
         x, cos, sin, mask, keys, values, slots = args
@@ -80,15 +109,16 @@ class Steps:
 
     def compile(self, example: Callable[[int], tuple], key: str, build: bool = True,
                 background: bool = True, on_ready: Callable[[], None] | None = None) -> None:
-        """Load the package of every size (`key` names what they are built for), building
-        the missing ones when `build` (`example(size)`: the layer's arguments for a step of
-        that size, weights excluded). Packages already built load at once; building runs
-        in the background unless asked otherwise, and `on_ready` is called once every size
-        is ready."""
+        """Load the package of every size and kind (`key` names what they are built for),
+        building the missing ones when `build` (`example(size)`: the layer's arguments for
+        a step of that size, weights excluded). Packages already built load at once;
+        building runs in the background unless asked otherwise, and `on_ready` is called
+        once every size is ready."""
         if self.compiling or self.ready or self.failed:
             return
         folder = cache_dir() / "compiled" / _digest(key)
-        if all(_path(folder, size).is_file() for size in SIZES):
+        if all(self._path(folder, size, k).is_file() for size in SIZES
+               for k in range(len(self.kinds))):
             self._build_all(example, folder)  # loading only: milliseconds
             return
         if not build:
@@ -104,8 +134,9 @@ class Steps:
                    on_ready: Callable[[], None] | None = None) -> None:
         begin = time.perf_counter()
         try:
-            ready = {size: self._package(_path(folder, size), example, size) for size in SIZES}
-            self.ready = ready  # all sizes at once: a step never mixes compiled and eager
+            ready = {size: [self._package(self._path(folder, size, k), kind, example(size))
+                            for k, kind in enumerate(self.kinds)] for size in SIZES}
+            self.ready = ready  # all sizes at once: a reply's steps all run the same way
             self.seconds = time.perf_counter() - begin
             log.info("compiled decode steps ready in %.1f s", self.seconds)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the eager layer serving
@@ -117,40 +148,38 @@ class Steps:
         if self.ready and on_ready is not None:
             on_ready()
 
-    def _package(self, path: Path, example: Callable[[int], tuple], size: int) -> Callable:
-        """The loaded package for steps of `size` tokens: from `path`, or built there."""
+    def _path(self, folder: Path, size: int, kind: int) -> Path:
+        digest = hashlib.sha256(repr(self.kinds[kind].key).encode()).hexdigest()[:8]
+        return folder / f"layer-{size}-{digest}.pt2"
+
+    def _package(self, path: Path, kind: Kind, args: tuple) -> Callable:
+        """The loaded package for layers of `kind` and steps the size of `args`': from
+        `path`, or built there."""
         if not path.is_file():
-            self._build(example(size), path)
+            self._build(kind, args, path)
         return torch._inductor.aoti_load_package(str(path))
 
-    def _build(self, args: tuple, path: Path) -> None:
+    def _build(self, kind: Kind, args: tuple, path: Path) -> None:
         """Export the layer over `args` (window and capacity symbolic) and compile it."""
         from torch.export import Dim
 
-        layer, structure, present = self.layer, self.structure, self.present
+        layer = self.layer
 
         class Layer(torch.nn.Module):
             def forward(self, x, cos, sin, mask, keys, values, slots, *flat):
-                leaves = [None] * structure.num_leaves
-                for i, tensor in zip(present, flat, strict=True):
-                    leaves[i] = tensor
-                weights = pytree.tree_unflatten(leaves, structure)
-                return layer(x, weights, cos, sin, mask, keys, values, slots)
+                return layer(x, kind.unflatten(flat), cos, sin, mask, keys, values, slots)
 
+        weights = kind.flat(kind.example)
         window, capacity = Dim("window", min=2), Dim("capacity", min=2)
         shapes = (None, None, None, {1: window}, {1: capacity}, {1: capacity}, None,
-                  tuple(None for _ in self.flat[0]))
+                  tuple(None for _ in weights))
         with torch.inference_mode():
-            program = torch.export.export(Layer(), (*args, *self.flat[0]),
+            program = torch.export.export(Layer(), (*args, *weights),
                                           dynamic_shapes=shapes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.stem}.partial.pt2")
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
         partial.replace(path)  # a package appears whole or not at all
-
-
-def _path(folder: Path, size: int) -> Path:
-    return folder / f"layer-{size}.pt2"
 
 
 def _digest(key: str) -> str:

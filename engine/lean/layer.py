@@ -22,11 +22,13 @@ from engine.quant import GROUP_SIZE
 
 class Lin(NamedTuple):
     """A linear layer's tensors. weight: (N, K) dense, or packed low-bit codes (int4: the
-    kernel's packing, int8w: (N, K) int8); scales: None for dense weights."""
+    kernel's packing, int8w: (N, K) int8); scales: None for dense weights; wide: the
+    low-bit weights' bf16 copy where one is kept for steps of many rows (engine/quant.py)."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None
     bias: torch.Tensor | None
+    wide: torch.Tensor | None = None
 
 
 class LayerWeights(NamedTuple):
@@ -44,10 +46,13 @@ class LayerWeights(NamedTuple):
     norm_mlp_out: torch.Tensor | None  # on the MLP's output (Gemma 2, OLMo-2)
 
 
-def linear(lin: Lin, x: torch.Tensor) -> torch.Tensor:
-    """(n, K) -> (n, N) through the kernel the weights are stored for."""
+def linear(lin: Lin, x: torch.Tensor, wide_rows: int = 0) -> torch.Tensor:
+    """(n, K) -> (n, N) through the kernel the weights are stored for (the bf16 copy, where
+    kept, for steps of `wide_rows` rows or more)."""
     if lin.scales is None:
         return F.linear(x, lin.weight, lin.bias)
+    if lin.wide is not None and 0 < wide_rows <= x.shape[0]:
+        return F.linear(x, lin.wide, lin.bias)
     if lin.weight.dtype == torch.int8:
         out = torch._weight_int8pack_mm(x, lin.weight, lin.scales)
     elif x.device.type == "cuda":
@@ -75,13 +80,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
-def make_layer(spec: LeanSpec) -> Callable:
+def make_layer(spec: LeanSpec, wide_rows: int = 0) -> Callable:
     """The layer function for `spec`:
 
     layer(x, weights, cos, sin, mask, keys, values, slots) -> x
       x: (n, H) residual stream; cos, sin: (n, D) rotary rows of the n positions;
       mask: (n, W) additive float mask over the first W cache slots (this step's included);
       keys, values: (kv_heads, C, D) this layer's cache, written at `slots` (n,) in place.
+    wide_rows: steps of this many rows or more use the bf16 copies low-bit weights keep.
     """
     heads, kv, d, groups = spec.heads, spec.kv_heads, spec.head_dim, spec.groups
     mlp_act = ACT2FN[spec.act]
@@ -91,7 +97,7 @@ def make_layer(spec: LeanSpec) -> Callable:
 
     def attention(x, w: LayerWeights, cos, sin, mask, keys, values, slots):
         n = x.shape[0]
-        outs = [linear(lin, x) for lin in w.qkv]
+        outs = [linear(lin, x, wide_rows) for lin in w.qkv]
         q, k, v = outs if len(outs) == 3 else outs[0].split([heads * d, kv * d, kv * d], -1)
         if spec.qk_norm == "all":
             q, k = norm(q, w.q_norm), norm(k, w.k_norm)
@@ -113,12 +119,12 @@ def make_layer(spec: LeanSpec) -> Callable:
         scores = scores + mask.repeat(groups, 1)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = (probs @ values[:, :window]).view(heads, n, d).transpose(0, 1)
-        return linear(w.o, out.reshape(n, heads * d).to(x.dtype))
+        return linear(w.o, out.reshape(n, heads * d).to(x.dtype), wide_rows)
 
     def mlp(x, w: LayerWeights):
-        outs = [linear(lin, x) for lin in w.gate_up]
+        outs = [linear(lin, x, wide_rows) for lin in w.gate_up]
         gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
-        return linear(w.down, mlp_act(gate) * up)
+        return linear(w.down, mlp_act(gate) * up, wide_rows)
 
     def layer(x, w: LayerWeights, cos, sin, mask, keys, values, slots):
         h = attention(norm(x, w.norm_in), w, cos, sin, mask, keys, values, slots)

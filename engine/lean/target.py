@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine import quant
 from engine.lean import compiled as compiling
 from engine.lean.cache import LeanCache
 from engine.lean.layer import make_layer
@@ -40,7 +41,9 @@ class LeanTarget(Target):
         self.embedding, self.final_norm = base.embed_tokens, base.norm
         self.head = model.get_output_embeddings()
         self.rope = RopeTable(base.rotary_emb, act_dtype, self.device, spec.context)
-        self.layer = make_layer(spec)
+        low = quant.low_bit_layers(model)
+        self.wide_rows = low[0].wide_rows if low else 0  # steps on bf16 copies, where kept
+        self.layer = make_layer(spec, self.wide_rows)
         self.steps = compiling.Steps(self.layer, self.weights)  # layer calls per step size
 
     @property
@@ -96,9 +99,9 @@ class LeanTarget(Target):
 
     def _signature(self) -> str:
         """Everything a compiled layer depends on besides torch and the CPU."""
-        shapes = [(tuple(t.shape), str(t.dtype)) for t in self.steps.flat[0]]
-        return (f"{self.spec}|{shapes}|{self.act_dtype}|{self.cache_dtype}|"
-                f"{self.device.type}")
+        kinds = [kind.key for kind in self.steps.kinds]
+        return (f"{self.spec}|{kinds}|{self.act_dtype}|{self.cache_dtype}|"
+                f"{self.device.type}|wide {self.wide_rows}")
 
     def keep_path(self, cache, start, keep, layers=None) -> None:
         cache.keep_path(start, keep, layers)

@@ -47,7 +47,7 @@ def layer_weights(spec: LeanSpec, block: nn.Module) -> LayerWeights:
 def lin_of(module: nn.Module) -> Lin:
     """A linear module's tensors as the layer function reads them."""
     if isinstance(module, quant.LowBitLinear):
-        return Lin(module.packed, module.scales, module.bias)
+        return Lin(module.packed, module.scales, module.bias, module.wide)
     if type(module) is not nn.Linear:
         raise TypeError(f"{type(module).__name__} is not a linear layer the lean step runs")
     return Lin(module.weight, None, module.bias)

@@ -81,7 +81,8 @@ class HeadInputs:
 
     states: torch.Tensor  # (T, H) final states
     ids: torch.Tensor  # (T,) token ids
-    embedding: torch.Tensor | None  # (V, H) input embeddings; None: hidden state only
+    embedding: torch.nn.Module | None  # the model's input embeddings; None: hidden state only
+    model_device: torch.device  # where the model (and its embeddings) run
 
     def at(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B,) positions -> (B, H) states and (B, H) pending_inputs of token t + 1, the
@@ -89,15 +90,15 @@ class HeadInputs:
         states = self.states[pos].to(device)
         if self.embedding is None:
             return states, None
-        tokens = self.ids[pos + 1].to(self.embedding.device)
+        tokens = self.ids[pos + 1].to(self.model_device)
         return states, pending_inputs(self.embedding, tokens).to(device)
 
 
 def head_inputs(lm, feats: Features, heads: MedusaHeads) -> HeadInputs:
     """What `heads` read from these features (the model's own input embeddings)."""
     final = int(lm.model.config.num_hidden_layers)
-    table = lm.model.get_input_embeddings().weight.detach() if heads.settings.pending_rank else None
-    return HeadInputs(feats.states[final], feats.ids, table)
+    embedding = lm.model.get_input_embeddings() if heads.settings.pending_rank else None
+    return HeadInputs(feats.states[final], feats.ids, embedding, lm.device)
 
 
 def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
