@@ -109,3 +109,17 @@ def quant_verdict(lm: LoadedModel) -> str:
         return f"{where}, as asked"
     reason = lm.quant_reason.removeprefix(f"{lm.quant}: ")  # the verdict names it already
     return f"{where}, chosen by Auto: {reason}" if reason else f"{where}, chosen by Auto"
+
+
+STEP_WORDS = {
+    "lean-compiled": "compiled (the lean step, built once for this model and machine)",
+    "lean-compiling": "eager while the compiled step is being built (first start only)",
+    "lean-eager": "the lean step, eager",
+    "lean-eager (compiling failed)": "the lean step, eager: compiling it failed here",
+    "transformers": "transformers' own forward (this model's family has no lean step)",
+}
+
+
+def step_line(lm: LoadedModel) -> str:
+    """How decode steps run for `lm` now, in words (engine/target.py's state)."""
+    return STEP_WORDS.get(lm.target.name, lm.target.name)

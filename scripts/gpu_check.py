@@ -3,8 +3,9 @@
 
     python scripts/gpu_check.py [--reduced] [--out DIR]
 
-On a CUDA machine (under ~8 minutes): the family matrix and the reply-end tests on CUDA in
-fp32 (exact) with every drafter, greedy and sampled; the bundled model loaded in fp32,
+On a CUDA machine (under ~10 minutes): the family matrix and the reply-end tests on CUDA in
+fp32 (exact) with every drafter, greedy and sampled; the lean step against transformers on
+every family it covers, and its compiled (AOTInductor) step against the eager one; the bundled model loaded in fp32,
 bf16, NF4 and int8 with one greedy and one sampled reply per drafter (fp32 must match Off
 token for token; the other precisions report their match); 2-minute Medusa and Kangaroo
 training runs and replies with what they built; and scripts/bench_gpu.py on a short
@@ -98,6 +99,12 @@ def run_checks(runner: Runner, cuda: bool, out: Path) -> None:
     if not cuda:
         matrix += ["-k", "llama-gqa or reply_ends or crossover or auto_picks"]
     runner.command("matrix fp32 " + ("cuda" if cuda else "cpu, one family"), matrix, device_env)
+    # the lean step against transformers on every family, and compiled against eager
+    lean = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_lean.py"]
+    if not cuda:
+        lean += ["-k", "decodes_as_transformers"]
+    runner.command("lean step fp32 " + ("cuda, compiled" if cuda else "cpu, eager"), lean,
+                   device_env, timeout=900)
     runner.replies("fp32", UNTRAINED)
     if not cuda:
         return

@@ -6,6 +6,7 @@ failure to compile leaves the eager step decoding."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from engine.target import TransformersTarget
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 100
+# scripts/gpu_check.py runs this module on CUDA; the suite runs it on the CPU.
+DEVICE = torch.device(os.environ.get("QUICKDRAFT_TEST_DEVICE", "cpu"))
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024)
 FAMILIES = {
@@ -41,7 +44,7 @@ def family_lm(name: str, tokenizer, step: str = "auto"):
     model_type, extra = FAMILIES[name]
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, initializer_range=0.2, **extra)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
     lm = wrap_model(model, tokenizer, ModelSpec(source=name, step=step), name, "fp32")
     return dataclasses.replace(lm, eos_ids=())
 
@@ -75,7 +78,7 @@ def test_every_family_decodes_as_transformers_does(name, bundled_tokenizer):
 
 def test_a_model_outside_the_families_keeps_transformers(bundled_tokenizer):
     config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
     lm = wrap_model(model, bundled_tokenizer, ModelSpec(source="gpt2"), "gpt2", "fp32")
     assert isinstance(lm.target, TransformersTarget)
     llama = family_lm("llama", bundled_tokenizer, step="transformers")

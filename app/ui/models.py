@@ -11,7 +11,7 @@ import time
 import gradio as gr
 
 from app import catalog
-from app.host import model_name, quant_verdict
+from app.host import model_name, quant_verdict, step_line
 from app.service import Service
 from app.ui import readout
 from engine.config import ModelSpec
@@ -74,7 +74,7 @@ class ModelsTab:
                 f"<span id='qd-model-params'>{params / 1e6:,.1f} M parameters</span> · "
                 f"<span id='qd-model-bytes'>{size / 2**20:,.1f} MB in memory</span> · "
                 f"{lm.context_len} tokens of context · loaded in {lm.load_seconds:.1f} s\n\n"
-                f"Quantization: {quant_verdict(lm)}")
+                f"Quantization: {quant_verdict(lm)}\n\nDecode step: {step_line(lm)}")
 
     def choices(self, value: str | None = None) -> gr.Dropdown:
         """The bundled model, every model already in the Hugging Face cache, and the GGUF
