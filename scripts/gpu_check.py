@@ -5,11 +5,11 @@
 
 On a CUDA machine (under ~10 minutes): the family matrix and the reply-end tests on CUDA in
 fp32 (exact) with every drafter, greedy and sampled; the lean step against transformers on
-every family it covers, and its compiled (AOTInductor) step against the eager one; the bundled model loaded in fp32,
-bf16, NF4 and int8 with one greedy and one sampled reply per drafter (fp32 must match Off
-token for token; the other precisions report their match); 2-minute Medusa and Kangaroo
-training runs and replies with what they built; and scripts/bench_gpu.py on a short
-setting. Exits non-zero when any check fails.
+every family it covers, and its compiled (AOTInductor) step against the eager one; the
+bundled model loaded in fp32, bf16, NF4 and int8 with one greedy and one sampled reply per
+drafter (fp32 must match Off token for token; the other precisions report their match);
+2-minute Medusa and Kangaroo training runs and replies with what they built; and
+scripts/bench_gpu.py on a short setting. Exits non-zero when any check fails.
 
 Without CUDA, or with --reduced, it runs the same checks on the CPU in a reduced form
 (the matrix on one family, fp32 only, no training or bench), which is how the test suite
