@@ -19,11 +19,16 @@ import json, sys
 args = sys.argv[1:]
 value = lambda flag: args[args.index(flag) + 1]
 assert value("-o") == "json" and value("-t") == "2"
-sizes = [int(n) for n in value("-p").split(",")]
-rows = [{{"n_prompt": n, "n_gen": 0, "n_depth": int(value("-d")), "avg_ts": 100.0 * n ** 0.5}}
-        for n in sizes]
-rows.append({{"n_prompt": 0, "n_gen": int(value("-n")), "n_depth": int(value("-d")),
-              "avg_ts": 80.0, "stddev_ts": 1.5}})
+if "-pg" in args:  # the reply: prompt then generation, tokens/s over both
+    prompt, gen = (int(n) for n in value("-pg").split(","))
+    rows = [{{"n_prompt": prompt, "n_gen": gen, "n_depth": 0,
+              "avg_ts": (prompt + gen) / (gen / 50.0)}}]
+else:
+    sizes = [int(n) for n in value("-p").split(",")]
+    rows = [{{"n_prompt": n, "n_gen": 0, "n_depth": int(value("-d")),
+              "avg_ts": 100.0 * n ** 0.5}} for n in sizes]
+    rows.append({{"n_prompt": 0, "n_gen": int(value("-n")), "n_depth": int(value("-d")),
+                  "avg_ts": 80.0, "stddev_ts": 1.5}})
 with open({log!r}, "a") as log:
     log.write(" ".join(args) + "\\n")
 print(json.dumps(rows))
@@ -43,10 +48,13 @@ def fake(tmp_path):
 def test_measure_reads_generation_speed_and_step_costs(fake):
     peer, log = fake
     got = llamabench.measure(peer, depth=150, tokens=64)
-    assert got["tokens_per_s"] == 80.0 and got["depth"] == 150 and got["tokens"] == 64
-    assert got["ms_per_token"] == pytest.approx(12.5)
+    # the reply's new tokens over its whole time (the fake spends gen / 50 s on it)
+    assert got["tokens_per_s"] == pytest.approx(50.0)
+    assert got["decode_tokens_per_s"] == 80.0 and got["ms_per_token"] == pytest.approx(12.5)
+    assert got["depth"] == 150 and got["tokens"] == 64
     assert got["step_ms"][1] == pytest.approx(10.0) and got["step_ms"][4] == pytest.approx(20.0)
-    assert "-d 150" in log.read_text() and "-n 64" in log.read_text()
+    calls = log.read_text()
+    assert "-d 150" in calls and "-n 64" in calls and "-pg 150,64" in calls
 
 
 def test_the_table_compares_every_method_with_llama_bench(fake):
@@ -58,7 +66,7 @@ def test_the_table_compares_every_method_with_llama_bench(fake):
     report = {"methods": {"vanilla": figures},
               "peers": {"llama-bench": {"tokens_per_s": 80.0, "runs": runs}}}
     header, _rule, row = overall_table(report)
-    assert "vs llama-bench" in header and "1.25x" in row
+    assert "vs llama-bench" in header and "1.25x" in row  # 100 tok/s over 80
 
 
 def test_a_missing_or_failing_program_is_one_line(tmp_path, fake):

@@ -84,7 +84,8 @@ def _peer(peer: llamabench.LlamaBench, depth: int, params: SamplingParams,
 
 def _pooled(peer: llamabench.LlamaBench, runs: list[dict]) -> dict:
     """The peer's figures: the mean of its runs before and after the methods, and each."""
-    tps = sum(r["tokens_per_s"] for r in runs) / len(runs)
-    return {**llamabench.described(peer), "tokens_per_s": round(tps, 3),
-            "ms_per_token": round(1e3 / tps, 3), "depth": runs[0]["depth"],
+    mean = lambda key: round(sum(r[key] for r in runs) / len(runs), 3)  # noqa: E731
+    return {**llamabench.described(peer), "tokens_per_s": mean("tokens_per_s"),
+            "decode_tokens_per_s": mean("decode_tokens_per_s"),
+            "ms_per_token": mean("ms_per_token"), "depth": runs[0]["depth"],
             "tokens": runs[0]["tokens"], "runs": runs}

@@ -1,10 +1,12 @@
 """The llama.cpp peer as most local users run it: its own C++ benchmark program,
 `llama-bench`, on the same GGUF file, with the same threads, in the same run.
 
-It reports generation speed (tokens/s) over `n` tokens after `depth` tokens of context, so
-the bench asks it for its replies' length at the prompts' mean length, and for the cost of a
-step of n tokens at that depth (what drafting on top of llama.cpp would pay per step). It is
-run before and after the bench's own methods; the report keeps both runs.
+The bench asks it for the same work as a reply (a prompt of the prompts' mean length, then
+the replies' length of new tokens: its "pg" test), whose time gives tokens/s the way the
+bench counts them (new tokens over the whole reply, prompt included); for generation alone
+at that depth ("tg"); and for the cost of a step of n tokens at that depth (what drafting on
+top of llama.cpp would pay per step). It is run before and after the bench's own methods;
+the report keeps both runs.
 """
 
 from __future__ import annotations
@@ -43,20 +45,30 @@ def find(given: str | None) -> Path | None:
 
 
 def measure(peer: LlamaBench, depth: int, tokens: int, repeats: int = 3) -> dict:
-    """llama-bench's figures at `depth` tokens of context: tokens/s generating `tokens`
-    tokens ("tg"), and ms of a step of n tokens for n in STEP_SIZES ("pp n")."""
+    """llama-bench's figures for replies of `tokens` tokens to prompts of `depth` tokens:
+    tokens/s over the whole reply (prompt processing included), over generation alone at
+    that depth, and ms of a step of n tokens there for n in STEP_SIZES."""
     rows = _run(peer, ["-p", ",".join(map(str, STEP_SIZES)), "-n", str(tokens),
                        "-d", str(depth), "-r", str(repeats)])
-    generation = next((r for r in rows if r.get("n_gen") == tokens), None)
-    if generation is None:
-        raise QuickdraftError("llama-bench printed no generation figure")
+    rows += _run(peer, ["-p", "0", "-n", "0", "-pg", f"{depth},{tokens}", "-r", str(repeats)])
+    generation = _row(rows, 0, tokens)
+    reply = _row(rows, depth, tokens)
+    # pg's tokens/s counts the prompt's tokens too; a reply's counts only the new ones
+    reply_s = (depth + tokens) / float(reply["avg_ts"])
     steps = {int(r["n_prompt"]): 1e3 * int(r["n_prompt"]) / float(r["avg_ts"])
              for r in rows if r.get("n_gen") == 0 and r.get("n_prompt") in STEP_SIZES}
-    return {"tokens_per_s": float(generation["avg_ts"]),
-            "stdev_tokens_per_s": float(generation.get("stddev_ts", 0.0)),
+    return {"tokens_per_s": tokens / reply_s,
+            "decode_tokens_per_s": float(generation["avg_ts"]),
             "ms_per_token": 1e3 / float(generation["avg_ts"]),
             "step_ms": {n: round(ms, 3) for n, ms in sorted(steps.items())},
             "depth": depth, "tokens": tokens}
+
+
+def _row(rows: list[dict], prompt: int, gen: int) -> dict:
+    row = next((r for r in rows if r.get("n_prompt") == prompt and r.get("n_gen") == gen), None)
+    if row is None:
+        raise QuickdraftError(f"llama-bench printed no figure for {prompt} + {gen} tokens")
+    return row
 
 
 def _run(peer: LlamaBench, extra: list[str]) -> list[dict]:

@@ -343,11 +343,13 @@ def notes(report: dict) -> list[str]:
         steps = bench["runs"][-1]["step_ms"]
         costs = ", ".join(f"{n}: {ms / steps[1]:.2f}" for n, ms in steps.items()
                           if 1 in steps and n > 1)
+        decode = bench["runs"][-1]["decode_tokens_per_s"]
         lines.append(f"- llama-bench ({bench['exe']}, {bench['threads']} threads, "
-                     f"{Path(bench['gguf']).name}): {bench['tokens_per_s']:.1f} tok/s "
-                     f"generating {bench['tokens']} tokens after {bench['depth']} (runs before "
-                     f"and after the methods: {runs}); its n-token step in plain steps: "
-                     f"{costs}.")
+                     f"{Path(bench['gguf']).name}): {bench['tokens_per_s']:.1f} tok/s over "
+                     f"replies of {bench['tokens']} tokens to prompts of {bench['depth']} "
+                     f"(prompt included, as every method here; runs before and after the "
+                     f"methods: {runs}); generation alone there {decode:.1f} tok/s; its "
+                     f"n-token step in plain steps: {costs}.")
     if store := report["settings"].get("datastore"):
         lines.append(f"- Datastore methods ({', '.join(WITH_STORE)}; compare "
                      f"{', '.join(WITH_STORE.values())}): {store['rule']}.")
