@@ -26,15 +26,14 @@ log = logging.getLogger(__name__)
 
 # Bytes per parameter of each resolved quantization. NF4 packs two weights per byte plus
 # (double-quantized) block scales; 8-bit keeps one fp32 scale per row. int4 / int8w: codes,
-# scales, the 8-bit LM head and a bf16 embedding table (the bundled model measured 1.13 and
-# 1.42); where this CPU runs multi-token steps faster on bf16 copies of the weights (timed
-# at load, engine/quant.py) the copies add COPY_BYTES per parameter.
-BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 1.15,
-                   "int8w": 1.45}
-LOW_BIT = ("int4", "int8w")  # the choices that may keep bf16 copies beside their codes
+# scales and the 8-bit LM head, whose codes also serve a tied embedding table (the bundled
+# model's tensors measured 0.71 and 1.00). With --wide-copies they also keep bf16 copies of
+# the weights for steps of many tokens: COPY_BYTES more per parameter.
+BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 0.75,
+                   "int8w": 1.05}
+LOW_BIT = ("int4", "int8w")  # the choices that can keep bf16 copies beside their codes
 COPY_BYTES = 2.0
-LOW_BIT_NOTE = ("more where this CPU runs multi-token steps faster on bf16 copies of the "
-                "weights, which it times at load")
+LOW_BIT_NOTE = "with --wide-copies: bf16 copies of the weights for steps of many tokens"
 # Headroom for activations, the KV cache of a long chat and a drafter, on top of weights.
 RUNTIME_OVERHEAD = 1.2
 
@@ -176,18 +175,18 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
         need = estimate_bytes(params, quant)
         model = f"{params / 1e6:,.0f} M parameters"
     free = available_bytes(device)
-    if spec.quant == "auto" and device.type == "cpu" and quant == "bf16":
-        choices = ("bf16", *quant_auto.CANDIDATES)
+    if spec.quant == "auto" and device.type == "cpu":
+        choices = quant_auto.CANDIDATES
         sizes = ", ".join(f"{q} ~{_size(estimate_bytes(params, q))}" for q in choices)
-        need = max(estimate_bytes(params, q) + _copies(params, q) for q in choices)
-        line = (f"{model} · Auto on cpu measures {sizes} the first time this model loads "
-                f"and keeps one (4- and 8-bit: {LOW_BIT_NOTE}): up to {_size(need)} needed, "
+        need = max(estimate_bytes(params, q) for q in choices)
+        line = (f"{model} · Auto on cpu checks {sizes} on held-out questions and speed the "
+                f"first time this model loads, and keeps one: up to {_size(need)} needed, "
                 f"{_size(free)} free")
     else:
         line = f"{model} · {quant} on {device.type}: about {_size(need)} needed, {_size(free)} free"
-        if quant in LOW_BIT and device.type == "cpu":
+        if quant in LOW_BIT and device.type == "cpu" and spec.wide_copies:
             need += _copies(params, quant)
-            line += f" (up to {_size(need)}: {LOW_BIT_NOTE})"
+            line += f" (up to {_size(need)} {LOW_BIT_NOTE})"
     if loaded is not None:
         line += f" · loaded now as {loaded.quant}: {_size(measured_size(loaded.model)[1])} measured"
     if need > free:
@@ -196,7 +195,7 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
 
 
 def _copies(params: int, quant: str) -> int:
-    """Bytes of the bf16 copies a low-bit choice may keep on a CPU (none otherwise)."""
+    """Bytes of the bf16 copies a low-bit choice keeps with --wide-copies."""
     return int(params * COPY_BYTES * RUNTIME_OVERHEAD) if quant in LOW_BIT else 0
 
 

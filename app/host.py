@@ -107,6 +107,8 @@ def quant_verdict(lm: LoadedModel) -> str:
     where = f"{lm.quant} on {lm.device.type}"
     if lm.spec.quant != "auto":
         return f"{where}, as asked"
+    if lm.quant_choice is not None and lm.quant_choice.records:
+        return f"{where}, chosen by Auto on answers and speed: {lm.quant_choice.line()}"
     reason = lm.quant_reason.removeprefix(f"{lm.quant}: ")  # the verdict names it already
     return f"{where}, chosen by Auto: {reason}" if reason else f"{where}, chosen by Auto"
 

@@ -29,6 +29,8 @@ class ModelSpec:
     # int4/int8w on a CPU: also keep bf16 copies of the weights for steps of many tokens,
     # where this CPU runs them faster (about 2.6 bytes per parameter in all for int4)
     wide_copies: bool = False
+    # --quant auto on a CPU: measure the choice again instead of using the remembered one
+    requantize: bool = False
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_CHOICES:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -44,36 +42,9 @@ def resolve_quant(requested: str, device: torch.device, weights_bytes: int) -> s
         free, _total = torch.cuda.mem_get_info(device)
         bf16_bytes = weights_bytes // 2 if weights_bytes else 0  # safetensors are often fp32
         return "bf16" if bf16_bytes < GPU_WEIGHT_BUDGET * free else "nf4"
-    return "bf16" if cpu_prefers_bf16() else "fp32"
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_prefers_bf16() -> bool:
-    """Time a decode-shaped matmul in bf16 and fp32: one row times a 4096 x 4096 weight in
-    nn.Linear's layout, too big for the caches, as a real model's layers are (a small one
-    measures the caches, where fp32 wins on this very CPU, not decoding).
-
-    CPUs with native bf16 (AVX512-BF16, AMX) decode ~1.3x faster in bf16; others emulate it
-    and lose by far more. Measured once per process (~0.2 s): the two alternate and each
-    keeps its fastest round, so a busy machine slows both alike instead of flipping it.
-    """
-    shapes = {dtype: (torch.ones(1, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype)
-                      .uniform_(-1, 1)) for dtype in (torch.float32, torch.bfloat16)}
-    timings = {dtype: float("inf") for dtype in shapes}
-    for _ in range(4):
-        for dtype, (x, w) in shapes.items():
-            torch.nn.functional.linear(x, w)  # warm
-            start = time.perf_counter()
-            for _ in range(2):
-                torch.nn.functional.linear(x, w)
-            timings[dtype] = min(timings[dtype], time.perf_counter() - start)
-    return keeps_bf16(timings[torch.bfloat16], timings[torch.float32])
-
-
-def keeps_bf16(bf16_s: float, fp32_s: float, tolerance: float = 1.1) -> bool:
-    """bf16 unless it is clearly slower than fp32: it holds half the memory and the low-bit
-    choices run in it, so a near-tie (timing noise) must not fall back to fp32."""
-    return bf16_s <= tolerance * fp32_s
+    # On a CPU, bf16 is where Auto starts: engine/quant_auto.py measures fp32, bf16 and the
+    # low-bit choices on the model's own answers and speed, and keeps the one it picks.
+    return "bf16"
 
 
 def compute_dtype(quant: str) -> torch.dtype:

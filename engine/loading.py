@@ -44,6 +44,7 @@ class LoadedModel:
     fingerprint: str  # ties accelerator checkpoints to this exact model
     load_seconds: float
     quant_reason: str = ""  # why --quant auto chose `quant` here ("" when it was asked for)
+    quant_choice: object = None  # --quant auto's quant_auto.Choice: the record it chose by
     target: Target | None = None  # how decode steps run (set by wrap_model)
 
     @property
@@ -65,14 +66,18 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
     # Before quantizing: the same weights give one fingerprint in every quantization.
     weights_print = fingerprint(model)
-    reason = ""
-    if spec.quant == "auto" and device.type == "cpu" and quant == "bf16":
-        quant, reason = _auto_low_bit(model, tokenizer, spec, model_id, weights_print, report)
+    choice = None
+    if spec.quant == "auto" and device.type == "cpu":
+        choice = _auto_choice(model, tokenizer, spec, model_id, weights_print, report)
+        quant = choice.quant
+        if quant == "fp32":  # measured from the bf16 weights: run the file's own precision
+            model = _load_weights(folder, quant, device, spec.trust_remote_code)
     if quant in LOW_BIT:
         quantize_model(model, quant, wide_rows=None if spec.wide_copies else 0)
     lm = wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start,
                     weights_print)
-    lm.quant_reason = reason
+    lm.quant_reason = choice.reason if choice else ""
+    lm.quant_choice = choice
     release_freed_memory()
     return lm
 
@@ -98,20 +103,26 @@ def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: fl
     return lm
 
 
-def _auto_low_bit(model, tokenizer, spec, model_id, weights_print, report) -> tuple[str, str]:
-    """(quant, reason) --quant auto settles on for this model on this CPU: remembered, or
-    measured now (once) by engine/quant_auto.py."""
+def _auto_choice(model, tokenizer, spec, model_id, weights_print, report) -> quant_auto.Choice:
+    """What --quant auto settles on for this model on this CPU: remembered, or measured now
+    (once, or again when --requantize asks) by engine/quant_auto.py. A measurement that
+    fails keeps bf16 and says why in one line."""
     key = quant_auto.machine_key(weights_print)
-    choice = quant_auto.remembered(key)
+    choice = None if spec.requantize else quant_auto.remembered(key)
     if choice is None:
-        (report or log.info)("choosing the fastest weights that keep quality on this CPU "
+        (report or log.info)("choosing weights by their answers and speed on this CPU "
                              "(first time only)")
-        choice = quant_auto.measure(
-            model, tokenizer, lambda m, q: wrap_model(m, tokenizer, spec, model_id, q, 0.0,
-                                                      weights_print), report)
+        window = _context_len(model)
+        try:
+            choice = quant_auto.measure(
+                model, tokenizer, lambda m, q: wrap_model(m, tokenizer, spec, model_id, q, 0.0,
+                                                          weights_print), window, report)
+        except Exception as error:  # noqa: BLE001 - any failure keeps the safe choice
+            log.warning("auto quantization could not measure: %s", error)
+            return quant_auto.fallback(error)
         quant_auto.remember(key, choice)
     log.info("auto quantization: %s", choice.reason)
-    return choice.quant, choice.reason
+    return choice
 
 
 def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
@@ -128,11 +139,15 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
         quant=quant,
         device=next(model.parameters()).device,
         eos_ids=_eos_ids(model, tokenizer),
-        context_len=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
+        context_len=_context_len(model),
         fingerprint=model_fingerprint or fingerprint(model),
         load_seconds=load_seconds,
         target=make_target(model, spec.step, devices.compute_dtype(quant)),
     )
+
+
+def _context_len(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
 
 
 def make_target(model, step: str, act_dtype: torch.dtype) -> Target:

@@ -25,3 +25,28 @@ def seconds(device: torch.device | None, fn: Callable, *args) -> float:
     fn(*args)
     sync(device)
     return time.perf_counter() - start
+
+
+class PlainStep:
+    """One plain decode step of a loaded model, timed as often as asked at one position:
+    the prompt is prefilled once, and each step writes the same cache row and is rolled
+    back, so repeated timings cost a step each and the cache never grows."""
+
+    def __init__(self, lm, prompt_len: int = 192):
+        n = max(2, min(prompt_len, lm.context_len // 2))
+        ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, n + 1)]
+        self.lm, self.token, self.position = lm, ids[-1], n - 1
+        self.cache = lm.target.new_cache()
+        with torch.inference_mode():
+            lm.target.forward(self.cache, ids[:-1], 0, last_only=True)
+            self._step()  # warm
+
+    def seconds(self, repeats: int = 3) -> float:
+        """The fastest of `repeats` steps (the least disturbed by anything else running)."""
+        with torch.inference_mode():
+            return min(seconds(self.lm.device, self._step) for _ in range(repeats))
+
+    def _step(self) -> None:
+        out = self.lm.target.forward(self.cache, [self.token], self.position, last_only=True)
+        int(out.logits[0, -1].argmax())  # a plain step reads its token back to the host
+        self.lm.target.rollback(self.cache, 1)

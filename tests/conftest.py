@@ -1,19 +1,35 @@
 """Shared fixtures: tiny random models built from configs here, and the bundled model.
 
-Every test runs on the CPU, seeded, without network. Accelerators and settings go to a
-temporary data folder; the converted bundled model stays in the user cache (it is
-re-creatable and converting it takes ~15 s).
+Every test runs on the CPU, seeded, without network. Nothing a test writes reaches the
+user's folders: the data folder is a temporary one per test, and the cache (the converted
+bundled model, quantization choices, features, compiled steps, inductor's and Gradio's own
+files) one temporary folder for the session. The session fails if the user's folders
+changed while it ran (tests/home_guard.py).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
+from tests import home_guard
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Before anything asks for a folder: child processes (the launcher's commands) inherit these.
+_SESSION_DIR = tempfile.mkdtemp(prefix="quickdraft-tests-")
+home_guard.isolate(_SESSION_DIR)
+_USER_FOLDERS = home_guard.snapshot()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    changed = home_guard.changes(_USER_FOLDERS)
+    if changed:
+        print("\nthe suite changed the user's folders:\n  " + "\n  ".join(changed[:20]))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 from engine.config import ModelSpec  # noqa: E402
 from engine.loading import load_model, wrap_model  # noqa: E402

@@ -148,7 +148,8 @@ def test_a_tree_deeper_than_the_heads_is_refused(lm):
 
 
 def test_chat_without_trained_heads_prints_one_line(capsys):
-    code = main(["chat", "--prompt", "hi", "--accel", "medusa", "--max-new-tokens", "4"])
+    code = main(["chat", "--prompt", "hi", "--accel", "medusa", "--quant", "bf16",
+                 "--max-new-tokens", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert (

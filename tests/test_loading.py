@@ -104,13 +104,15 @@ def test_fingerprint_ignores_dtype_but_not_weights(tiny_folder):
 def test_chat_json_contract(capsys):
     from app.cli import main
 
+    # the reply's content depends on the weights: pinned, not left to --quant auto
     assert main(["chat", "--prompt", "What is the capital of France?", "--json",
-                 "--max-new-tokens", "16"]) == 0
+                 "--quant", "bf16", "--max-new-tokens", "16"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "Paris" in out["text"]
     assert out["accel"] == "off" and out["token_ids"]
     assert set(out["stats"]) >= {"tokens", "steps", "tokens_per_s", "ttft_s", "mean_accepted"}
     assert out["stats"]["tokens"] == len(out["token_ids"])
+    assert out["stats"]["quant"]["quant"] == "bf16" and out["stats"]["quant"]["asked"] == "bf16"
 
 
 def test_cli_errors_are_one_line(capsys):

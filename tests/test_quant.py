@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine import devices, neartie, quant, quant_auto
+from engine import neartie, quant
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import AcceleratorError
 from engine.generate import run
@@ -125,39 +125,3 @@ def test_crossover_is_the_first_size_from_which_the_copies_always_win():
     assert quant.crossover(low, {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2}) == 4
     assert quant.crossover(low, {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0}) == 0
     assert quant.crossover(low, {1: 0.5, 2: 2.0, 4: 2.0, 8: 2.0}) == 4  # 1 alone is not it
-
-
-def test_bf16_is_kept_unless_clearly_slower_than_fp32():
-    # A near-tie is timing noise: it must not drop the model to fp32 (and skip low-bit).
-    assert devices.keeps_bf16(1.05e-3, 1.0e-3)
-    assert devices.keeps_bf16(0.7e-3, 1.0e-3)
-    assert not devices.keeps_bf16(1.2e-3, 1.0e-3)  # emulated bf16 loses by far more
-    assert not devices.keeps_bf16(3.0e-3, 1.0e-3)
-
-
-def test_auto_picks_the_fastest_choice_that_passes_the_gate():
-    ppl = {"bf16": 10.0, "fp32": 9.99, "int4": 10.1, "int8w": 10.5}
-    ms = {"bf16": 30.0, "int4": 15.0, "int8w": 12.0}
-    best, reason = quant_auto.decide(ppl, ms)
-    assert best == "int4" and "int8w 10.50" in reason  # int8w is faster but fails
-    assert quant_auto.decide({**ppl, "int4": 11.0}, ms)[0] == "bf16"
-    assert quant_auto.decide(ppl, ms, tolerance=0.1)[0] == "int8w"
-
-
-def test_auto_measures_once_and_remembers(bundled_tokenizer, monkeypatch, tmp_path):
-    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path))
-    # the tiny vocabulary cannot hold the held-out text's tokens: score random ids instead
-    monkeypatch.setattr(quant_auto, "heldout_ids",
-                        lambda _tok: torch.randint(0, fm.VOCAB, (1, 48)))
-    lm = fm.family_model("llama-gqa", bundled_tokenizer)
-    model = lm.model.to(torch.bfloat16)
-    choice = quant_auto.measure(model, lm.tokenizer,
-                                lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q))
-    assert set(choice.perplexity) == {"fp32", "bf16", "int4", "int8w"}
-    assert choice.quant in ("bf16", "int4", "int8w") and choice.quant in choice.reason
-    assert all(0 <= a <= 1 for a in choice.agreement.values())
-    key = quant_auto.machine_key(lm.fingerprint)
-    assert quant_auto.remembered(key) is None
-    quant_auto.remember(key, choice)
-    assert quant_auto.remembered(key) == choice
-    assert not any(isinstance(m, quant.LowBitLinear) for m in model.modules())

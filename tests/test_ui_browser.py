@@ -77,7 +77,8 @@ def app_url(tmp_path_factory):
     with open(log_path, "w") as log:
         # the eager lean step: compiling it would take the CPU the test runs on
         proc = subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), "--no-browser",
-                                 "--port", str(port), "--step", "eager"], cwd=ROOT, env=env,
+                                 "--port", str(port), "--step", "eager", "--quant", "int4"],
+                                cwd=ROOT, env=env,
                                 stdout=log,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"

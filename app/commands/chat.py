@@ -53,8 +53,18 @@ def run(args: argparse.Namespace) -> int:
     used = drafter.used()  # for Auto, "auto:<arm>"
     if args.json:
         text, ids, stats = reply
-        print(json.dumps({"text": text, "token_ids": ids, "accel": used, "stats": stats.to_json()}))
+        print(json.dumps({"text": text, "token_ids": ids, "accel": used,
+                          "stats": {**stats.to_json(), "quant": _quant(lm)}}))
     return 0
+
+
+def _quant(lm) -> dict:
+    """Which weights replied and, where --quant auto chose them, the record it chose by."""
+    choice = lm.quant_choice
+    return {"quant": lm.quant, "asked": lm.spec.quant, "reason": lm.quant_reason,
+            "line": choice.line() if choice is not None and choice.records else "",
+            "questions": choice.questions if choice is not None else 0,
+            "records": choice.records if choice is not None else {}}
 
 
 def _reply(lm, drafter, params, prompt, history, system, echo: bool):

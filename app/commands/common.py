@@ -27,6 +27,9 @@ def add_model_args(parser: argparse.ArgumentParser, start: bool = False) -> None
     parser.add_argument("--wide-copies", action="store_true",
                         help="int4/int8w: also keep bf16 copies of the weights for steps of "
                              "many tokens where this CPU runs them faster (more memory)")
+    parser.add_argument("--requantize", action="store_true",
+                        help="--quant auto on a CPU: measure which weights to use again "
+                             "(answers and speed) instead of using the remembered choice")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow code shipped with the --model to run, for that model only "
                              "(off by default; the page cannot switch it on)")
@@ -48,7 +51,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec | None:
         return None
     return ModelSpec(source=gguf_source(args.model, args.gguf_file), quant=args.quant,
                      device=args.device, trust_remote_code=args.trust_remote_code,
-                     step=args.step, wide_copies=args.wide_copies)
+                     step=args.step, wide_copies=args.wide_copies,
+                     requantize=args.requantize)
 
 
 def load(args: argparse.Namespace, compiled: str = "load"):

@@ -8,6 +8,7 @@ import os
 
 from app.commands.common import add_model_args, model_spec
 from app.security import Limits
+from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
 HELP = "start the app in the browser (the default when no command is given)"
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
                               "add --model NAME")
     if not args.max_body_mb > 0:
         raise QuickdraftError("--max-body-mb must be a positive number")
-    model = model_spec(args)
+    model = model_spec(args) or _last_model_as_asked(args)
     if open_browser is None:
         open_browser = not args.no_browser
     auth = secret("auth", args.auth, args.auth_file, AUTH_ENV, os.environ)
@@ -65,3 +66,14 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
                             step=args.step)
     launch(options, block=True)
     return 0
+
+
+def _last_model_as_asked(args: argparse.Namespace) -> ModelSpec | None:
+    """--quant or --requantize without --model: the last model used, loaded as they ask
+    (None when neither is given: the last model as it was last loaded)."""
+    if args.quant == "auto" and not args.requantize:
+        return None
+    from app.store import Store
+
+    return ModelSpec(source=Store().load_settings().model, quant=args.quant,
+                     requantize=args.requantize)

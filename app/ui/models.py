@@ -45,7 +45,10 @@ class ModelsTab:
         self.quant = gr.Radio(QUANT_LABELS, value=s.quant, label="Quantization", info=QUANT_INFO)
         self.estimate = gr.Markdown(elem_id="qd-model-estimate")
         gr.Markdown(trust_note(service.host.trusted), elem_id="qd-model-trust")
-        self.load_btn = gr.Button("Load model", variant="primary", elem_id="qd-model-load")
+        with gr.Row():
+            self.load_btn = gr.Button("Load model", variant="primary", elem_id="qd-model-load")
+            self.requant_btn = gr.Button("Measure Auto's choice again", size="sm", scale=0,
+                                         min_width=220, elem_id="qd-model-requantize")
         self.status = gr.HTML(elem_id="qd-model-status")
 
     def wire(self) -> gr.events.Dependency:
@@ -53,6 +56,8 @@ class ModelsTab:
         self.refresh_btn.click(self.choices, None, [self.source], concurrency_limit=None)
         gr.on([self.source.change, self.quant.change], self.memory, [self.source, self.quant],
               [self.estimate], concurrency_limit=None)
+        self.requant_btn.click(self.requantize, [self.source], [self.status, self.current],
+                               concurrency_id="load")
         return self.load_btn.click(self.load, [self.source, self.quant],
                                    [self.status, self.current], concurrency_id="load")
 
@@ -96,11 +101,16 @@ class ModelsTab:
         same = lm is not None and lm.spec.source == spec.source
         return lm if same and spec.quant in ("auto", lm.quant) else None
 
-    def load(self, source, quant):
+    def requantize(self, source):
+        """Load `source` with Auto's quantization measured again (answers and speed here)."""
+        yield from self.load(source, "auto", requantize=True)
+
+    def load(self, source, quant, requantize: bool = False):
         """Load in the background and report progress; on failure the old model stays. The
         service decides whether the model may run its own code (the command line's choice)."""
         try:
-            job = self.service.host.start_load(ModelSpec(source=source or "default", quant=quant))
+            job = self.service.host.start_load(ModelSpec(source=source or "default", quant=quant,
+                                                         requantize=requantize))
         except QuickdraftError as exc:
             yield readout.error_html(str(exc)), gr.skip()
             return
