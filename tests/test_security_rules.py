@@ -246,6 +246,14 @@ def test_an_upload_takes_a_few_files_at_most():
     assert r.status_code == 413 and "files" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("size", ["inf", "nan", "0", "-1"])
+def test_a_body_cap_that_is_not_a_positive_finite_number_is_refused(size, capsys):
+    from app.cli import main as cli_main
+
+    assert cli_main(["serve", "--no-browser", "--max-body-mb", size]) == 2
+    assert "--max-body-mb" in capsys.readouterr().err
+
+
 def test_uploads_go_to_the_cache_folder_and_old_ones_are_removed(tmp_path, monkeypatch):
     from app.uploads import MAX_AGE_S, use_upload_folder
 
