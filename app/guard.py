@@ -1,6 +1,7 @@
 """The ASGI layer every request passes before any handler (the page, Gradio's API, /v1):
 the Host and Origin checks of app/security.py, the only CORS answers the server gives, the
-body cap and body read timeout, and the lockout after repeated failed logins or API keys.
+headers that keep other sites from framing the page, the body cap and body deadline, the
+upload cap, and the lockout after repeated failed logins or API keys.
 
 Refusals are JSON in OpenAI's error shape, so API clients show them like any other error.
 """
@@ -8,16 +9,23 @@ Refusals are JSON in OpenAI's error shape, so API clients show them like any oth
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import secrets
 import time
 from collections.abc import Callable
 
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import Request
 
 from app.security import Limits, Policy, host_allowed, origin_allowed, same_origin
 
 PREFLIGHT_MAX_AGE_S = 600  # browsers may cache an allowed origin's preflight this long
 THROTTLED = ("/login", "/login/", "/v1/")  # where failed credentials are counted (prefixes)
+UPLOAD_PATH = "/gradio_api/upload"  # Gradio's file uploads: the page's prompts file
+ACCEPTED_KEPT = 64  # credentials remembered as accepted (only right ones ever are)
+SINGLE = (b"host", b"origin")  # headers a request may carry once: two leave "which?" open
 
 
 class _Refused(Exception):
@@ -25,16 +33,23 @@ class _Refused(Exception):
 
 
 class Throttle:
-    """Failed logins per client: after `limits.login_failures` within `limits.lockout_s`,
-    the client is answered 429 for `limits.lockout_s`."""
+    """Failed logins and API keys per client address: after `limits.login_failures` within
+    `limits.lockout_s`, the address is answered 429 for `limits.lockout_s`, except for a
+    credential this server has accepted before. Every local program shares 127.0.0.1, so
+    without that exception five wrong guesses from any of them would lock the user out of
+    the key and login in use; a guess never accepted still waits, so guessing stays slow."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float]):
         self.limits, self.clock = limits, clock
         self._failures: dict[str, list[float]] = {}  # client -> times of recent failures
         self._locked: dict[str, float] = {}  # client -> when its lockout ends
+        self._salt = secrets.token_bytes(16)  # no secret is kept in memory as itself
+        self._accepted: dict[bytes, None] = {}  # digests of accepted credentials, oldest first
 
-    def wait_s(self, client: str) -> float:
-        """Seconds left of this client's lockout (0: not locked)."""
+    def wait_s(self, client: str, credential: bytes | None) -> float:
+        """Seconds left of this client's lockout for `credential` (0: may try)."""
+        if credential is not None and self._digest(credential) in self._accepted:
+            return 0.0
         left = self._locked.get(client, 0.0) - self.clock()
         if left <= 0:
             self._locked.pop(client, None)
@@ -51,8 +66,17 @@ class Throttle:
         if len(self._failures) > 10_000:  # many clients: forget the quiet ones
             self._failures = {c: f for c, f in self._failures.items() if f}
 
-    def succeeded(self, client: str) -> None:
-        self._failures.pop(client, None)
+    def succeeded(self, credential: bytes | None) -> None:
+        """Remember `credential` as accepted. The client's failures stay counted: the user's
+        own successes between someone's guesses must not reset the count for ever."""
+        if credential is None:
+            return
+        self._accepted[self._digest(credential)] = None
+        while len(self._accepted) > ACCEPTED_KEPT:  # a server with no key accepts any
+            del self._accepted[next(iter(self._accepted))]
+
+    def _digest(self, credential: bytes) -> bytes:
+        return hashlib.sha256(self._salt + credential).digest()
 
 
 class Guard:
@@ -61,10 +85,19 @@ class Guard:
     def __init__(self, app, policy: Policy, clock: Callable[[], float] = time.monotonic):
         self.app, self.policy = app, policy
         self.throttle = Throttle(policy.limits, clock)
+        # who may show the page inside theirs: itself and the origins allowed to call it
+        ancestors = " ".join(["'self'", *sorted(o for o in policy.origins if o != "null")])
+        self.frame_headers = {"content-security-policy": f"frame-ancestors {ancestors}",
+                              "x-frame-options": "SAMEORIGIN"}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
+            return
+        repeated = [k for k, _ in scope["headers"] if k in SINGLE]
+        if len(repeated) != len(set(repeated)):
+            await _refuse(scope, send, 400, "the request carries more than one Host or Origin "
+                          "header: send each once")
             return
         headers = Headers(scope=scope)
         host = headers.get("host")
@@ -88,62 +121,137 @@ class Guard:
 
     async def _http(self, scope, receive, send, headers: Headers, echo: str | None) -> None:
         limits = self.policy.limits
-        client = (scope.get("client") or ("?", 0))[0]
-        counted = scope["path"].startswith(THROTTLED)
-        if counted and (wait := self.throttle.wait_s(client)):
-            await _refuse(scope, send, 429, "too many failed logins or API keys: wait before "
-                          "trying again", {"retry-after": str(int(wait) + 1)})
-            return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limits.max_body_bytes:
             await _refuse(scope, send, 413, _too_large(limits))
             return
-        state = {"read": 0, "done": False, "started": False, "refused": False}
-
-        async def guarded_receive():
-            if state["done"]:
-                return await receive()  # after the body: waits for a disconnect
-            try:
-                message = await asyncio.wait_for(receive(), limits.body_timeout_s)
-            except asyncio.TimeoutError:
-                await refuse(408, f"no request body arrived for {limits.body_timeout_s:g} s")
-            if message["type"] != "http.request" or not message.get("more_body"):
-                state["done"] = True
-            state["read"] += len(message.get("body", b""))
-            if state["read"] > limits.max_body_bytes:
-                await refuse(413, _too_large(limits))
-            return message
-
-        async def refuse(status: int, text: str):
-            if not state["started"]:
-                state["started"] = True
-                await _refuse(scope, send, status, text)
-            state["refused"] = True
-            raise _Refused
+        body = _Body(receive, limits, scope, send)
+        client = (scope.get("client") or ("?", 0))[0]
+        counted = scope["path"].startswith(THROTTLED)
+        credential = None
 
         async def guarded_send(message) -> None:
-            if state["refused"]:
+            if body.refused:
                 return  # the guard has answered: whatever the app says next is dropped
             if message["type"] == "http.response.start":
-                state["started"] = True
+                body.started = True
                 _cors(message, echo)
+                MutableHeaders(scope=message).update(self.frame_headers)
                 if counted:
-                    self._count(client, scope["path"], message["status"])
+                    self._count(client, scope["path"], message["status"], credential)
             await send(message)
 
         try:
-            await self.app(scope, guarded_receive, guarded_send)
+            if counted:
+                credential = await _credential(scope, headers, body)
+                if wait := self.throttle.wait_s(client, credential):
+                    await body.refuse(429, "too many failed logins or API keys: wait before "
+                                      "trying again", {"retry-after": str(int(wait) + 1)})
+            if scope["path"] == UPLOAD_PATH:
+                await _check_upload(headers, body, limits)
+            await self.app(scope, body.receive, guarded_send)
         except _Refused:
             pass
         except Exception:
-            if not state["refused"]:
+            if not body.refused:
                 raise
 
-    def _count(self, client: str, path: str, status: int) -> None:
+    def _count(self, client: str, path: str, status: int, credential: bytes | None) -> None:
         if status == 401 or (status == 400 and path.startswith("/login")):
             self.throttle.failed(client)
         elif status < 300:
-            self.throttle.succeeded(client)
+            self.throttle.succeeded(credential)
+
+
+class _Body:
+    """The request body as the app reads it: capped at `limits.max_body_bytes` and due in
+    full within `limits.body_timeout_s` of its first read, else refused (413, 408). The
+    guard may read it first (`read_all`): the app then reads the same messages again."""
+
+    def __init__(self, receive, limits: Limits, scope, send):
+        self._receive, self.limits, self._scope, self._send = receive, limits, scope, send
+        self.read, self.done, self.started, self.refused = 0, False, False, False
+        self._deadline: float | None = None
+        self._kept: list[dict] = []  # messages read by the guard, for the app to read again
+
+    async def receive(self):
+        if self._kept:
+            return self._kept.pop(0)
+        return await self._read()
+
+    async def read_all(self) -> bytes:
+        """The whole body, kept for the app (at most `max_body_bytes`)."""
+        while not self.done:
+            self._kept.append(await self._read())
+        return b"".join(m.get("body", b"") for m in self._kept)
+
+    async def _read(self):
+        if self.done:
+            return await self._receive()  # after the body: waits for a disconnect
+        loop = asyncio.get_running_loop()
+        if self._deadline is None:
+            self._deadline = loop.time() + self.limits.body_timeout_s
+        try:
+            message = await asyncio.wait_for(self._receive(), self._deadline - loop.time())
+        except asyncio.TimeoutError:
+            await self.refuse(408, f"the request body did not arrive within "
+                              f"{self.limits.body_timeout_s:g} s")
+        if message["type"] != "http.request" or not message.get("more_body"):
+            self.done = True
+        self.read += len(message.get("body", b""))
+        if self.read > self.limits.max_body_bytes:
+            await self.refuse(413, _too_large(self.limits))
+        return message
+
+    async def refuse(self, status: int, text: str, extra: dict | None = None):
+        if not self.started:
+            self.started = True
+            await _refuse(self._scope, self._send, status, text, extra)
+        self.refused = True
+        raise _Refused
+
+
+async def _credential(scope, headers: Headers, body: _Body) -> bytes | None:
+    """What a throttled request presents: the login's user and password, or the API key;
+    the kind goes first, so that a value accepted as one is never trusted as the other.
+    None: a login form this cannot read (never remembered, always subject to lockouts)."""
+    if not scope["path"].startswith("/login"):
+        return b"key\n" + headers.get("authorization", "").encode()
+    if scope["method"] != "POST":
+        return None
+    raw = await body.read_all()
+    kept = iter([{"type": "http.request", "body": raw}])
+
+    async def replay():
+        return next(kept, {"type": "http.disconnect"})
+
+    try:  # read as the login route reads it (FastAPI's form limits)
+        async with Request(scope, replay).form() as form:
+            user, password = form.get("username"), form.get("password")
+    except Exception:  # unreadable: the login route answers it
+        return None
+    if not isinstance(user, str) or not isinstance(password, str):
+        return None
+    return f"login\n{user.strip()}:{password}".encode(errors="surrogatepass")
+
+
+async def _check_upload(headers: Headers, body: _Body, limits: Limits) -> None:
+    """Refuse an upload of more than `limits.upload_files` files before any is written (its
+    total size is the body cap's). Parts are counted by their delimiter lines."""
+    boundary = _boundary(headers.get("content-type", ""))
+    if boundary is None:
+        return  # not multipart: Gradio refuses it
+    raw = await body.read_all()
+    parts = (b"\r\n" + raw).count(b"\r\n--" + boundary) - 1  # the last one closes
+    if parts > limits.upload_files:
+        await body.refuse(413, f"an upload takes at most {limits.upload_files} files "
+                          f"({parts} sent)")
+
+
+def _boundary(content_type: str) -> bytes | None:
+    kind, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
+    return boundary if kind == b"multipart/form-data" and boundary else None
 
 
 def _scheme(scope) -> str:
@@ -182,8 +290,9 @@ async def _refuse(scope, send, status: int, message: str, extra: dict | None = N
         return
     kind = "rate_limit_error" if status == 429 else "invalid_request_error"
     body = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": {403: "forbidden", 408: "request_timeout",
-                                          413: "request_too_large", 429: "rate_limited"}[status]}})
+                                 "code": {400: "invalid_request", 403: "forbidden",
+                                          408: "request_timeout", 413: "request_too_large",
+                                          429: "rate_limited"}[status]}})
     head = {"content-type": "application/json", "content-length": str(len(body)),
             "connection": "close", **(extra or {})}
     await send({"type": "http.response.start", "status": status,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,10 @@ DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 # A prompt longer than this many characters per token of the model's context cannot fit
 # whatever its tokens: refused before the tokenizer spends seconds on megabytes of text.
 PROMPT_CHARS_PER_TOKEN = 16
+# A Host header is a name (letters, digits, '.', '-', '_') or an IPv6 address in brackets,
+# then an optional numeric port; nothing else. Lenient parsing would let 'evil.com#.localhost'
+# pass as a *.localhost name, or 'localhost:evil' as localhost.
+HOST_HEADER = re.compile(r"(?P<name>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?")
 
 
 def prompt_too_long(chars: int, context_len: int) -> str | None:
@@ -40,9 +45,12 @@ class Limits:
 
     max_body_bytes: int = 4 * 2**20  # larger bodies are answered 413 (--max-body-mb)
     header_timeout_s: float = 10.0  # a request head not complete by then: connection closed
-    body_timeout_s: float = 30.0  # no body bytes for this long: 408 and closed
+    # the whole body must arrive within this long of its first read, however it trickles
+    # (a byte a second would reset an idle timer for ever): 408 and closed
+    body_timeout_s: float = 30.0
     login_failures: int = 5  # failed logins or API keys per client before a lockout
-    lockout_s: float = 60.0  # how long such a client is answered 429
+    lockout_s: float = 60.0  # how long such a client's new credentials are answered 429
+    upload_files: int = 4  # files in one upload request (the page sends one at a time)
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,10 @@ def make_policy(host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (),
 
 def host_allowed(policy: Policy, host_header: str | None) -> bool:
     """Is `Host: host_header` one of the names this server answers to?"""
-    if not host_header:
-        return False  # HTTP/1.1 requires it; a browser always sends it
-    name = _bare(split_host(host_header)[0])
+    parts = split_host(host_header or "")
+    if parts is None:
+        return False  # missing (HTTP/1.1 requires it; a browser always sends it) or malformed
+    name = _bare(parts[0])
     if name in LOOPBACK_NAMES or name.endswith(".localhost") or name in policy.hosts:
         return True
     address = _address(name)
@@ -84,7 +93,10 @@ def host_allowed(policy: Policy, host_header: str | None) -> bool:
 
 def same_origin(origin: str, scheme: str, host_header: str) -> bool:
     """Is `origin` the page's own: the scheme, host and port this request was sent to?"""
-    name, port = split_host(host_header)
+    parts = split_host(host_header)
+    if parts is None:
+        return False
+    name, port = parts
     own = f"{scheme}://{name}" + (f":{port}" if port is not None else "")
     return normalise_origin(origin) == normalise_origin(own)
 
@@ -112,12 +124,16 @@ def normalise_origin(origin: str) -> str:
     return f"{parts.scheme}://{host}"
 
 
-def split_host(host_header: str) -> tuple[str, int | None]:
-    """'example.com:80' -> ('example.com', 80); '[::1]:7860' -> ('[::1]', 7860)."""
-    host, _, port = host_header.strip().rpartition(":")
-    if not host or "]" in port or (host.count(":") and not host.startswith("[")):
-        return host_header.strip(), None  # no port, or a bare IPv6 address
-    return host, int(port) if port.isdigit() else None
+def split_host(host_header: str) -> tuple[str, int | None] | None:
+    """'example.com:80' -> ('example.com', 80); '[::1]:7860' -> ('[::1]', 7860);
+    None for anything that is not a name or address with an optional port."""
+    match = HOST_HEADER.fullmatch(host_header.strip())
+    if match is None:
+        return None
+    port = match["port"]
+    if port is not None and not 0 < int(port) < 2**16:
+        return None
+    return match["name"], int(port) if port is not None else None
 
 
 def _bare(name: str) -> str:

@@ -37,6 +37,7 @@ def server(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path_factory.mktemp("api-data")))
         mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
         options = LaunchOptions(open_browser=False, model=ModelSpec(quant="fp32"), api_key=KEY)
         demo, url, service = launch(options, block=False)
         try:
@@ -223,6 +224,21 @@ def test_a_missing_or_wrong_key_is_401(server):
         r = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server[1] + "/v1/models").status_code == 401
+
+
+def test_wrong_keys_from_another_local_program_do_not_lock_out_the_right_one(server):
+    """Every local client is 127.0.0.1: a key in use keeps working while guesses wait."""
+    url = server[1]
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+
+    def guess(i: int) -> int:
+        headers = {"Authorization": f"Bearer guess-{i:04}"}
+        return httpx.get(url + "/v1/models", headers=headers).status_code
+
+    codes = [guess(i) for i in range(6)]  # earlier tests' wrong keys may count already
+    assert 429 in codes and set(codes[:codes.index(429)]) == {401}
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    assert guess(6) == 429
 
 
 def test_503_while_a_model_loads(server, service):

@@ -69,6 +69,48 @@ def test_parse_refuses_with_the_parameter_named(body, param):
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("raw,param", [
+    ('"temperature": NaN', "temperature"), ('"temperature": Infinity', "temperature"),
+    ('"temperature": 1e400', "temperature"), ('"temperature": 1' + "0" * 400, "temperature"),
+    ('"top_p": NaN', "top_p"), ('"top_p": -Infinity', "top_p"),
+    ('"max_tokens": NaN', "max_tokens"), ('"max_completion_tokens": Infinity',
+                                         "max_completion_tokens"),
+    ('"seed": NaN', "seed"), ('"n": NaN', "n"), ('"presence_penalty": NaN', "presence_penalty"),
+])
+def test_a_number_that_is_not_finite_is_refused_naming_it(raw, param):
+    """Python's JSON reader takes NaN, Infinity and 1e400 (inf): each is a 400, never a
+    crash further on."""
+    body = json.loads('{"messages": [{"role": "user", "content": "hi"}], ' + raw + "}")
+    with pytest.raises(ApiError) as err:
+        parse(body, 256)
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"temperature": 1e-300}, "temperature", "0 (greedy) or in [0.01, 2]"),
+    ({"temperature": 0.001}, "temperature", "0 (greedy) or in [0.01, 2]"),
+    ({"temperature": 1, "top_p": 1e-300}, "top_p", "in [0.01, 1]"),
+])
+def test_values_the_sampler_cannot_use_are_refused_like_the_page_does(extra, param, words):
+    with pytest.raises(ApiError) as err:
+        parse({"messages": [USER], **extra}, 256)
+    assert err.value.param == param and words in err.value.message
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "user", "content": "hi \ud800"}], "messages[0].content"),
+    ([{"role": "system", "content": "be \udfff"}, USER], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}],
+     "messages[0].content"),
+])
+def test_text_that_is_not_valid_unicode_is_refused_naming_it(messages, param):
+    """A lone surrogate (as the JSON escape "\\ud800" reads) no tokenizer takes."""
+    with pytest.raises(ApiError) as err:
+        parse({"messages": messages}, 256)
+    assert err.value.status == 400 and err.value.param == param
+    assert "lone surrogate" in err.value.message
+
+
 @pytest.fixture
 def app(tmp_path, bundled_tokenizer):
     lm = make_tiny_model("llama-mha", bundled_tokenizer)
@@ -90,6 +132,7 @@ def served(tmp_path, bundled_tokenizer):
 
 
 ASK = {"temperature": 0, "max_tokens": 4, "accel": "off", "messages": [USER]}
+INTERNAL = "the server failed to make this reply: see its log"
 
 
 def _stream_lines(client, body) -> list[str]:
@@ -132,14 +175,29 @@ def test_a_generation_error_is_one_openai_error_and_the_worker_survives_it(serve
     monkeypatch.setattr(service.replies, "complete", failing)
     r = client.post("/v1/chat/completions", json=ASK)  # a whole reply
     assert r.status_code == 500
-    assert r.json()["error"] == {"message": "RuntimeError: boom", "type": "server_error",
-                                 "param": None, "code": "internal_error"}
+    error = r.json()["error"]  # one generic line: the exception's text stays in the log
+    assert error == {"message": INTERNAL, "type": "server_error", "param": None,
+                     "code": "internal_error"}
     lines = _stream_lines(client, ASK)  # a streamed one: the error is a chunk, then the end
     errors = [json.loads(line[6:]) for line in lines if '"error"' in line]
-    assert [e["error"]["message"] for e in errors] == ["RuntimeError: bang"]
+    assert [e["error"]["message"] for e in errors] == [INTERNAL]
+    assert "bang" not in "".join(lines) and "boom" not in r.text
     assert lines[-1] == "data: [DONE]"
     after = client.post("/v1/chat/completions", json=ASK)  # the worker is still serving
     assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("size", [512, 10**30])
+def test_max_tokens_beyond_the_context_is_400_before_a_stream_starts(served, key, size):
+    """Whole or streamed, the same 400 naming the parameter (the tiny model's window is
+    512): a stream never opens with 200 to end in an error chunk."""
+    client, service = served
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions",
+                        json={**ASK, "max_tokens": None, key: size, "stream": stream})
+        assert r.status_code == 400, (stream, r.text[:200])
+        assert r.json()["error"]["param"] == key and "context" in r.json()["error"]["message"]
 
 
 def test_a_reply_cancelled_before_its_turn_never_runs():

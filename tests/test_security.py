@@ -42,12 +42,13 @@ def server(tmp_path_factory):
     write_bad_store(data)
     try:  # the limits this module asserts, short for the test
         from app.security import Limits
-        limits = Limits(header_timeout_s=1.5, body_timeout_s=1.5)
+        limits = Limits(header_timeout_s=1.5, body_timeout_s=2.0)
     except ImportError:  # a version without them: the tests show what it does instead
         limits = None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QUICKDRAFT_DATA_DIR", str(data))
         mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
         mp.delenv("QUICKDRAFT_ORIGINS", raising=False)
         demo, url, service = launch(_options(open_browser=False, model=ModelSpec(quant="fp32"),
                                              limits=limits), block=False)
@@ -157,6 +158,23 @@ def test_a_foreign_host_starts_no_generation(url, generations):
     assert r.status_code == 403 and generations == []
 
 
+@pytest.mark.parametrize("host", ["localhost:evil", "127.0.0.1:80@evil", "evil.com#.localhost"])
+def test_a_malformed_host_is_refused(url, host):
+    assert httpx.get(url + "/config", headers={"Host": host}, timeout=30).status_code == 403
+
+
+def test_two_origins_are_refused(url, generations):
+    r = httpx.post(url + "/v1/chat/completions", json=HI, timeout=60,
+                   headers=[("Origin", url), ("Origin", f"http://{EVIL}")])
+    assert r.status_code == 400 and generations == []
+
+
+def test_the_page_cannot_be_framed_by_another_site(url):
+    r = httpx.get(url + "/", timeout=30)
+    assert r.status_code == 200 and r.headers["x-frame-options"] == "SAMEORIGIN"
+    assert r.headers["content-security-policy"] == "frame-ancestors 'self'"
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
 def test_loopback_names_are_served(url, host):
     r = httpx.get(url + "/config", headers={"Host": f"{host}:{_port(url)}"}, timeout=30)
@@ -193,7 +211,7 @@ def test_the_page_own_origin_and_no_origin_are_served(url, generations):
     assert plain.status_code == 200 and len(generations) == 2
 
 
-# -- 3/4. Stored files (the rest: tests/test_stored_files.py) -----------------------------------------------------------
+# -- 3/4. Stored files (the rest: tests/test_stored_files.py) ---------------------------------
 
 def test_corrupt_conversations_leave_the_others_listed(service, url):
     listed = {c.id: c for c in service.store.list()}
@@ -263,6 +281,43 @@ def test_stalled_connections_are_closed(url):
     assert reply.startswith(b"HTTP/1.1 408") or reply == b"", reply[:200]
 
 
+def test_a_trickled_body_is_closed_at_its_deadline(url, generations):
+    """A byte every 0.5 s is never idle long, yet the whole body must arrive within the
+    server's deadline (2 s here)."""
+    where = urlparse(url)
+    start = time.monotonic()
+    with socket.create_connection((where.hostname, where.port), timeout=20) as sock:
+        sock.sendall(_head(url, 1000))
+        reply = b""
+        while not reply and time.monotonic() - start < 20:
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                break  # closed by the server
+            sock.settimeout(0.5)
+            try:
+                reply = sock.recv(65536) or b"<closed>"
+            except TimeoutError:
+                continue
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert time.monotonic() - start < 15 and generations == []
+
+
+def _files(count: int) -> list:
+    return [("files", (f"p{i}.txt", b'{"prompt": "hi"}\n', "text/plain")) for i in range(count)]
+
+
+def test_uploads_go_to_the_app_folder_and_are_capped(url):
+    import os
+
+    folder = Path(os.environ["GRADIO_TEMP_DIR"])  # the fixture's; the app's cache otherwise
+    r = httpx.post(url + "/gradio_api/upload", files=_files(1), timeout=30)
+    assert r.status_code == 200 and Path(r.json()[0]).is_relative_to(folder)
+    before = sorted(folder.rglob("*"))
+    r = httpx.post(url + "/gradio_api/upload", files=_files(200), timeout=30)
+    assert r.status_code == 413 and sorted(folder.rglob("*")) == before
+
+
 # -- 6. Client mistakes are 4xx ----------------------------------------------------------------
 
 def _error(r: httpx.Response) -> dict:
@@ -308,7 +363,8 @@ def test_text_response_format_is_accepted(url):
     assert httpx.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc",
+                                  "/gradio_api/openapi.json"])
 def test_no_schema_pages_are_served(url, path):
     assert httpx.get(url + path, timeout=30).status_code == 404
 
@@ -320,6 +376,7 @@ def test_the_api_is_routed_before_the_port_opens(monkeypatch, tmp_path, bundled_
     from tests.conftest import make_tiny_model
 
     tiny = make_tiny_model("llama-mha", bundled_tokenizer)
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
     monkeypatch.setattr("app.host.load_model", lambda spec, report=None: tiny)
     seen = {}
 

@@ -5,7 +5,9 @@ The server-level repros are in test_security.py.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -33,8 +35,9 @@ def _tiny_app():
         return JSONResponse({}, status_code=200 if ok else 401)
 
     return Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]),
+                             Route("/gradio_api/upload", echo, methods=["POST"]),
                              Route("/login", login, methods=["POST"]),
-                             Route("/v1/models", v1)])
+                             Route("/v1/models", v1), Route("/v1/open", echo)])
 
 
 def _guarded(clock=time.monotonic, **policy):
@@ -94,6 +97,179 @@ def test_logins_are_throttled_per_client():
     for _ in range(5):
         assert client.get("/v1/models").status_code == 401  # wrong keys count too
     assert client.get("/v1/models").status_code == 429
+
+
+KEY = {"Authorization": "Bearer right-key"}
+
+
+@pytest.mark.parametrize("multipart", [False, True])
+def test_wrong_credentials_never_lock_out_one_already_accepted(multipart):
+    """Every local client is 127.0.0.1: five wrong keys from any local program must not lock
+    the user out of the key and login they use. A credential never accepted still waits,
+    so guessing stays slowed."""
+    client = _guarded(clock=lambda: 1000.0, host="127.0.0.1")
+
+    def login(password: str) -> int:
+        form = {"username": "me", "password": password}
+        if multipart:  # as the page's FormData
+            return client.post("/login", files={k: (None, v) for k, v in form.items()}
+                               ).status_code
+        return client.post("/login", data=form).status_code
+
+    assert login("right") == 200 and client.get("/v1/models", headers=KEY).status_code == 200
+    for _ in range(5):
+        assert client.get("/v1/models", headers={"Authorization": "Bearer guess"}
+                          ).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer guess2"}
+                      ).status_code == 429
+    assert login("guess") == 429
+    for _ in range(3):  # the key and the login in use pass, and do not end the lockout
+        assert client.get("/v1/models", headers=KEY).status_code == 200
+        assert login("right") == 200
+    assert login("guess3") == 429
+
+
+def test_an_accepted_api_key_does_not_open_the_login():
+    """A value sent as an API key (accepted by a server that needs none) is not trusted as
+    the login's user and password."""
+    client = _guarded(clock=lambda: 1000.0, host="127.0.0.1")
+    assert client.get("/v1/open", headers={"Authorization": "me:guess"}).status_code == 200
+    for _ in range(5):
+        assert client.post("/login", data={"password": "wrong"}).status_code == 400
+    assert client.post("/login", data={"username": "me", "password": "guess"}
+                       ).status_code == 429
+
+
+def test_responses_cannot_be_framed_by_other_sites():
+    client = _guarded(host="127.0.0.1", allowed_origins=("http://tool.example:8080",))
+    for r in (client.get("/echo"), client.get("/nothing-here"), client.post("/login", data={})):
+        assert r.headers["x-frame-options"] == "SAMEORIGIN"
+        assert r.headers["content-security-policy"] == (
+            "frame-ancestors 'self' http://tool.example:8080")
+
+
+@pytest.mark.parametrize("host", ["localhost:evil", "127.0.0.1:80@evil", "evil.com#.localhost",
+                                  "localhost:", "localhost:99999", "localhost:80:80",
+                                  "me@localhost", "[::1", "local host", "localhost/x", "::1"])
+def test_a_malformed_host_is_refused(host):
+    assert _guarded(host="127.0.0.1").get("/echo", headers={"Host": host}).status_code == 403
+
+
+@pytest.mark.parametrize("host", ["localhost", "localhost:7860", "LOCALHOST.", "[::1]:7860",
+                                  "127.0.0.1", "app.localhost:1"])
+def test_well_formed_loopback_hosts_are_served(host):
+    assert _guarded(host="127.0.0.1").get("/echo", headers={"Host": host}).status_code == 200
+
+
+@pytest.mark.parametrize("name,values", [
+    ("origin", ["http://127.0.0.1:7860", "http://evil.example"]),
+    ("origin", ["http://127.0.0.1:7860", "http://127.0.0.1:7860"]),
+    ("host", ["127.0.0.1:7860", "evil.example"]),
+])
+def test_a_repeated_host_or_origin_is_refused(name, values):
+    client = _guarded(host="127.0.0.1")
+    r = client.post("/echo", content=b"{}", headers=[(name, v) for v in values])
+    assert r.status_code == 400 and name in r.json()["error"]["message"].lower()
+
+
+def _http_scope(path: str, headers: list[tuple[bytes, bytes]] = ()) -> dict:
+    return {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+            "headers": [(b"host", b"127.0.0.1:7860"), *headers],
+            "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 7860)}
+
+
+def test_a_trickled_body_is_refused_at_its_deadline():
+    """A byte every 0.2 s never leaves the body idle, yet the whole body must arrive within
+    the deadline (2 s here): then 408."""
+    from app.guard import Guard
+    from app.security import Limits, make_policy
+
+    guard = Guard(_tiny_app(), make_policy(limits=Limits(body_timeout_s=2.0)))
+    sent = []
+
+    async def trickle():
+        await asyncio.sleep(0.2)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    start = time.monotonic()
+    asyncio.run(asyncio.wait_for(guard(_http_scope("/echo"), trickle, send), 15))
+    assert sent[0]["status"] == 408 and time.monotonic() - start < 10
+
+
+def _multipart(files: int) -> tuple[bytes, dict]:
+    parts = b"".join(b'--b0undary\r\nContent-Disposition: form-data; name="files"; '
+                     b'filename="p%d.txt"\r\nContent-Type: text/plain\r\n\r\nhello\r\n' % i
+                     for i in range(files))
+    return parts + b"--b0undary--\r\n", {"content-type": "multipart/form-data; boundary=b0undary"}
+
+
+def _drive(path: str, chunks: list[bytes], headers: dict) -> tuple[int, bytes]:
+    """One request through the guard, its body in `chunks` (as a socket delivers it)."""
+    from app.guard import Guard
+    from app.security import make_policy
+
+    guard = Guard(_tiny_app(), make_policy())
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                for i, c in enumerate(chunks)]
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    asyncio.run(asyncio.wait_for(guard(_http_scope(path, raw), receive, send), 15))
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_bodies_the_guard_reads_first_reach_the_app_whole():
+    body, headers = _multipart(2)
+    chunks = [body[i:i + 7] for i in range(0, len(body), 7)]
+    assert _drive("/gradio_api/upload", chunks, headers) == (200, str(len(body)).encode())
+    form = b"username=me&password=right"
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    assert _drive("/login", [form[:5], form[5:]], headers)[0] == 200
+
+
+def test_an_upload_takes_a_few_files_at_most():
+    client = _guarded(host="127.0.0.1")
+    body, headers = _multipart(1)
+    assert client.post("/gradio_api/upload", content=body, headers=headers).status_code == 200
+    body, headers = _multipart(200)
+    r = client.post("/gradio_api/upload", content=body, headers=headers)
+    assert r.status_code == 413 and "files" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("size", ["inf", "nan", "0", "-1"])
+def test_a_body_cap_that_is_not_a_positive_finite_number_is_refused(size, capsys):
+    from app.cli import main as cli_main
+
+    assert cli_main(["serve", "--no-browser", "--max-body-mb", size]) == 2
+    assert "--max-body-mb" in capsys.readouterr().err
+
+
+def test_uploads_go_to_the_cache_folder_and_old_ones_are_removed(tmp_path, monkeypatch):
+    from app.uploads import MAX_AGE_S, use_upload_folder
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    old, new = tmp_path / "cache/uploads/aa/old.txt", tmp_path / "cache/uploads/bb/new.txt"
+    for path in (old, new):
+        path.parent.mkdir(parents=True)
+        path.write_text("x")
+    then = time.time() - MAX_AGE_S - 60
+    os.utime(old, (then, then))
+    environ = {}
+    folder = use_upload_folder(environ)
+    assert folder == tmp_path / "cache/uploads" and environ["GRADIO_TEMP_DIR"] == str(folder)
+    assert new.exists() and not old.exists() and not old.parent.exists()
+    chosen = {"GRADIO_TEMP_DIR": str(tmp_path / "mine")}  # the user's own choice is kept
+    assert use_upload_folder(chosen) == tmp_path / "mine"
 
 
 # -- 7. Messages for broken files ---------------------------------------------------------------

@@ -21,13 +21,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.api.schema import ApiError, check_prompt_size, parse
 from app.api.worker import END, Reply, ReplyWorker
 from app.host import model_name
-from app.jobs import one_line
 from app.service import Service
 from engine.config import SamplingParams
 from engine.errors import QuickdraftError
 from engine.loading import LoadedModel
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+# What a client is told of a failure that is not its mistake: the exception's own text (paths,
+# internals) stays in the server's log, where the worker writes it with its traceback.
+INTERNAL_ERROR = "the server failed to make this reply: see its log"
 
 
 @dataclass(frozen=True)
@@ -219,5 +221,5 @@ def _chunk(head: dict, delta: dict, finish: str | None = None, **extra) -> str:
 def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, QuickdraftError):
         return ApiError(400, str(exc), None, "generation_refused")
-    return ApiError(500, one_line(exc), None, "internal_error", "server_error")
+    return ApiError(500, INTERNAL_ERROR, None, "internal_error", "server_error")
 

@@ -6,16 +6,16 @@ Parsed by hand rather than by a pydantic model so every refusal is a 400 with Op
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
 from dataclasses import dataclass
 
 from app.security import prompt_too_long
+from app.settings_rules import problem, text_problem
 from engine.config import ChatMessage, SamplingParams
 from engine.drafters.registry import ACCEL_CHOICES
 
 ROLES = ("system", "developer", "user", "assistant")  # "developer": OpenAI's newer "system"
 MAX_STOP = 4  # OpenAI accepts up to four stop sequences
-TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 DEFAULT_ACCEL = "auto"  # the app's own default: the fastest drafter per step
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what the generator's manual_seed accepts
 
@@ -57,6 +57,7 @@ class CompletionRequest:
     accel: str  # Quickdraft extension: acceleration method (default Auto)
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    max_tokens_key: str = "max_tokens"  # the field the reply's length came from (for errors)
 
 
 def parse(body: object, default_max_tokens: int) -> CompletionRequest:
@@ -81,7 +82,7 @@ def parse(body: object, default_max_tokens: int) -> CompletionRequest:
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
     return CompletionRequest(model, messages, system, _params(body, default_max_tokens), accel,
-                             stream, bool(options.get("include_usage")))
+                             stream, bool(options.get("include_usage")), _max_tokens_key(body))
 
 
 def _unsupported(body: dict) -> None:
@@ -92,10 +93,16 @@ def _unsupported(body: dict) -> None:
 
 
 def check_prompt_size(req: CompletionRequest, context_len: int) -> None:
-    """Refuse a prompt that cannot fit the model's context, before tokenizing it."""
+    """Refuse a prompt or a reply length that cannot fit the model's context, before
+    tokenizing the prompt and before a stream opens (its errors would follow a 200)."""
     chars = sum(len(m.content) for m in req.messages) + len(req.system or "")
     if (why := prompt_too_long(chars, context_len)) is not None:
         raise ApiError(400, why, "messages", "context_length_exceeded")
+    if req.params.max_new_tokens >= context_len:  # the prompt needs at least one token
+        key = req.max_tokens_key
+        raise ApiError(400, f"{key} ({req.params.max_new_tokens:,}) leaves no room for a "
+                       f"prompt in this model's {context_len:,}-token context: ask for fewer",
+                       key, "context_length_exceeded")
 
 
 def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:
@@ -120,22 +127,23 @@ def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:
 
 
 def _content(value, i: int) -> str:
-    """A string, or OpenAI's list of content parts (text parts only)."""
-    if isinstance(value, str):
-        return value
+    """A string, or OpenAI's list of content parts (text parts only), that a tokenizer takes
+    (a JSON escape such as "\\ud800" reads as a lone surrogate, which none does)."""
+    key = f"messages[{i}].content"
     if isinstance(value, list):
         texts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-    raise _bad(f"messages[{i}].content must be a string or a list of text parts",
-               f"messages[{i}].content")
+            value = "".join(texts)
+    if not isinstance(value, str):
+        raise _bad(f"{key} must be a string or a list of text parts", key)
+    if (why := text_problem(value)) is not None:
+        raise _bad(f"{key} {why}", key)
+    return value
 
 
 def _params(body: dict, default_max_tokens: int) -> SamplingParams:
-    temperature = _number(body, "temperature", lambda t: 0 <= t <= TEMPERATURE_MAX,
-                          f"between 0 and {TEMPERATURE_MAX:g}")
-    top_p = _number(body, "top_p", lambda p: 0 < p <= 1, "in (0, 1]")
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    key = _max_tokens_key(body)
     max_tokens = body.get(key)
     if max_tokens is None:
         max_tokens = default_max_tokens
@@ -161,16 +169,29 @@ def _stop(value) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _number(body: dict, key: str, inside: Callable[[float], bool], where: str) -> float:
-    """body[key] as a float (1.0, OpenAI's default, when absent), refused outside `where`."""
+def _max_tokens_key(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+
+
+def _number(body: dict, key: str) -> float:
+    """body[key] as a float (1.0, OpenAI's default, when absent), within the range the page
+    allows: the sampler divides by the temperature, and below 0.01 (or a top_p below 0.01)
+    the probabilities overflow to inf/nan (app/settings_rules.py)."""
     value = body.get(key)
     if value is None:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(f"{key} must be a number", key)
-    if not inside(float(value)):
-        raise _bad(f"{key} must be {where}", key)
-    return float(value)
+    try:
+        number = float(value)  # an integer of 400 digits overflows
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):  # Python's JSON reader takes NaN, Infinity and 1e400
+        raise _bad(f"{key} must be a finite number", key)
+    if (why := problem(key, number)) is not None:
+        raise _bad(f"{key} {why}", key)
+    return number
 
 
 def _is_int(value) -> bool:

@@ -4,6 +4,7 @@ API at /v1 on the same port."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from app.commands.common import add_model_args, model_spec
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
     if args.trust_remote_code and args.model is None:
         raise QuickdraftError("--trust-remote-code applies to the model named by --model: "
                               "add --model NAME")
-    if not args.max_body_mb > 0:
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):  # "inf" parses
         raise QuickdraftError("--max-body-mb must be a positive number")
     model = model_spec(args) or _last_model_as_asked(args)
     if open_browser is None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from app.http_timeouts import install_head_timeout
 from app.security import Limits, Policy, make_policy
+from app.uploads import use_upload_folder
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
@@ -109,6 +110,7 @@ def launch(options: LaunchOptions, block: bool = True):
     port = pick_port(options.host, options.port)
     # A local app does not report usage anywhere (read when gradio is imported).
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    use_upload_folder()  # uploads in the app's cache folder, not the shared /tmp/gradio
     from app.service import Service
     from app.store import Store
     from app.ui.layout import build_app
@@ -171,4 +173,15 @@ def _server_app(service, options: LaunchOptions, policy: Policy):
     app = GuardedApp(default_response_class=ORJSONResponse, openapi_url=None, docs_url=None,
                      redoc_url=None)
     mount(app, service, ApiOptions(api_key=options.api_key))
+    _hide_gradio_schema(app)
     return app
+
+
+def _hide_gradio_schema(app) -> None:
+    """Gradio serves its own OpenAPI schema under /gradio_api; a route added before Gradio
+    adds its own answers that path with 404 instead."""
+    from fastapi.responses import JSONResponse
+
+    @app.get("/gradio_api/openapi.json", include_in_schema=False)
+    def no_schema():
+        return JSONResponse({"detail": "Not Found"}, status_code=404)

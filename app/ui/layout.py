@@ -8,6 +8,7 @@ from app.service import Service
 from app.ui.chat import ACCEL, GENERATE, INSTANT, ChatTab
 from app.ui.models import ModelsTab
 from app.ui.train import TrainTab
+from app.uploads import MAX_AGE_S, SWEEP_S
 
 HEADER = ("## Quickdraft\nChat with a local model; switch on a trained accelerator to decode "
           "several tokens per step.")
@@ -15,7 +16,9 @@ HEADER = ("## Quickdraft\nChat with a local model; switch on a trained accelerat
 
 def build_app(service: Service) -> gr.Blocks:
     """The whole UI for `service` (not launched)."""
-    with gr.Blocks(title="Quickdraft", analytics_enabled=False) as demo:
+    # Gradio removes its temporary files (uploads, exports) once a day old, and all at exit
+    with gr.Blocks(title="Quickdraft", analytics_enabled=False,
+                   delete_cache=(SWEEP_S, MAX_AGE_S)) as demo:
         gr.Markdown(HEADER, elem_id="qd-intro")
         with gr.Tabs(selected="chat", elem_id="qd-tabs") as tabs:
             with gr.Tab("Chat", id="chat"):

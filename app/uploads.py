@@ -1,0 +1,62 @@
+"""Where the page's uploads (the train tab's prompts file) and Gradio's other temporary files
+go, and how long they stay. Gradio's default is the system's shared temporary folder, kept
+for ever; here they go to the app's cache folder and are removed once a day old (Gradio
+sweeps them while the app runs and removes its own at exit; a start removes what a crashed
+run left). How many files one upload may carry is the request guard's (app/guard.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import MutableMapping
+from pathlib import Path
+
+from engine.paths import cache_dir
+
+TEMP_ENV = "GRADIO_TEMP_DIR"  # Gradio's own setting, read when it builds the page and app
+FOLDER = "uploads"  # under the cache folder
+MAX_AGE_S = 24 * 3600  # long enough to start a training run with a file uploaded today
+SWEEP_S = 3600  # how often the running app removes files past MAX_AGE_S
+
+
+def use_upload_folder(environ: MutableMapping[str, str] = os.environ) -> Path:
+    """Point Gradio's upload and temporary folder into the cache folder (a folder the user
+    chose with GRADIO_TEMP_DIR is kept, and left alone) and remove files an earlier run left
+    there more than MAX_AGE_S ago. Call before gradio builds the page."""
+    chosen = environ.get(TEMP_ENV)
+    if chosen:
+        return Path(chosen)
+    folder = cache_dir() / FOLDER
+    environ[TEMP_ENV] = str(folder)
+    remove_old(folder, MAX_AGE_S)
+    return folder
+
+
+def remove_old(folder: Path, age_s: float) -> None:
+    """Remove the files in `folder` (one level of subfolders, as Gradio stores them) not
+    changed for `age_s` seconds, and the subfolders left empty. Another app running on the
+    same cache folder keeps its recent files."""
+    if not folder.is_dir():
+        return
+    cutoff = time.time() - age_s
+    for entry in folder.iterdir():
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                for file in entry.iterdir():
+                    _remove_if_old(file, cutoff)
+                if not any(entry.iterdir()):
+                    entry.rmdir()
+            else:
+                _remove_if_old(entry, cutoff)
+        except OSError:
+            continue  # in use or gone: the next start tries again
+
+
+def _remove_if_old(path: Path, cutoff: float) -> None:
+    if path.lstat().st_mtime >= cutoff:
+        return
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
