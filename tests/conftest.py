@@ -10,23 +10,26 @@ changed while it ran (tests/home_guard.py).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
-
-import pytest
-import torch
 
 from tests import home_guard
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Before anything asks for a folder: child processes (the launcher's commands) inherit these.
+# Before torch is imported (inductor reads some folders once) and anything asks for a
+# folder; child processes (the launcher's commands) inherit these.
 _SESSION_DIR = tempfile.mkdtemp(prefix="quickdraft-tests-")
 home_guard.isolate(_SESSION_DIR)
 _USER_FOLDERS = home_guard.snapshot()
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
 
 def pytest_sessionfinish(session, exitstatus):
     changed = home_guard.changes(_USER_FOLDERS)
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
     if changed:
         print("\nthe suite changed the user's folders:\n  " + "\n  ".join(changed[:20]))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -44,6 +47,18 @@ TINY_CONFIGS = {
     # Qwen2 family (biases on q/k/v)
     "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
 }
+
+
+@pytest.fixture(autouse=True)
+def _no_compiling_behind_the_tests(monkeypatch):
+    """A model the app's host loads uses a compiled step already built but builds none in
+    the background: a build outliving its test would race the next tests' torch calls (the
+    FX tracer's state is global). tests/test_lean.py builds compiled steps where it asks."""
+    import app.host
+    from engine import loading
+
+    monkeypatch.setattr(app.host, "start_compiling",
+                        lambda lm, on_ready=None: loading.start_compiling(lm, build=False))
 
 
 @pytest.fixture(autouse=True)
