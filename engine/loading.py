@@ -138,7 +138,7 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
         model_id=model_id,
         quant=quant,
         device=next(model.parameters()).device,
-        eos_ids=_eos_ids(model, tokenizer),
+        eos_ids=eos_ids(model, tokenizer),
         context_len=_context_len(model),
         fingerprint=model_fingerprint or fingerprint(model),
         load_seconds=load_seconds,
@@ -284,7 +284,8 @@ def _load_tokenizer(folder: Path, trust_remote_code: bool):
         raise ModelLoadError(f"{folder} has no usable tokenizer: {exc}".splitlines()[0]) from exc
 
 
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a reply: the model's and its tokenizer's."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None) if source is not None else None

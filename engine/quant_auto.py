@@ -144,18 +144,14 @@ def replies(model, tokenizer, prompts: list[list[int]]) -> list[list[int]]:
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              max_new_tokens=REPLY_TOKENS, do_sample=False, pad_token_id=pad,
                              temperature=None, top_p=None, top_k=None)
-    eos = set(_eos_ids(model, tokenizer))
+    from engine.loading import eos_ids  # loading imports this module
+
+    eos = set(eos_ids(model, tokenizer))
     answers = []
     for row in out[:, width:].tolist():
         end = next((i for i, t in enumerate(row) if t in eos), len(row))
         answers.append(row[:end])
     return answers
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    eos = eos if isinstance(eos, list) else [eos]
-    return [e for e in [*eos, tokenizer.eos_token_id] if e is not None]
 
 
 def heldout_ids(tokenizer, limit: int = HELDOUT_TOKENS) -> torch.Tensor:
