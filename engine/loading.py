@@ -116,7 +116,8 @@ def _auto_choice(model, tokenizer, spec, model_id, weights_print, report) -> qua
         try:
             choice = quant_auto.measure(
                 model, tokenizer, lambda m, q: wrap_model(m, tokenizer, spec, model_id, q, 0.0,
-                                                          weights_print), window, report)
+                                                          weights_print), window,
+                eos_ids(model, tokenizer), report)
         except Exception as error:  # noqa: BLE001 - any failure keeps the safe choice
             log.warning("auto quantization could not measure: %s", error)
             return quant_auto.fallback(error)

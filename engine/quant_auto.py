@@ -130,9 +130,10 @@ def prompts_that_fit(tokenizer, asked: list[dict], window: int) -> list[tuple[li
     return fitting
 
 
-def replies(model, tokenizer, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy replies (token ids, REPLY_TOKENS at most) to each prompt, in one left-padded
-    batch: every candidate answers the same batch, so their replies compare."""
+def replies(model, tokenizer, prompts: list[list[int]], eos: set[int]) -> list[list[int]]:
+    """Greedy replies (token ids, REPLY_TOKENS at most, cut at any of the `eos` tokens) to
+    each prompt, in one left-padded batch: every candidate answers the same batch, so their
+    replies compare."""
     if not prompts:
         return []
     width = max(len(p) for p in prompts)
@@ -144,9 +145,6 @@ def replies(model, tokenizer, prompts: list[list[int]]) -> list[list[int]]:
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              max_new_tokens=REPLY_TOKENS, do_sample=False, pad_token_id=pad,
                              temperature=None, top_p=None, top_k=None)
-    from engine.loading import eos_ids  # loading imports this module
-
-    eos = set(eos_ids(model, tokenizer))
     answers = []
     for row in out[:, width:].tolist():
         end = next((i for i, t in enumerate(row) if t in eos), len(row))
@@ -207,9 +205,11 @@ def pick(order: list[str], rounds: list[dict]) -> tuple[str, bool, list[str]]:
 # --- measuring ---------------------------------------------------------------------------
 
 
-def measure(model, tokenizer, wrap: Callable, window: int, report=None) -> Choice:
+def measure(model, tokenizer, wrap: Callable, window: int, eos: tuple[int, ...],
+            report=None) -> Choice:
     """Measure every candidate made from a bf16 `model` (left unchanged); `wrap(model,
-    quant)` makes a LoadedModel to time plain steps with; `window`: the model's context."""
+    quant)` makes a LoadedModel to time plain steps with; `window`: the model's context;
+    `eos`: the tokens that end a reply (engine.loading.eos_ids)."""
     report = report or (lambda _message: None)
     fitting = prompts_that_fit(tokenizer, questions(), window)
     prompts = [ids for ids, _answers in fitting]
@@ -222,7 +222,7 @@ def measure(model, tokenizer, wrap: Callable, window: int, report=None) -> Choic
             continue
         report(f"checking {name} weights' answers on {len(prompts)} questions (first time)")
         built[name] = _weights(model, name)
-        answered = replies(built[name], tokenizer, prompts)
+        answered = replies(built[name], tokenizer, prompts, set(eos))
         reference = answered if name == "bf16" else reference
         right[name] = sum(is_right(tokenizer.decode(a), answers)
                           for a, (_ids, answers) in zip(answered, fitting, strict=True))
@@ -231,6 +231,8 @@ def measure(model, tokenizer, wrap: Callable, window: int, report=None) -> Choic
     same = {name: sum(a == b for a, b in zip(got, reference, strict=True))
             for name, got in same.items()}
     order = admitted(right, ppl)
+    measured = list(built)
+    built = {name: built[name] for name in order}  # refused copies go before timing
     steps = {name: PlainStep(wrap(built[name], name)) for name in order}
     rounds = []
     while len(rounds) < MAX_ROUNDS:
@@ -243,7 +245,7 @@ def measure(model, tokenizer, wrap: Callable, window: int, report=None) -> Choic
     records = {name: asdict(Record(
         right[name], same[name], round(ppl[name], 3),
         round(statistics.median(r[name] for r in rounds) * 1e3, 2) if name in order else 0.0,
-        name in order)) for name in built}
+        name in order)) for name in measured}
     reason = (f"{best}: the smallest weights answering as well as bf16 that are clearly "
               f"faster ({'; '.join(said)}; {len(rounds)} rounds)")
     return Choice(best, reason, len(prompts), records)

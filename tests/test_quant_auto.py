@@ -87,7 +87,7 @@ def test_auto_measures_once_and_remembers(bundled_tokenizer, monkeypatch, tmp_pa
     model = lm.model.to(torch.bfloat16)
     choice = quant_auto.measure(model, lm.tokenizer,
                                 lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q),
-                                lm.context_len)
+                                lm.context_len, lm.eos_ids)
     assert set(choice.records) == {"fp32", "bf16", "int8w", "int4"}
     assert choice.questions == len(quant_auto.questions())
     assert choice.records["bf16"]["same"] == choice.questions
