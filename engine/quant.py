@@ -278,8 +278,22 @@ def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = 0) -> nn
                 LowBitLinear.from_linear(linear, layer_kind, device, wide_rows != 0))
     if tied:
         tie_embedding(model)
+    own_memory(model)
     set_wide_rows(model, measured_wide_rows(model) if wide_rows is None else wide_rows)
     return model
+
+
+def own_memory(model: nn.Module) -> None:
+    """Copy the tensors quantizing left in place (norms, an untied table) into memory of
+    their own: loaded from a memory-mapped safetensors file, each still maps the file, and
+    the kernel then keeps every page of the full-precision file resident beside the codes."""
+    for module in model.modules():
+        if isinstance(module, LowBitLinear):
+            continue
+        for tensors in (module._parameters, module._buffers):
+            for tensor in tensors.values():
+                if tensor is not None:
+                    tensor.data = tensor.data.clone()
 
 
 def tie_embedding(model: nn.Module) -> None:

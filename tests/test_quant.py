@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +16,9 @@ from engine import neartie, quant
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import AcceleratorError
 from engine.generate import run
-from engine.loading import fingerprint, wrap_model
+from engine.loading import fingerprint, load_model, wrap_model
 from tests import test_family_matrix as fm
+from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,3 +128,17 @@ def test_crossover_is_the_first_size_from_which_the_copies_always_win():
     assert quant.crossover(low, {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2}) == 4
     assert quant.crossover(low, {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0}) == 0
     assert quant.crossover(low, {1: 0.5, 2: 2.0, 4: 2.0, 8: 2.0}) == 4  # 1 alone is not it
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's mappings")
+@pytest.mark.parametrize("kind", quant.LOW_BIT)
+def test_low_bit_weights_leave_the_full_precision_file_unmapped(kind, tmp_path, bundled_tokenizer):
+    """Weights quantized from a memory-mapped bf16 file keep no view of it: a norm left
+    mapping the file would keep all of its pages resident beside the codes."""
+    folder = tmp_path / "bf16"
+    make_tiny_model("llama-gqa", bundled_tokenizer).model.to(torch.bfloat16).save_pretrained(folder)
+    bundled_tokenizer.save_pretrained(folder)
+    lm = load_model(ModelSpec(source=str(folder), quant=kind, step="eager"))
+    gc.collect()
+    assert lm.quant == kind
+    assert str(folder / "model.safetensors") not in Path("/proc/self/maps").read_text()
