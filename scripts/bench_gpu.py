@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The speed report on a GPU machine, bf16 and 4-bit NF4 in one command.
 
-    python scripts/bench_gpu.py [--model M] [--quants bf16,nf4] [--out DIR] [bench flags...]
+    python -m scripts.bench_gpu [--model M] [--quants bf16,nf4] [--out DIR] [bench flags...]
 
 Runs `python launcher.py bench` once per quantization (same prompts, methods and settings,
 device auto = CUDA when present) into DIR/<quant>/ and writes DIR/summary.md with the
@@ -20,7 +20,6 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_QUANTS = "bf16,nf4"
 DEFAULT_OUT = "bench-gpu"
 
@@ -28,7 +27,7 @@ DEFAULT_OUT = "bench-gpu"
 def build_parser() -> argparse.ArgumentParser:
     from app.commands import bench
 
-    parser = argparse.ArgumentParser(prog="python scripts/bench_gpu.py",
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_gpu",
                                      description=__doc__.splitlines()[0])
     bench.add_arguments(parser)
     parser.add_argument("--quants", default=DEFAULT_QUANTS,
@@ -52,7 +51,7 @@ def main(argv: list[str]) -> int:
     if not quants or bad:
         parser.error(f"--quants takes a list from {', '.join(QUANT_CHOICES)}")
     out = Path(args.out or DEFAULT_OUT)
-    command = shlex.join(["python", "scripts/bench_gpu.py", *argv])
+    command = shlex.join(["python", "-m", "scripts.bench_gpu", *argv])
     try:
         for quant in quants:
             print(f"== {quant} ==", file=sys.stderr, flush=True)
@@ -85,8 +84,7 @@ def summarize(out: Path, quants: list[str], command: str) -> str:
 
 def _bootstrap(argv: list[str]) -> None:
     """Re-run inside the pinned .venv (created on first use), as launcher.py does."""
-    sys.path.insert(0, str(ROOT))
-    import launcher
+    import launcher  # `python -m` from the repository root puts it on the path
 
     if launcher.bootstrap_disabled() or launcher.is_running_in(launcher.VENV_DIR):
         return
@@ -95,7 +93,7 @@ def _bootstrap(argv: list[str]) -> None:
     except launcher.BootstrapError as exc:
         print(str(exc), file=sys.stderr)
         sys.exit(1)
-    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *argv])
+    os.execv(str(python), [str(python), "-m", "scripts.bench_gpu", *argv])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Build the datastore shipped for the bundled model beside its accelerators.
 
-    python scripts/build_datastore.py [--seconds 600] [--quant bf16]
+    python -m scripts.build_datastore [--seconds 600] [--quant bf16]
 
 Its documents are the model's own answers to the seed prompts: the self-distilled data file
 of the bundled model when one is on disk (what the shipped accelerators were trained on),
@@ -11,18 +11,14 @@ else answers generated now (greedy first, then sampled, as the trainer does) for
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import ModelSpec  # noqa: E402
-from engine.datastore import Datastore  # noqa: E402
-from engine.drafters.datastore import shipped_path  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from engine.paths import cache_dir  # noqa: E402
-from trainer.selfdistill import DataBudget, data_path, generate_data, load_conversations  # noqa: E402
+from engine.config import ModelSpec
+from engine.datastore import Datastore
+from engine.drafters.datastore import shipped_path
+from engine.loading import load_model
+from engine.paths import cache_dir
+from trainer.selfdistill import DataBudget, data_path, generate_data, load_conversations
 
 
 def replies(lm, convs: list[list[dict]]) -> list[list[int]]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Everything that only a GPU can show, in one command with one summary table.
 
-    python scripts/gpu_check.py [--reduced] [--out DIR]
+    python -m scripts.gpu_check [--reduced] [--out DIR]
 
 On a CUDA machine (under ~10 minutes): the family matrix and the reply-end tests on CUDA in
 fp32 (exact) with every drafter, greedy and sampled; the lean step against transformers on
@@ -9,7 +9,7 @@ every family it covers, and its compiled (AOTInductor) step against the eager on
 bundled model loaded in fp32, bf16, NF4 and int8 with one greedy and one sampled reply per
 drafter (fp32 must match Off token for token; the other precisions report their match);
 2-minute Medusa and Kangaroo training runs and replies with what they built; and
-scripts/bench_gpu.py on a short setting. Exits non-zero when any check fails.
+scripts.bench_gpu on a short setting. Exits non-zero when any check fails.
 
 Without CUDA, or with --reduced, it runs the same checks on the CPU in a reduced form
 (the matrix on one family, fp32 only, no training or bench), which is how the test suite
@@ -117,7 +117,7 @@ def run_checks(runner: Runner, cuda: bool, out: Path) -> None:
     for quant in ("bf16", "nf4"):
         runner.replies(quant, TRAINED)
     runner.command("bench_gpu (64 tokens)",
-                   [py, "scripts/bench_gpu.py", "--out", str(out / "bench"),
+                   [py, "-m", "scripts.bench_gpu", "--out", str(out / "bench"),
                     "--methods", "hf,vanilla,lookup,medusa+lookup,kangaroo+lookup,auto",
                     "--max-new-tokens", "64"], timeout=300)
 
@@ -133,7 +133,7 @@ def summary(checks: list[Check]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/gpu_check.py",
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--reduced", action="store_true",
                         help="the CPU form: one family, fp32, no training or bench")

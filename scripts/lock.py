@@ -3,7 +3,7 @@
 `pip install --require-hashes`.
 
     python3 -m venv /tmp/lock && /tmp/lock/bin/pip install uv==0.13.8
-    /tmp/lock/bin/python scripts/lock.py [--find-links FOLDER]
+    /tmp/lock/bin/python -m scripts.lock [--find-links FOLDER]
 
 - requirements.lock: torch's CPU build, taken from FOLDER (default: PIP_FIND_LINKS, the
   folder of wheels on the development and CI machines; PyTorch's CPU index serves the same

@@ -1,6 +1,6 @@
 """Perplexity of every weight choice on the held-out text, beside llama.cpp's own GGUF file.
 
-    python scripts/quality_gate.py [--model default] [--tokens 512] [--out F]
+    python -m scripts.quality_gate [--model default] [--tokens 512] [--out F]
 
 The same token ids (the engine's tokenizer, assets/heldout_text.txt) are scored by fp32,
 bf16, each low-bit choice and, when the llama_cpp binding is installed, by llama.cpp on the
@@ -18,15 +18,23 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
+from engine.benchmark.llamacpp import gguf_file
+from engine.config import ModelSpec
+from engine.loading import load_model
+from engine.quant import LOW_BIT, quantize_model
+from engine.quant_auto import heldout_ids
 
-from engine.benchmark.llamacpp import gguf_file  # noqa: E402
-from engine.config import ModelSpec  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from engine.quant import LOW_BIT, quantize_model  # noqa: E402
-from engine.quant_auto import heldout_ids, score  # noqa: E402
+
+def score(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """(perplexity of ids under model, argmax per position): the same pair llama.cpp's row
+    gives, so every row is compared alike."""
+    with torch.inference_mode():
+        logits = model(input_ids=ids.to(next(model.parameters()).device)).logits[0, :-1]
+    logits = logits.float().cpu()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+    return math.exp(nll.item()), logits.argmax(-1)
 
 
 def llamacpp_score(path: Path, ids: torch.Tensor) -> tuple[float, torch.Tensor]:

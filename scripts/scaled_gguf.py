@@ -1,27 +1,55 @@
 """Write a model N times the bundled one's size as a 4-bit GGUF file, to time Quickdraft
 against llama.cpp on a bigger model than the bundled one.
 
-    python scripts/scaled_gguf.py --scale 4 --out /tmp/scaled-x4-q4_0.gguf [--qtype Q4_0]
+    python -m scripts.scaled_gguf --scale 4 --out /tmp/scaled-x4-q4_0.gguf [--qtype Q4_0]
     python launcher.py bench --model /tmp/scaled-x4-q4_0.gguf --methods vanilla,llama.cpp
 
 The model is the bundled one's family, tokenizer and chat template, wider and deeper, with
-random weights (`budget_check.scaled_model`): its text is noise, but every step costs what
-it would on a real model of that size. Layer matrices are stored in --qtype, the token table
-and head in Q8_0, as llama.cpp's 4-bit files keep them. Run it alone (a few minutes).
+random weights (`scaled_model`): its text is noise, but every step costs what it would on a
+real model of that size. Layer matrices are stored in --qtype, the token table and head in
+Q8_0, as llama.cpp's 4-bit files keep them. Run it alone (a few minutes).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from engine.config import ModelSpec
+from engine.loading import load_model
 
-from budget_check import scaled_model  # noqa: E402
+
+def scaled_model(scale: float, folder: Path) -> int:
+    """Save a model `scale` times the bundled one's parameters into `folder` (bf16
+    safetensors and the bundled tokenizer); returns its parameter count. Width and depth
+    grow together (width by sqrt(scale) in whole heads, depth makes up the rest), as model
+    families grow."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = load_model(ModelSpec(quant="bf16"))
+    config = base.model.config.to_dict()
+    base_params = sum(p.numel() for p in base.model.parameters())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    heads = round(config["num_attention_heads"] * scale**0.5)
+    kv = max(1, round(heads * config["num_key_value_heads"] / config["num_attention_heads"]))
+    heads = kv * max(1, heads // kv)  # grouped attention: heads a multiple of kv heads
+    width = heads * head_dim
+    config.update(hidden_size=width, num_attention_heads=heads, num_key_value_heads=kv,
+                  intermediate_size=round(config["intermediate_size"] * width
+                                          / config["hidden_size"] / 64) * 64)
+    per_layer = 2 * width * width + 2 * width * kv * head_dim + 3 * width * config[
+        "intermediate_size"]
+    embed = config["vocab_size"] * width
+    config["num_hidden_layers"] = max(1, round((scale * base_params - embed) / per_layer))
+    config.pop("quantization_config", None)
+    cfg = type(base.model.config).from_dict(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    base.tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
 
 
 def main() -> None:
@@ -34,6 +62,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    # The suite's GGUF writer (llama.cpp's tensor names and row order, quantized blocks).
     from tests.test_gguf import tokenizer_fields, write_gguf
 
     with tempfile.TemporaryDirectory(prefix="quickdraft-scaled-") as folder:

@@ -1,11 +1,11 @@
 """Take the README's screenshot from the app as it is: the browser test that chats with Lookup
 and runs Compare (tests/test_ui_browser.py) saves the page it ends on.
 
-    python scripts/screenshot.py [--out docs/screenshot.png]
+    python -m scripts.screenshot [--out docs/screenshot.png]
 
 The app runs on the bundled model with fresh data and cache folders (nothing of the user's
 is read or written), in Debian's Chromium at 1400 px. Run it with the CPU lock held, as every
-browser command here: flock -s /tmp/qd-cpu.lock python scripts/screenshot.py
+browser command here: flock -s /tmp/qd-cpu.lock python -m scripts.screenshot
 """
 
 from __future__ import annotations

@@ -3,10 +3,8 @@ the three outputs, on tiny models with two prompts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +29,9 @@ from engine.benchmark.runner import Measurement
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
 from engine.errors import QuickdraftError
+from scripts import bench_gpu
 from tests.conftest import make_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
 REPORT_KEYS = {"tokens_per_s", "speedup_vs_hf", "mean_accepted", "ctar", "greedy_match_rate",
                "peak_mem_mb", "by_category"}
 def near(x):
@@ -319,24 +317,16 @@ def test_bench_command_bad_input_is_one_line(extra, message, capsys):
 
 # ---- the GPU entry, kept working on the CPU ----------------------------------------------
 
-def _gpu_script():
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_script_runs_both_quantizations(tiny_folder, two_prompt_file, tmp_path):
-    script = _gpu_script()
     out = tmp_path / "gpu"
-    code = script.main(["--model", str(tiny_folder), "--prompts", str(two_prompt_file),
-                        "--methods", "hf,vanilla", "--max-new-tokens", "4", "--limit", "1",
-                        "--out", str(out)])
+    code = bench_gpu.main(["--model", str(tiny_folder), "--prompts", str(two_prompt_file),
+                           "--methods", "hf,vanilla", "--max-new-tokens", "4", "--limit", "1",
+                           "--out", str(out)])
     assert code == 0
     for quant in ("bf16", "nf4"):
         report = json.loads((out / quant / "report.json").read_text())
         assert report["settings"]["quant"] == quant
-        assert report["settings"]["command"].startswith("python scripts/bench_gpu.py")
+        assert report["settings"]["command"].startswith("python -m scripts.bench_gpu")
         assert (out / quant / "speedup.png").is_file()
     summary = (out / "summary.md").read_text()
     assert "## bf16" in summary and "## nf4" in summary and "| vanilla |" in summary
@@ -344,7 +334,7 @@ def test_gpu_script_runs_both_quantizations(tiny_folder, two_prompt_file, tmp_pa
 
 def test_gpu_script_rejects_a_single_quant_flag(tiny_folder):
     with pytest.raises(SystemExit):
-        _gpu_script().main(["--model", str(tiny_folder), "--quant", "nf4"])
+        bench_gpu.main(["--model", str(tiny_folder), "--quant", "nf4"])
 
 
 def test_the_datastore_never_holds_the_measured_prompts_own_reply(bundled_tokenizer):

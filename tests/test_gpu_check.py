@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py in its reduced CPU form, so the GPU check cannot rot where no GPU
+"""`python -m scripts.gpu_check` in its reduced CPU form, so the GPU check cannot rot where no GPU
 is: every check it runs passes, and its summary counts them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_reduced_on_the_cpu(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--reduced",
+    done = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--reduced",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     lines = done.stdout.strip().splitlines()
