@@ -58,7 +58,7 @@ def probe(path: Path) -> str:
     if done.returncode < 0:
         return (f"the llama_cpp binding crashes on this CPU "
                 f"({signal.Signals(-done.returncode).name}: built for instructions it lacks); "
-                "rebuild it for this CPU, see README's speed table")
+                "rebuild it for this CPU, see docs/benchmarks.md")
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         return f"llama.cpp could not decode {path.name}: {last}"
@@ -77,7 +77,7 @@ def llamacpp_decoder(lm, params: SamplingParams, lookup: bool = False):
     try:
         import llama_cpp
     except ImportError as exc:
-        return None, f"the llama_cpp binding is not installed ({exc}); see README's speed table"
+        return None, f"the llama_cpp binding is not installed ({exc}); see docs/benchmarks.md"
     if why := probe(path):
         return None, why
     draft = None
