@@ -1,6 +1,7 @@
 """The code's shape, checked on its source: no import cycle among engine/, trainer/ and app/
-(imports inside functions count too), and app/ reaches drafters only through the registry
-and the Drafter interface, never by a drafter class's name."""
+(imports inside functions count too), app/ reaches drafters only through the registry
+and the Drafter interface, never by a drafter class's name, no script patches `sys.path`
+(each runs as `python -m scripts.NAME`), and the README stays an overview (details in docs/)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine.drafters.base import Drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "trainer", "app")
+README_MAX_LINES = 250
 
 
 def _modules() -> dict[str, Path]:
@@ -113,3 +115,25 @@ def test_app_names_no_drafter_class():
         names |= {a.name.rpartition(".")[2] for n in ast.walk(tree)
                   if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names}
         assert not names & classes, f"{path.relative_to(ROOT)} names {names & classes}"
+
+
+def path_patches(folder: Path) -> list[str]:
+    """Files under `folder` that name sys.path (compiled caches aside)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts
+                  and b"sys.path" in p.read_bytes())
+
+
+def test_the_finder_sees_a_path_patch(tmp_path):
+    (tmp_path / "clean.py").write_text("import sys\n")
+    (tmp_path / "patched.py").write_text("import sys\nsys.path.insert(0, '..')\n")
+    assert path_patches(tmp_path) == ["patched.py"]
+
+
+def test_no_script_patches_sys_path():
+    assert path_patches(ROOT / "scripts") == []
+
+
+def test_the_readme_stays_an_overview():
+    lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move details to docs/"
