@@ -52,12 +52,12 @@ def scaled_model(scale: float, folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=4.0)
     parser.add_argument("--qtype", default="Q4_0", help="a GGUF type gguf can write: Q4_0, Q8_0")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,5 +1,6 @@
 """The speed report: prompt files, the method table, figures computed from measurements, and
-the three outputs, on tiny models with two prompts."""
+the three outputs, on tiny models with two prompts; the scripts that feed it (the GPU entry,
+the scaled GGUF writer) kept working on the CPU."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from engine.benchmark.runner import Measurement
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
 from engine.errors import QuickdraftError
-from scripts import bench_gpu
+from scripts import bench_gpu, scaled_gguf
 from tests.conftest import make_tiny_model
 
 REPORT_KEYS = {"tokens_per_s", "speedup_vs_hf", "mean_accepted", "ctar", "greedy_match_rate",
@@ -315,7 +316,7 @@ def test_bench_command_bad_input_is_one_line(extra, message, capsys):
     assert err.startswith("error: ") and message in err and "\n" not in err
 
 
-# ---- the GPU entry, kept working on the CPU ----------------------------------------------
+# ---- the GPU entry and the scaled GGUF writer, kept working on the CPU ----------------
 
 def test_gpu_script_runs_both_quantizations(tiny_folder, two_prompt_file, tmp_path):
     out = tmp_path / "gpu"
@@ -335,6 +336,18 @@ def test_gpu_script_runs_both_quantizations(tiny_folder, two_prompt_file, tmp_pa
 def test_gpu_script_rejects_a_single_quant_flag(tiny_folder):
     with pytest.raises(SystemExit):
         bench_gpu.main(["--model", str(tiny_folder), "--quant", "nf4"])
+
+
+@pytest.mark.slow
+def test_the_scaled_gguf_writer_keeps_llama_cpps_4_bit_layout(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    path = tmp_path / "scaled.gguf"
+    scaled_gguf.main(["--scale", "0.1", "--out", str(path)])  # a tenth: one or two layers
+    types = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == types["output.weight"] == GGMLQuantizationType.Q8_0
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_down.weight"] == (
+        GGMLQuantizationType.Q4_0)
 
 
 def test_the_datastore_never_holds_the_measured_prompts_own_reply(bundled_tokenizer):
