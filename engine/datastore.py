@@ -11,10 +11,14 @@ arXiv 2411.04975, over a suffix array instead of a suffix tree).
   document added since) outgrows `recent_cap`, so a reply is searchable as soon as it ends
   at the cost of indexing that small tier again.
 - Bounded: at most `max_tokens` tokens; the oldest documents go first.
-- On disk: one safetensors file (token array, document lengths, main's suffix array) whose
-  header holds the format version and the model fingerprint; written to a temporary file
-  and renamed. A corrupt or foreign file is refused with one line and rebuilt from the
-  sources the caller names. No pickle anywhere.
+- On disk: a snapshot, one safetensors file (token array, document lengths, main's suffix
+  array) whose header holds the format version and the model fingerprint, written to a
+  temporary file and renamed; and beside it a log of the documents learned since, one
+  checksummed record appended per reply and replayed at load. A reply then costs a few
+  kilobytes on disk, not the whole store, and a kill at any moment loses at most the
+  record being written (a torn last record is ignored). The snapshot is written again
+  when the index is rebuilt (the log then starts over). A corrupt or foreign snapshot is
+  refused with one line and rebuilt from the sources the caller names. No pickle anywhere.
 
 Memory: 4 bytes per token for the tokens, 4 for the suffix array and 8 for the sorted
 bigram keys, i.e. ~16 MB for 1M tokens.
@@ -27,6 +31,10 @@ import heapq
 import json
 import logging
 import math
+import os
+import struct
+import uuid
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +43,15 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from engine.paths import atomic_write
+from engine.paths import atomic_write, sync_folder
 from engine.suffix_index import SEP, SuffixIndex
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 KIND = "quickdraft-datastore"
+LOG_MAGIC = b"quickdraft-datastore-log 1 "  # + the lineage + newline
+RECORD = struct.Struct("<qII")  # serial, token count, crc32 of the serial/count and tokens
 
 
 @dataclass(frozen=True)
@@ -114,16 +124,32 @@ class Datastore:
         self.recent = SuffixIndex(np.zeros(0, np.int32))
         self._last: _LastMatch | None = None  # the latest match, which the next one extends
         self.seed = ""  # the shipped store this one started from (its file's hash), if any
+        # Which log belongs to it: a log written for another lineage (a store since rebuilt)
+        # is never replayed into it.
+        self.lineage = new_lineage()
+        self.serial = 0  # documents learned in this lineage: a record's number in the log
 
     @property
     def tokens(self) -> int:
         return sum(len(d) for d in self.docs)
 
-    def add(self, tokens: Iterable[int]) -> None:
-        """Learn one document (a reply's tokens): searchable when this returns."""
+    def learn(self, tokens: Iterable[int]) -> Pending | None:
+        """add(tokens), and what it needs on disk (persist): its log record, and a whole
+        snapshot when the index was rebuilt. None when the document was too short."""
+        before = self.main
+        doc = np.asarray(list(tokens), np.int32)
+        if not self.add(doc):
+            return None
+        snapshot = self.snapshot() if self.main is not before else None
+        return Pending(self.lineage, self.serial, doc, snapshot)
+
+    def add(self, tokens: Iterable[int]) -> bool:
+        """Learn one document (a reply's tokens): searchable when this returns. False when
+        it is too short to draft from (nothing was added)."""
         doc = np.asarray(list(tokens), np.int32)
         if len(doc) < 2:
-            return
+            return False
+        self.serial += 1
         self.docs.append(doc[: self.params.max_tokens])
         over = self.tokens - self.params.max_tokens
         if over > 0:  # oldest out (a tenth more, so that main is not rebuilt every reply)
@@ -138,6 +164,7 @@ class Datastore:
             self.main = SuffixIndex(_join(self.docs))
             recent = []
         self.recent = SuffixIndex(_join(recent))
+        return True
 
     def add_all(self, docs: Iterable[Iterable[int]]) -> None:
         """Learn many documents with one index build (the newest last)."""
@@ -145,6 +172,7 @@ class Datastore:
             doc = np.asarray(list(doc), np.int32)
             if len(doc) >= 2:
                 self.docs.append(doc)
+                self.serial += 1
         while self.tokens > self.params.max_tokens and len(self.docs) > 1:
             self.docs.pop(0)
         self.main_docs = len(self.docs)
@@ -256,18 +284,138 @@ class Datastore:
         return ranges, m
 
     # -- disk ------------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """What save() writes, taken now: the documents and indexes are replaced, never
+        changed in place, so it stays as it is while the store learns on."""
+        return Snapshot(self.fingerprint, self.params, self.seed, self.lineage, self.serial,
+                        tuple(self.docs), self.main_docs, self.main.sa)
+
     def save(self, path: Path) -> None:
-        """Write atomically (engine.paths.atomic_write)."""
-        lengths = np.array([len(d) for d in self.docs], np.int64)
-        meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": self.fingerprint,
-                "main_docs": str(self.main_docs), "params": json.dumps(self.params.__dict__),
-                "seed": self.seed}
-        arrays = {"tokens": _join_plain(self.docs), "lengths": lengths, "main_sa": self.main.sa}
-        atomic_write(Path(path), lambda tmp: save_file(arrays, str(tmp), metadata=meta))
+        """Write the snapshot atomically (engine.paths.atomic_write); the log starts over."""
+        write_snapshot(Path(path), self.snapshot())
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A store's documents and main index as they were at one moment (Datastore.snapshot)."""
+
+    fingerprint: str
+    params: DatastoreParams
+    seed: str
+    lineage: str
+    serial: int  # documents learned up to it: later log records are replayed over it
+    docs: tuple[np.ndarray, ...]
+    main_docs: int
+    main_sa: np.ndarray
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What one learned document needs on disk (Datastore.learn -> persist)."""
+
+    lineage: str
+    serial: int
+    tokens: np.ndarray  # int32
+    snapshot: Snapshot | None  # the whole store, when learning it rebuilt the main index
+
+
+def new_lineage() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def log_path(path: Path) -> Path:
+    """The log of documents learned since the snapshot at `path`."""
+    return Path(path).with_suffix(".log")
+
+
+def persist(path: Path, pending: Pending) -> None:
+    """Put a learned document on disk: its log record first (a kill during the snapshot
+    then still finds it there), then the snapshot when one is due. Calls must run in the
+    order the documents were learned (one writer): the snapshot ends the log."""
+    append_record(path, pending.lineage, pending.serial, pending.tokens)
+    if pending.snapshot is not None:
+        write_snapshot(Path(path), pending.snapshot)
+
+
+def write_snapshot(path: Path, snap: Snapshot) -> None:
+    """The snapshot, atomically; then its log is removed (every record in it is in the
+    snapshot). A kill between the two leaves records the snapshot's serial skips."""
+    lengths = np.array([len(d) for d in snap.docs], np.int64)
+    meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": snap.fingerprint,
+            "main_docs": str(snap.main_docs), "params": json.dumps(snap.params.__dict__),
+            "seed": snap.seed, "lineage": snap.lineage, "serial": str(snap.serial)}
+    arrays = {"tokens": _join_plain(list(snap.docs)), "lengths": lengths,
+              "main_sa": snap.main_sa}
+    atomic_write(path, lambda tmp: save_file(arrays, str(tmp), metadata=meta))
+    log_path(path).unlink(missing_ok=True)
+
+
+def append_record(path: Path, lineage: str, serial: int, tokens: np.ndarray) -> None:
+    """Append one document to the log of the snapshot at `path`, flushed to disk. A torn
+    record left by a kill is cut off first, and a log of another lineage replaced, so the
+    new record is always readable after the ones before it."""
+    log = log_path(path)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    created = not log.exists()
+    with open(log, "a+b") as f:
+        f.seek(0)
+        end, _records = _read_log(f.read(), lineage)
+        f.truncate(end)
+        if end == 0:
+            f.write(LOG_MAGIC + lineage.encode() + b"\n")
+        body = np.asarray(tokens, np.int32).astype("<i4").tobytes()
+        head = struct.pack("<qI", serial, len(tokens))
+        write_record(f, RECORD.pack(serial, len(tokens), zlib.crc32(head + body)) + body)
+        f.flush()
+        os.fsync(f.fileno())
+    if created:
+        sync_folder(log.parent)
+
+
+def write_record(f, data: bytes) -> None:
+    """One record's bytes into the log (a seam where tests stop a write part-way)."""
+    f.write(data)
+
+
+def _read_log(data: bytes, lineage: str) -> tuple[int, list[tuple[int, np.ndarray]]]:
+    """(bytes of the log that are whole and of `lineage`, its (serial, tokens) records).
+    0 when the header is torn or names another lineage: none of it belongs to the store."""
+    header = LOG_MAGIC + lineage.encode() + b"\n"
+    if not data.startswith(header):
+        return 0, []
+    end, records = len(header), []
+    while end + RECORD.size <= len(data):
+        serial, count, crc = RECORD.unpack_from(data, end)
+        body = data[end + RECORD.size:end + RECORD.size + 4 * count]
+        if len(body) < 4 * count or zlib.crc32(struct.pack("<qI", serial, count) + body) != crc:
+            break  # torn by a kill mid-write: it and anything after it never completed
+        records.append((serial, np.frombuffer(body, "<i4").astype(np.int32)))
+        end += RECORD.size + 4 * count
+    return end, records
+
+
+def _replay(store: Datastore, path: Path) -> None:
+    """Learn the log's records that came after the snapshot, in their order."""
+    log = log_path(path)
+    if not log.is_file():
+        return
+    _end, records = _read_log(log.read_bytes(), store.lineage)
+    for serial, tokens in records:
+        if serial > store.serial:
+            store.add(tokens)
+            store.serial = serial
 
 
 def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) -> Datastore:
-    """The store at `path`; ValueError (one line) for a corrupt, foreign or newer file."""
+    """The store at `path` with its log replayed; ValueError (one line) for a corrupt,
+    foreign or newer snapshot."""
+    store = _load_snapshot(path, fingerprint, params)
+    _replay(store, path)
+    return store
+
+
+def _load_snapshot(path: Path, fingerprint: str,
+                   params: DatastoreParams | None = None) -> Datastore:
     try:
         from safetensors import safe_open
 
@@ -287,6 +435,8 @@ def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) ->
     store.docs = np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1]) if len(lengths) else []
     store.main_docs = int(meta.get("main_docs", 0))
     store.seed = meta.get("seed", "")
+    store.lineage = meta.get("lineage") or store.lineage  # older files: a log of none
+    store.serial = int(meta.get("serial", 0))
     main = _join(store.docs[: store.main_docs])
     sa = arrays.get("main_sa")
     if sa is None or len(sa) != len(main) or (len(sa) and (sa.min() < 0 or sa.max() >= len(main))):
@@ -312,10 +462,13 @@ def open_store(path: Path, fingerprint: str, sources: Callable[[], Iterable[list
     base = _load_logged(fallback, fingerprint, params) if seed else None
     store = base or Datastore(fingerprint, params)
     store.seed = seed if base else ""
-    docs = list(sources()) if sources is not None else []
-    if docs or (base is None and sources is not None):
+    store.lineage = new_lineage()  # rebuilt: the old log (its documents are in the sources) ends
+    if sources is None:
+        return store
+    docs = list(sources())
+    if docs or base is None:
         store.add_all(docs)
-        store.save(path)
+    store.save(path)  # the new lineage is on disk before any record of it is logged
     return store
 
 
