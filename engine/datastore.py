@@ -11,14 +11,13 @@ arXiv 2411.04975, over a suffix array instead of a suffix tree).
   document added since) outgrows `recent_cap`, so a reply is searchable as soon as it ends
   at the cost of indexing that small tier again.
 - Bounded: at most `max_tokens` tokens; the oldest documents go first.
-- On disk: a snapshot, one safetensors file (token array, document lengths, main's suffix
-  array) whose header holds the format version and the model fingerprint, written to a
-  temporary file and renamed; and beside it a log of the documents learned since, one
-  checksummed record appended per reply and replayed at load. A reply then costs a few
-  kilobytes on disk, not the whole store, and a kill at any moment loses at most the
-  record being written (a torn last record is ignored). The snapshot is written again
-  when the index is rebuilt (the log then starts over). A corrupt or foreign snapshot is
-  refused with one line and rebuilt from the sources the caller names. No pickle anywhere.
+- On disk (engine/datastore_file.py): a snapshot, one safetensors file, and beside it a log
+  of the documents learned since, one checksummed record appended per reply and replayed
+  at load. A reply then costs a few kilobytes on disk, not the whole store, and a kill at
+  any moment loses at most the record being written (a torn last record is ignored). The
+  snapshot is written again when the index is rebuilt (the log then starts over). A
+  corrupt or foreign snapshot is refused with one line and rebuilt from the sources the
+  caller names. No pickle anywhere.
 
 Memory: 4 bytes per token for the tokens, 4 for the suffix array and 8 for the sorted
 bigram keys, i.e. ~16 MB for 1M tokens.
@@ -28,30 +27,30 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 import logging
 import math
-import os
-import struct
-import uuid
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
-from engine.paths import atomic_write, sync_folder
+from engine.datastore_file import (
+    FORMAT_VERSION,
+    KIND,
+    Pending,
+    Snapshot,
+    log_path,
+    new_lineage,
+    read_log,
+    write_snapshot,
+)
 from engine.suffix_index import SEP, SuffixIndex
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-KIND = "quickdraft-datastore"
-LOG_MAGIC = b"quickdraft-datastore-log 1 "  # + the lineage + newline
-RECORD = struct.Struct("<qII")  # serial, token count, crc32 of the serial/count and tokens
 
 
 @dataclass(frozen=True)
@@ -287,111 +286,12 @@ class Datastore:
     def snapshot(self) -> Snapshot:
         """What save() writes, taken now: the documents and indexes are replaced, never
         changed in place, so it stays as it is while the store learns on."""
-        return Snapshot(self.fingerprint, self.params, self.seed, self.lineage, self.serial,
-                        tuple(self.docs), self.main_docs, self.main.sa)
+        return Snapshot(self.fingerprint, dict(self.params.__dict__), self.seed, self.lineage,
+                        self.serial, tuple(self.docs), self.main_docs, self.main.sa)
 
     def save(self, path: Path) -> None:
-        """Write the snapshot atomically (engine.paths.atomic_write); the log starts over."""
+        """Write the snapshot atomically (engine.datastore_file); the log starts over."""
         write_snapshot(Path(path), self.snapshot())
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A store's documents and main index as they were at one moment (Datastore.snapshot)."""
-
-    fingerprint: str
-    params: DatastoreParams
-    seed: str
-    lineage: str
-    serial: int  # documents learned up to it: later log records are replayed over it
-    docs: tuple[np.ndarray, ...]
-    main_docs: int
-    main_sa: np.ndarray
-
-
-@dataclass(frozen=True)
-class Pending:
-    """What one learned document needs on disk (Datastore.learn -> persist)."""
-
-    lineage: str
-    serial: int
-    tokens: np.ndarray  # int32
-    snapshot: Snapshot | None  # the whole store, when learning it rebuilt the main index
-
-
-def new_lineage() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def log_path(path: Path) -> Path:
-    """The log of documents learned since the snapshot at `path`."""
-    return Path(path).with_suffix(".log")
-
-
-def persist(path: Path, pending: Pending) -> None:
-    """Put a learned document on disk: its log record first (a kill during the snapshot
-    then still finds it there), then the snapshot when one is due. Calls must run in the
-    order the documents were learned (one writer): the snapshot ends the log."""
-    append_record(path, pending.lineage, pending.serial, pending.tokens)
-    if pending.snapshot is not None:
-        write_snapshot(Path(path), pending.snapshot)
-
-
-def write_snapshot(path: Path, snap: Snapshot) -> None:
-    """The snapshot, atomically; then its log is removed (every record in it is in the
-    snapshot). A kill between the two leaves records the snapshot's serial skips."""
-    lengths = np.array([len(d) for d in snap.docs], np.int64)
-    meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": snap.fingerprint,
-            "main_docs": str(snap.main_docs), "params": json.dumps(snap.params.__dict__),
-            "seed": snap.seed, "lineage": snap.lineage, "serial": str(snap.serial)}
-    arrays = {"tokens": _join_plain(list(snap.docs)), "lengths": lengths,
-              "main_sa": snap.main_sa}
-    atomic_write(path, lambda tmp: save_file(arrays, str(tmp), metadata=meta))
-    log_path(path).unlink(missing_ok=True)
-
-
-def append_record(path: Path, lineage: str, serial: int, tokens: np.ndarray) -> None:
-    """Append one document to the log of the snapshot at `path`, flushed to disk. A torn
-    record left by a kill is cut off first, and a log of another lineage replaced, so the
-    new record is always readable after the ones before it."""
-    log = log_path(path)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    created = not log.exists()
-    with open(log, "a+b") as f:
-        f.seek(0)
-        end, _records = _read_log(f.read(), lineage)
-        f.truncate(end)
-        if end == 0:
-            f.write(LOG_MAGIC + lineage.encode() + b"\n")
-        body = np.asarray(tokens, np.int32).astype("<i4").tobytes()
-        head = struct.pack("<qI", serial, len(tokens))
-        write_record(f, RECORD.pack(serial, len(tokens), zlib.crc32(head + body)) + body)
-        f.flush()
-        os.fsync(f.fileno())
-    if created:
-        sync_folder(log.parent)
-
-
-def write_record(f, data: bytes) -> None:
-    """One record's bytes into the log (a seam where tests stop a write part-way)."""
-    f.write(data)
-
-
-def _read_log(data: bytes, lineage: str) -> tuple[int, list[tuple[int, np.ndarray]]]:
-    """(bytes of the log that are whole and of `lineage`, its (serial, tokens) records).
-    0 when the header is torn or names another lineage: none of it belongs to the store."""
-    header = LOG_MAGIC + lineage.encode() + b"\n"
-    if not data.startswith(header):
-        return 0, []
-    end, records = len(header), []
-    while end + RECORD.size <= len(data):
-        serial, count, crc = RECORD.unpack_from(data, end)
-        body = data[end + RECORD.size:end + RECORD.size + 4 * count]
-        if len(body) < 4 * count or zlib.crc32(struct.pack("<qI", serial, count) + body) != crc:
-            break  # torn by a kill mid-write: it and anything after it never completed
-        records.append((serial, np.frombuffer(body, "<i4").astype(np.int32)))
-        end += RECORD.size + 4 * count
-    return end, records
 
 
 def _replay(store: Datastore, path: Path) -> None:
@@ -399,7 +299,7 @@ def _replay(store: Datastore, path: Path) -> None:
     log = log_path(path)
     if not log.is_file():
         return
-    _end, records = _read_log(log.read_bytes(), store.lineage)
+    _end, records = read_log(log.read_bytes(), store.lineage)
     for serial, tokens in records:
         if serial > store.serial:
             store.add(tokens)
@@ -492,10 +392,6 @@ def _join(docs: list[np.ndarray]) -> np.ndarray:
     if not docs:
         return np.zeros(0, np.int32)
     return np.concatenate([np.append(d, SEP).astype(np.int32) for d in docs])
-
-
-def _join_plain(docs: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
 
 
 def _narrowed(ranges: list[tuple], m: int, tokens: list[int]) -> list[tuple]:

@@ -10,10 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from engine import datastore
-from engine.datastore import Datastore, DatastoreParams, load, log_path, persist
+from engine.datastore import Datastore, DatastoreParams, load
+from engine.datastore_file import log_path, persist
 
 ROOT = Path(__file__).resolve().parent.parent
 # A small recent tier: every few replies the index is rebuilt and a snapshot is due.
@@ -79,7 +78,7 @@ def test_a_log_of_a_rebuilt_store_is_never_replayed_into_the_new_one(tmp_path):
 CHILD = """
 import sys, time
 from pathlib import Path
-import engine.datastore as ds
+import engine.datastore_file as ds
 from tests.test_datastore_log import _learned, _doc
 
 path, count, where = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -12,8 +12,9 @@ import pytest
 from app.replies import ReplyRequest
 from app.service import Service
 from app.store import Store
-from engine import datastore
+from engine import datastore, datastore_file
 from engine.config import SamplingParams
+from engine.drafters.datastore import store_file
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,7 +25,7 @@ def test_the_final_update_goes_out_before_the_datastore_is_written(service, monk
     comes first, and the next reply runs to its end while the write still waits."""
     order: list[str] = []
     writing, release = threading.Event(), threading.Event()
-    real = datastore.persist
+    real = datastore_file.persist
 
     def slow_disk(path, pending):
         order.append("write starts")
@@ -33,7 +34,7 @@ def test_the_final_update_goes_out_before_the_datastore_is_written(service, monk
         real(path, pending)
         order.append("write ends")
 
-    monkeypatch.setattr(datastore, "persist", slow_disk)
+    monkeypatch.setattr(datastore_file, "persist", slow_disk)
     conv = service.store.new()
     for update in service.replies.chat(ReplyRequest(conv.id, GREEDY), "Tell me about rain"):
         if update.done:
@@ -47,15 +48,9 @@ def test_the_final_update_goes_out_before_the_datastore_is_written(service, monk
     assert last.done and last.stats.stop_reason in ("eos", "length")
     assert order == ["final update", "write starts", "next reply ends", "write ends",
                      "write starts", "write ends"]
-    reloaded = datastore.load(datastore_file(service), service.host.lm.fingerprint)
+    reloaded = datastore.load(store_file(service.host.lm), service.host.lm.fingerprint)
     assert [d.tolist() for d in reloaded.docs] == [d.tolist() for d in
                                                    service.accels.datastore.docs]
-
-
-def datastore_file(service):
-    from engine.drafters.datastore import store_file
-
-    return store_file(service.host.lm)
 
 
 def test_the_terminal_chat_learns_into_the_apps_datastore(tiny, monkeypatch, capsys):
