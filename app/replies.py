@@ -110,11 +110,11 @@ class Replies:
             # the model and acceptance rule are in the reply: what its accelerator may learn
             # from (app.store), and the datastore learns it when it ends
             ask = Ask(chat_prompt(conv), request.params, request.method, learn=True)
-            reply: dict = {}
+            reply: dict | None = None  # ReplyStep.message: joins the conversation when it starts
             notices: list[str] = []
             try:
                 for step in self.core.stream(ask, self._cancel):
-                    if not reply:  # the first step: the reply joins the conversation
+                    if reply is None:
                         reply = step.message
                         conv.messages.append(reply)
                     notices += step.notices
@@ -122,7 +122,7 @@ class Replies:
                         save_reply(self.store, conv, reply)  # before the last update goes out
                     yield ReplyUpdate(conv, step.method, step.stats, step.done, list(notices))
             finally:  # also when the consumer goes away mid-reply, or on an error
-                if "stats" not in reply:
+                if reply is None or "stats" not in reply:
                     save_reply(self.store, conv, reply)
 
     def complete(self, ask: Ask, cancel: threading.Event) -> Iterator[ReplyStep]:
@@ -210,9 +210,10 @@ def chat_prompt(conv: Conversation) -> ChatPrompt:
     return ChatPrompt(turns, conv.system or None)
 
 
-def save_reply(store: Store, conv: Conversation, reply: dict) -> None:
-    """Save the conversation; a reply stopped before its first character is dropped."""
-    if not reply.get("content") and reply in conv.messages:
+def save_reply(store: Store, conv: Conversation, reply: dict | None) -> None:
+    """Save the conversation; a reply stopped before its first character is dropped (None:
+    it never started)."""
+    if reply is not None and not reply["content"] and reply in conv.messages:
         conv.messages.remove(reply)
     store.save(conv)
 
