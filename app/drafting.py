@@ -171,6 +171,9 @@ class Accelerators:
         answers and (unless switched off) the user's chats with it."""
         lm = self._sync()
         if self._datastore is None:
+            # Opened again after a swap or a re-timing: what the last one learned is read
+            # back, so its writes land first (its log's numbering then goes on from them).
+            self.writer.flush()
             self._datastore = open_datastore(lm, lambda: self._datastore_sources(lm))
         return self._datastore
 
