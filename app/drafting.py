@@ -6,12 +6,13 @@ drafters that load it are rebuilt then."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.conversation import own_reply
 from app.host import ModelHost, model_name
 from app.store import Store
+from app.store_writer import StoreWriter
 from engine.accelerators import (
     INFO,
     METRICS,
@@ -45,6 +46,15 @@ def accel_label(method: str) -> str:
 
 
 @dataclass
+class Resolved:
+    """The drafter a reply uses and what the reply says about it."""
+
+    drafter: Drafter
+    method: str  # the method in use ("off" where the one asked for cannot be used now)
+    notices: list[str] = field(default_factory=list)  # e.g. it fell back to plain decoding
+
+
+@dataclass
 class AccelStatus:
     """Whether an acceleration method can be used with the loaded model right now."""
 
@@ -65,6 +75,7 @@ class Accelerators:
         self._found: dict[str, tuple] = {}  # checkpoint -> (folder stamp, describe())
         self._datastore = None  # the datastore of host.lm's own outputs, once opened
         self._for: LoadedModel | None = None  # the model all of the above were built for
+        self.writer = StoreWriter()  # the datastore's disk writes, outside replies
         host.on_swap.append(self.forget)
 
     def forget(self) -> None:
@@ -141,14 +152,18 @@ class Accelerators:
             self._drafters[method] = load_drafter(lm, method, lambda _lm, m: self.drafter(m))
         return self._drafters[method]
 
-    def drafter_or_off(self, method: str) -> tuple[Drafter, str, list[str]]:
-        """(drafter, method, notices): plain decoding, saying why, where `method` cannot
-        be used now."""
-        status = self.status(method)
+    def resolve(self, method: str, strict: bool = False) -> Resolved:
+        """The drafter of `method` for one reply. Where it cannot be used now: plain
+        decoding, saying why, or with `strict` the AcceleratorError that says how to fix it
+        (the terminal, where the method was asked for by name)."""
+        if strict:
+            drafter = self.drafter(method)
+            return Resolved(drafter, method, [drafter.notice] if drafter.notice else [])
+        status = self.status(method)  # loads and keeps the drafter when it is ready
         if status.ready:
             drafter = self.drafter(method)  # says why when it decodes plainly here
-            return drafter, method, [drafter.notice] if drafter.notice else []
-        return Drafter(), "off", [f"{status.message} This reply uses plain decoding."]
+            return Resolved(drafter, method, [drafter.notice] if drafter.notice else [])
+        return Resolved(Drafter(), "off", [f"{status.message} This reply uses plain decoding."])
 
     @property
     def datastore(self):
@@ -156,6 +171,9 @@ class Accelerators:
         answers and (unless switched off) the user's chats with it."""
         lm = self._sync()
         if self._datastore is None:
+            # Opened again after a swap or a re-timing: what the last one learned is read
+            # back, so its writes land first (its log's numbering then goes on from them).
+            self.writer.flush()
             self._datastore = open_datastore(lm, lambda: self._datastore_sources(lm))
         return self._datastore
 
@@ -170,12 +188,13 @@ class Accelerators:
 
     def learn(self, reply: dict, token_ids: list[int]) -> None:
         """Put a finished reply in the datastore before the next request starts (the
-        rules and the switch of training on chats apply)."""
+        rules and the switch of training on chats apply); its disk write runs after, in
+        the background (StoreWriter)."""
         lm = self.host.lm
         if own_reply(reply, lm.fingerprint) and self.store.load_settings().learn_from_chats:
-            store = self.datastore
-            store.add(token_ids)
-            store.save(store_file(lm))
+            pending = self.datastore.learn(token_ids)
+            if pending is not None:
+                self.writer.submit(store_file(lm), pending)
 
     def _describe(self, checkpoint: str) -> dict | None:
         """describe() of the checkpoint that loads, read again only when its folder changed

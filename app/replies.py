@@ -1,6 +1,7 @@
-"""Replies: the page's chat (saved in its conversations), Compare, and the API's replies
-(kept out of them), with what each is asked with and streams back. Each takes the host's
-lock, so generations never interleave."""
+"""Replies: the page's chat (saved in its conversations), Compare, and the replies of the
+API and the terminal (kept out of them), with what each is asked with and streams back.
+Each takes the host's lock, so generations never interleave, and decodes through the one
+reply core (app/reply_core.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from dataclasses import dataclass, field
 from app.conversation import Conversation
 from app.drafting import Accelerators, accel_label
 from app.host import ModelHost
+from app.reply_core import Ask, ReplyCore, ReplyStep
 from app.store import Store, StoreError
 from engine import neartie
-from engine.chat import conversation, encode, fit_to_context
+from engine.chat import conversation, fit_to_context
 from engine.config import ChatMessage, ChatPrompt, SamplingParams
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.generate import StepEvent, generate, run
 from engine.neartie import Divergence
 from engine.stats import GenerationStats
 
@@ -42,17 +43,9 @@ class ReplyUpdate:
 
     conversation: Conversation  # its last message is the reply (it grows while streaming)
     method: str  # acceleration in use for this reply
-    tokens: int  # tokens generated so far
-    elapsed_s: float  # since the request started (prefill included)
-    ttft_s: float  # time to the first token
-    accepted: list[int]  # per full-model step so far: draft tokens accepted
+    stats: GenerationStats  # the figures so far (ReplyStep.stats); the final ones when done
     done: bool = False
-    stats: GenerationStats | None = None  # on the last update
     notices: list[str] = field(default_factory=list)  # e.g. prompt truncated, fell back to Off
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 @dataclass
@@ -87,6 +80,7 @@ class Replies:
         self.store = store
         self.host = host
         self.accels = accels
+        self.core = ReplyCore(host, accels)
         self._cancel = threading.Event()  # Stop: ends the running generation
         self._owner: str | None = None  # the browser session whose generation is running
         self._conv_id = ""  # the conversation its reply goes to ("" for Compare)
@@ -113,52 +107,30 @@ class Replies:
             add_prompt(self.store, conv, prompt)
             if request.system is not None:
                 conv.system = request.system.strip()
-            lm = self.host.lm
-            drafter, used, notices = self.accels.drafter_or_off(request.method)
-            turns = conv.turns()
-            ids = encode(lm.tokenizer, conversation(turns[-1]["content"], turns[:-1],
-                                                    conv.system or None))
-            # the model and acceptance rule: what its accelerator may learn from (app.store)
-            reply = {"role": "assistant", "content": "", "accel": used,
-                     "model": lm.fingerprint, "acceptance": request.params.acceptance}
-            conv.messages.append(reply)
-            accepted: list[int] = []  # per model step
-            token_ids: list[int] = []  # the reply's tokens
-            ttft = 0.0
+            # the model and acceptance rule are in the reply: what its accelerator may learn
+            # from (app.store), and the datastore learns it when it ends
+            ask = Ask(chat_prompt(conv), request.params, request.method, learn=True)
+            reply: dict | None = None  # ReplyStep.message: joins the conversation when it starts
+            notices: list[str] = []
             try:
-                events = generate(lm, ids, request.params, drafter, self._cancel)
-                for i, event in enumerate(events):
-                    reply["content"] = event.full_text
-                    token_ids += event.token_ids
-                    notices += event.notices
-                    if i == 0:
-                        ttft = event.elapsed_s  # prefill and the first token
-                    else:
-                        accepted.append(event.accepted)  # one event per model step
-                    if event.done:  # Auto's arm; its stats say which sources drafted
-                        used = reply["accel"] = drafter.used()
-                        reply["stats"] = event.stats.to_json()
+                for step in self.core.stream(ask, self._cancel):
+                    if reply is None:
+                        reply = step.message
+                        conv.messages.append(reply)
+                    notices += step.notices
+                    if step.done:
                         save_reply(self.store, conv, reply)  # before the last update goes out
-                        self.accels.learn(reply, token_ids)
-                    yield ReplyUpdate(conv, used, event.tokens, event.elapsed_s, ttft,
-                                      list(accepted), event.done, event.stats, list(notices))
+                    yield ReplyUpdate(conv, step.method, step.stats, step.done, list(notices))
             finally:  # also when the consumer goes away mid-reply, or on an error
-                if "stats" not in reply:
+                if reply is None or "stats" not in reply:
                     save_reply(self.store, conv, reply)
 
-    def complete(self, messages: list[ChatMessage], system: str | None, params: SamplingParams,
-                 method: str, cancel: threading.Event) -> Iterator[tuple[StepEvent, str]]:
-        """A reply for another tool (the HTTP API), kept out of the stored conversations.
-        Takes the same lock as the page's replies: generations never interleave. Yields each
-        step's event with the method in use (Auto's arm on the last one)."""
+    def complete(self, ask: Ask, cancel: threading.Event) -> Iterator[ReplyStep]:
+        """A reply for another tool (the HTTP API) or the terminal, kept out of the stored
+        conversations. Takes the same lock as the page's replies: generations never
+        interleave."""
         with self.host.lock:
-            lm = self.host.lm
-            drafter, used, _notices = self.accels.drafter_or_off(method)
-            ids = encode(lm.tokenizer, ChatPrompt(tuple(messages), system))
-            for event in generate(lm, ids, params, drafter, cancel):
-                if event.done:
-                    used = drafter.used()
-                yield event, used
+            yield from self.core.stream(ask, cancel)
 
     def clear(self, conv_id: str, owner: str = "") -> Conversation:
         """Forget the conversation's messages (Store.clear): this browser's reply in progress
@@ -202,15 +174,15 @@ class Replies:
             if not self.accels.status(method).ready:
                 raise AcceleratorError(f"{accel_label(method)} is not trained for this model yet")
             params = dataclasses.replace(request.params, temperature=0.0, seed=None)
-            ids = encode(lm.tokenizer, conversation(prompt, history, system))
+            ids = self.core.encode(conversation(prompt, history, system))
             dtype = str(lm.model.dtype).removeprefix("torch.")
             drafter = self.accels.drafter(method)
             warm = dataclasses.replace(params, max_new_tokens=2)
             for each in (None, drafter):  # untimed: neither side pays first-call costs
-                run(lm, ids, warm, each, self._cancel)
-            _text, off_ids, off = run(lm, ids, params, None, self._cancel)
+                self.core.replay(ids, warm, each, self._cancel)
+            off_ids, off = self.core.replay(ids, params, None, self._cancel)
             yield CompareResult(method, prompt, off, dtype=dtype)
-            _text, on_ids, on = run(lm, ids, params, drafter, self._cancel)
+            on_ids, on = self.core.replay(ids, params, drafter, self._cancel)
             result = CompareResult(method, prompt, off, on, off_ids == on_ids, dtype=dtype)
             if not result.identical and not result.stopped:  # measure the verdict, never assume
                 fitted = fit_to_context(ids, lm.context_len, params.max_new_tokens)[0]  # as run()
@@ -231,9 +203,17 @@ def add_prompt(store: Store, conv: Conversation, prompt: str | None) -> None:
         raise StoreError("nothing to regenerate: send a message first")
 
 
-def save_reply(store: Store, conv: Conversation, reply: dict) -> None:
-    """Save the conversation; a reply stopped before its first character is dropped."""
-    if not reply["content"] and reply in conv.messages:
+def chat_prompt(conv: Conversation) -> ChatPrompt:
+    """The conversation as the model reads it: its turns (ending with the user's last
+    message, checked when it was added) and its system prompt."""
+    turns = tuple(ChatMessage(m["role"], m["content"]) for m in conv.turns())
+    return ChatPrompt(turns, conv.system or None)
+
+
+def save_reply(store: Store, conv: Conversation, reply: dict | None) -> None:
+    """Save the conversation; a reply stopped before its first character is dropped (None:
+    it never started)."""
+    if reply is not None and not reply["content"] and reply in conv.messages:
         conv.messages.remove(reply)
     store.save(conv)
 

@@ -11,10 +11,13 @@ arXiv 2411.04975, over a suffix array instead of a suffix tree).
   document added since) outgrows `recent_cap`, so a reply is searchable as soon as it ends
   at the cost of indexing that small tier again.
 - Bounded: at most `max_tokens` tokens; the oldest documents go first.
-- On disk: one safetensors file (token array, document lengths, main's suffix array) whose
-  header holds the format version and the model fingerprint; written to a temporary file
-  and renamed. A corrupt or foreign file is refused with one line and rebuilt from the
-  sources the caller names. No pickle anywhere.
+- On disk (engine/datastore_file.py): a snapshot, one safetensors file, and beside it a log
+  of the documents learned since, one checksummed record appended per reply and replayed
+  at load. A reply then costs a few kilobytes on disk, not the whole store, and a kill at
+  any moment loses at most the record being written (a torn last record is ignored). The
+  snapshot is written again when the index is rebuilt (the log then starts over). A
+  corrupt or foreign snapshot is refused with one line and rebuilt from the sources the
+  caller names. No pickle anywhere.
 
 Memory: 4 bytes per token for the tokens, 4 for the suffix array and 8 for the sorted
 bigram keys, i.e. ~16 MB for 1M tokens.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -33,15 +35,22 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
-from engine.paths import atomic_write
+from engine.datastore_file import (
+    FORMAT_VERSION,
+    KIND,
+    Pending,
+    Snapshot,
+    log_path,
+    new_lineage,
+    read_log,
+    write_snapshot,
+)
 from engine.suffix_index import SEP, SuffixIndex
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-KIND = "quickdraft-datastore"
 
 
 @dataclass(frozen=True)
@@ -114,16 +123,32 @@ class Datastore:
         self.recent = SuffixIndex(np.zeros(0, np.int32))
         self._last: _LastMatch | None = None  # the latest match, which the next one extends
         self.seed = ""  # the shipped store this one started from (its file's hash), if any
+        # Which log belongs to it: a log written for another lineage (a store since rebuilt)
+        # is never replayed into it.
+        self.lineage = new_lineage()
+        self.serial = 0  # documents learned in this lineage: a record's number in the log
 
     @property
     def tokens(self) -> int:
         return sum(len(d) for d in self.docs)
 
-    def add(self, tokens: Iterable[int]) -> None:
-        """Learn one document (a reply's tokens): searchable when this returns."""
+    def learn(self, tokens: Iterable[int]) -> Pending | None:
+        """add(tokens), and what it needs on disk (persist): its log record, and a whole
+        snapshot when the index was rebuilt. None when the document was too short."""
+        before = self.main
+        doc = np.asarray(list(tokens), np.int32)
+        if not self.add(doc):
+            return None
+        snapshot = self.snapshot() if self.main is not before else None
+        return Pending(self.lineage, self.serial, doc, snapshot)
+
+    def add(self, tokens: Iterable[int]) -> bool:
+        """Learn one document (a reply's tokens): searchable when this returns. False when
+        it is too short to draft from (nothing was added)."""
         doc = np.asarray(list(tokens), np.int32)
         if len(doc) < 2:
-            return
+            return False
+        self.serial += 1
         self.docs.append(doc[: self.params.max_tokens])
         over = self.tokens - self.params.max_tokens
         if over > 0:  # oldest out (a tenth more, so that main is not rebuilt every reply)
@@ -138,6 +163,7 @@ class Datastore:
             self.main = SuffixIndex(_join(self.docs))
             recent = []
         self.recent = SuffixIndex(_join(recent))
+        return True
 
     def add_all(self, docs: Iterable[Iterable[int]]) -> None:
         """Learn many documents with one index build (the newest last)."""
@@ -145,6 +171,7 @@ class Datastore:
             doc = np.asarray(list(doc), np.int32)
             if len(doc) >= 2:
                 self.docs.append(doc)
+                self.serial += 1
         while self.tokens > self.params.max_tokens and len(self.docs) > 1:
             self.docs.pop(0)
         self.main_docs = len(self.docs)
@@ -256,18 +283,39 @@ class Datastore:
         return ranges, m
 
     # -- disk ------------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """What save() writes, taken now: the documents and indexes are replaced, never
+        changed in place, so it stays as it is while the store learns on."""
+        return Snapshot(self.fingerprint, dict(self.params.__dict__), self.seed, self.lineage,
+                        self.serial, tuple(self.docs), self.main_docs, self.main.sa)
+
     def save(self, path: Path) -> None:
-        """Write atomically (engine.paths.atomic_write)."""
-        lengths = np.array([len(d) for d in self.docs], np.int64)
-        meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": self.fingerprint,
-                "main_docs": str(self.main_docs), "params": json.dumps(self.params.__dict__),
-                "seed": self.seed}
-        arrays = {"tokens": _join_plain(self.docs), "lengths": lengths, "main_sa": self.main.sa}
-        atomic_write(Path(path), lambda tmp: save_file(arrays, str(tmp), metadata=meta))
+        """Write the snapshot atomically (engine.datastore_file); the log starts over."""
+        write_snapshot(Path(path), self.snapshot())
+
+
+def _replay(store: Datastore, path: Path) -> None:
+    """Learn the log's records that came after the snapshot, in their order."""
+    log = log_path(path)
+    if not log.is_file():
+        return
+    _end, records = read_log(log.read_bytes(), store.lineage)
+    for serial, tokens in records:
+        if serial > store.serial:
+            store.add(tokens)
+            store.serial = serial
 
 
 def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) -> Datastore:
-    """The store at `path`; ValueError (one line) for a corrupt, foreign or newer file."""
+    """The store at `path` with its log replayed; ValueError (one line) for a corrupt,
+    foreign or newer snapshot."""
+    store = _load_snapshot(path, fingerprint, params)
+    _replay(store, path)
+    return store
+
+
+def _load_snapshot(path: Path, fingerprint: str,
+                   params: DatastoreParams | None = None) -> Datastore:
     try:
         from safetensors import safe_open
 
@@ -287,6 +335,8 @@ def load(path: Path, fingerprint: str, params: DatastoreParams | None = None) ->
     store.docs = np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1]) if len(lengths) else []
     store.main_docs = int(meta.get("main_docs", 0))
     store.seed = meta.get("seed", "")
+    store.lineage = meta.get("lineage") or store.lineage  # older files: a log of none
+    store.serial = int(meta.get("serial", 0))
     main = _join(store.docs[: store.main_docs])
     sa = arrays.get("main_sa")
     if sa is None or len(sa) != len(main) or (len(sa) and (sa.min() < 0 or sa.max() >= len(main))):
@@ -312,10 +362,13 @@ def open_store(path: Path, fingerprint: str, sources: Callable[[], Iterable[list
     base = _load_logged(fallback, fingerprint, params) if seed else None
     store = base or Datastore(fingerprint, params)
     store.seed = seed if base else ""
-    docs = list(sources()) if sources is not None else []
-    if docs or (base is None and sources is not None):
+    store.lineage = new_lineage()  # rebuilt: the old log (its documents are in the sources) ends
+    if sources is None:
+        return store
+    docs = list(sources())
+    if docs or base is None:
         store.add_all(docs)
-        store.save(path)
+    store.save(path)  # the new lineage is on disk before any record of it is logged
     return store
 
 
@@ -339,10 +392,6 @@ def _join(docs: list[np.ndarray]) -> np.ndarray:
     if not docs:
         return np.zeros(0, np.int32)
     return np.concatenate([np.append(d, SEP).astype(np.int32) for d in docs])
-
-
-def _join_plain(docs: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
 
 
 def _narrowed(ranges: list[tuple], m: int, tokens: list[int]) -> list[tuple]:

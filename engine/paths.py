@@ -39,10 +39,10 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _sync_folder(path.parent)
+    sync_folder(path.parent)
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """Make the rename itself durable: a crash after it must not bring back the old file."""
     if os.name != "posix":
         return  # Windows has no folder handles to sync; its renames are journalled

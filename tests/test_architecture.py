@@ -137,3 +137,47 @@ def test_no_script_patches_sys_path():
 def test_the_readme_stays_an_overview():
     lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move details to docs/"
+
+
+def generate_callers(sources: dict[str, str]) -> set[str]:
+    """The modules (name -> source) that call the decode loop: engine.generate's
+    `generate` or `run`, imported by name or reached through the module."""
+    loop = {"generate", "run"}
+    found = set()
+    for name, source in sources.items():
+        tree = ast.parse(source)
+        names, modules = set(), set()  # local names of the loop's functions and of its module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "engine.generate":
+                names |= {a.asname or a.name for a in node.names if a.name in loop}
+            elif isinstance(node, ast.ImportFrom) and node.module == "engine":
+                modules |= {a.asname or a.name for a in node.names if a.name == "generate"}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name for a in node.names if a.name == "engine.generate"}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in names) or (
+                    isinstance(f, ast.Attribute) and f.attr in loop
+                    and ast.unparse(f.value) in modules):
+                found.add(name)
+    return found
+
+
+def test_the_caller_finder_sees_each_way_of_reaching_the_loop():
+    sources = {
+        "a": "from engine.generate import generate\ngenerate(lm, ids, p)",
+        "b": "from engine.generate import run as r\ndef f():\n    return r(lm, ids, p)",
+        "c": "import engine.generate\nengine.generate.generate(lm, ids, p)",
+        "d": "from engine import generate as g\ng.run(lm, ids, p)",
+        "e": "from engine.generate import StepEvent\nself.model.generate(ids)",  # not the loop
+    }
+    assert generate_callers(sources) == {"a", "b", "c", "d"}
+
+
+def test_one_module_of_app_calls_the_decode_loop():
+    """The page, the API, the terminal chat and Compare reply through app/reply_core.py."""
+    sources = {".".join(path.relative_to(ROOT).with_suffix("").parts): path.read_text()
+               for path in (ROOT / "app").rglob("*.py")}
+    assert generate_callers(sources) == {"app.reply_core"}

@@ -112,7 +112,7 @@ def test_a_newer_shipped_store_reaches_a_user_who_already_has_one(tmp_path):
 
 def test_a_save_that_fails_midway_keeps_the_old_store(tmp_path, monkeypatch):
     """A full disk while saving: the old file stays loadable and no temporary file is left."""
-    import engine.datastore as datastore_module
+    import engine.datastore_file as datastore_module
 
     path = tmp_path / "store.safetensors"
     store = Datastore("fp-a")

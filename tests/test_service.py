@@ -47,17 +47,19 @@ def test_reply_streams_and_is_saved(service, tiny, monkeypatch):
     last = updates[-1]
     assert last.done and not any(u.done for u in updates[:-1])
     assert len(updates) > 2  # streamed, one update per model step
-    # Read at the prefill's end and once per step after it (the first token's included).
-    assert last.ttft_s == 2 and last.elapsed_s == last.stats.steps + 2
-    assert last.stats.tokens == last.tokens
-    assert last.tokens_per_s == pytest.approx(last.tokens / (last.stats.steps + 2))
-    assert len(last.accepted) == last.stats.steps and set(last.accepted) == {0}
+    # Read at the start, at the prefill's end and once per step after it (the first
+    # token's included): the engine's figures, which every update and the readout share.
+    assert last.stats.ttft_s == 1 and last.stats.elapsed_s == last.stats.steps + 2
+    assert updates[0].stats.ttft_s == 2  # live, until the engine's own: the first token
+    assert updates[-2].stats.tokens == last.stats.tokens - 1
+    assert last.stats.tokens_per_s == pytest.approx(last.stats.tokens / (last.stats.steps + 2))
+    assert len(last.stats.accepted) == last.stats.steps and set(last.stats.accepted) == {0}
     text = last.conversation.messages[-1]["content"]
     assert text == _reference(tiny, "Tell me about rain")
     saved = service.store.get(conv.id)
     assert saved.title == "Tell me about rain"
     assert saved.messages[-1]["content"] == text
-    assert saved.messages[-1]["stats"]["tokens"] == last.tokens
+    assert saved.messages[-1]["stats"]["tokens"] == last.stats.tokens
 
 
 def test_empty_prompt_is_refused_before_anything_is_saved(service):
@@ -76,7 +78,7 @@ def test_stop_keeps_the_partial_reply(service):
         if len(seen) == 4:
             service.replies.stop()
     assert update.done and update.stats.stop_reason == "cancelled"
-    assert 0 < update.tokens < 400
+    assert 0 < update.stats.tokens < 400
     saved = service.store.get(conv.id).messages
     assert [m["role"] for m in saved] == ["user", "assistant"]
     assert saved[-1]["content"] == seen[-1] != ""

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.api.schema import ApiError, check_prompt_size, parse
 from app.api.worker import END, Reply, ReplyWorker
 from app.host import model_name
+from app.reply_core import ReplyStep
 from app.service import Service
 from engine.config import SamplingParams
 from engine.errors import QuickdraftError
@@ -143,9 +144,10 @@ def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def _extension(reply: Reply, method: str, stats, token_ids: list[int] | None = None) -> dict:
+def _extension(reply: Reply, step: ReplyStep, token_ids: list[int] | None = None) -> dict:
     """Quickdraft's figures for a finished reply (clients that do not know them ignore them)."""
-    out = {"accel": method, "tokens_per_step": round(stats.mean_accepted, 3),
+    stats = step.stats
+    out = {"accel": step.method, "tokens_per_step": round(stats.mean_accepted, 3),
            "steps": stats.steps, "tokens_per_s": round(stats.tokens_per_s, 2),
            "stop_reason": stats.stop_reason, "queue_ticket": reply.ticket}
     if token_ids is not None:
@@ -168,18 +170,17 @@ async def _whole(reply: Reply, head: dict, request: Request) -> JSONResponse:
             if isinstance(item, Exception):
                 return _error(_as_api_error(item))
             last = item
-            ids.extend(item[0].token_ids)
+            ids.extend(item.token_ids)
     finally:
         watcher.cancel()
         reply.cancel.set()  # no-op once done; stops the reply if this handler is cancelled
     if last is None:  # its client left before its turn: nobody reads this
         return _error(ApiError(400, "the request was cancelled before it started"))
-    event, method = last
-    message = {"role": "assistant", "content": event.full_text}
+    message = {"role": "assistant", "content": last.full_text}
     choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": FINISH.get(event.stats.stop_reason, "stop")}
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(event.stats),
-                         "quickdraft": _extension(reply, method, event.stats, ids)})
+              "finish_reason": FINISH.get(last.stats.stop_reason, "stop")}
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(last.stats),
+                         "quickdraft": _extension(reply, last, ids)})
 
 
 async def _cancel_on_disconnect(request: Request, reply: Reply) -> None:
@@ -199,14 +200,13 @@ async def _sse(reply: Reply, head: dict):
             if isinstance(item, Exception):
                 yield f"data: {json.dumps(_as_api_error(item).body())}\n\n"
                 continue
-            event, method = item
-            if event.text:
-                yield _chunk(head, {"content": event.text})
-            if event.done:
-                finish = FINISH.get(event.stats.stop_reason, "stop")
-                yield _chunk(head, {}, finish, quickdraft=_extension(reply, method, event.stats))
+            if item.text:
+                yield _chunk(head, {"content": item.text})
+            if item.done:
+                finish = FINISH.get(item.stats.stop_reason, "stop")
+                yield _chunk(head, {}, finish, quickdraft=_extension(reply, item))
                 if reply.request.include_usage:  # OpenAI's extra last chunk, no choices
-                    usage = {**head, "choices": [], "usage": _usage(event.stats)}
+                    usage = {**head, "choices": [], "usage": _usage(item.stats)}
                     yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:

@@ -15,7 +15,9 @@ import threading
 from dataclasses import dataclass, field
 
 from app.api.schema import CompletionRequest
+from app.reply_core import Ask
 from app.service import Service
+from engine.config import ChatPrompt
 from engine.errors import QuickdraftError
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ class Reply:
 
     request: CompletionRequest
     loop: asyncio.AbstractEventLoop  # the server's loop, where `events` is read
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (StepEvent, method) | error
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ReplyStep | error
     cancel: threading.Event = field(default_factory=threading.Event)  # set: stop soon
     ticket: int = 0  # arrival number at this server: replies run in ticket order
 
@@ -67,9 +69,9 @@ class ReplyWorker:
                 continue
             try:
                 req = reply.request
-                for item in self.service.replies.complete(list(req.messages), req.system,
-                                                          req.params, req.accel, reply.cancel):
-                    reply.put(item)
+                ask = Ask(ChatPrompt(tuple(req.messages), req.system), req.params, req.accel)
+                for step in self.service.replies.complete(ask, reply.cancel):
+                    reply.put(step)
             except QuickdraftError as exc:
                 reply.put(exc)
             except Exception as exc:  # the worker must outlive any one request

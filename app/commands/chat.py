@@ -8,7 +8,7 @@ import sys
 
 from app.commands.common import add_model_args, load
 from engine.config import SamplingParams
-from engine.drafters.registry import ACCEL_CHOICES, load_drafter
+from engine.drafters.registry import ACCEL_CHOICES
 
 HELP = "one reply in the terminal (no --prompt: an interactive terminal chat)"
 
@@ -37,25 +37,28 @@ def sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def run(args: argparse.Namespace) -> int:
+    from app.service import Service
+    from app.store import Store
     from engine.chat import conversation
 
     params = sampling(args)
-    if args.prompt is not None:
-        conversation(args.prompt)  # refuse an empty prompt before loading anything
+    # an empty prompt is refused before anything loads
+    prompt = conversation(args.prompt, [], args.system) if args.prompt is not None else None
     # A one-shot reply uses a compiled step already built; a terminal chat builds it.
     lm = load(args, "load" if args.prompt is not None else "background")
-    drafter = load_drafter(lm, args.accel)
-    if drafter.notice:  # e.g. it does not pay in this dtype here: plain decoding
-        print(f"quickdraft: {drafter.notice}", file=sys.stderr)
-    if args.prompt is None:
-        return _interactive(lm, drafter, params, args.system)
-    reply = _reply(lm, drafter, params, args.prompt, [], args.system, echo=not args.json)
-    used = drafter.used()  # for Auto, "auto:<arm>"
-    if args.json:
-        text, ids, stats = reply
-        print(json.dumps({"text": text, "token_ids": ids, "accel": used,
-                          "stats": {**stats.to_json(), "quant": _quant(lm)}}))
-    return 0
+    # The app's own parts: its accelerators, and its datastore, which learns these replies
+    service = Service(Store(), lm)
+    try:
+        if prompt is None:
+            return _interactive(service, params, args)
+        step, tokens = _reply(service, params, args, prompt, echo=not args.json)
+        if args.json:
+            print(json.dumps({"text": step.full_text, "token_ids": tokens,
+                              "accel": step.method,  # for Auto, "auto:<arm>"
+                              "stats": {**step.stats.to_json(), "quant": _quant(lm)}}))
+        return 0
+    finally:
+        service.accels.writer.flush()  # the datastore's last write lands before the exit
 
 
 def _quant(lm) -> dict:
@@ -67,33 +70,34 @@ def _quant(lm) -> dict:
             "records": choice.records if choice is not None else {}}
 
 
-def _reply(lm, drafter, params, prompt, history, system, echo: bool):
-    """Generate one reply; when `echo`, stream it to stdout and a summary to stderr."""
-    from engine.chat import conversation, encode
-    from engine.generate import generate
+def _reply(service, params, args, prompt, echo: bool):
+    """Generate one reply; when `echo`, stream it to stdout and a summary to stderr.
+    (the last step, the reply's token ids)"""
+    from app.reply_core import Ask
 
-    ids = encode(lm.tokenizer, conversation(prompt, history, system))
+    ask = Ask(prompt, params, args.accel, strict=True, learn=True)
     tokens: list[int] = []
-    for event in generate(lm, ids, params, drafter):
-        for notice in event.notices:
+    for step in service.replies.complete(ask, None):
+        for notice in step.notices:  # e.g. it does not pay in this dtype here: plain decoding
             print(f"note: {notice}", file=sys.stderr)
-        tokens.extend(event.token_ids)
+        tokens.extend(step.token_ids)
         if echo:
-            print(event.text, end="", flush=True)
-        if event.done:
-            stats = event.stats
-            if drafter.reason():  # Auto says how it drafted
-                print(f"note: {drafter.reason()}", file=sys.stderr)
+            print(step.text, end="", flush=True)
+        if step.done:
+            if step.reason:  # Auto says how it drafted
+                print(f"note: {step.reason}", file=sys.stderr)
             if echo:
+                stats = step.stats
                 print()
                 print(f"[{stats.tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
                       f"{stats.mean_accepted:.2f} tokens/step, {stats.stop_reason}]",
                       file=sys.stderr)
-            return event.full_text, tokens, stats
-    raise AssertionError("no final event")
+            return step, tokens
+    raise AssertionError("the reply ended without a last step")
 
 
-def _interactive(lm, drafter, params, system) -> int:
+def _interactive(service, params, args) -> int:
+    from engine.chat import conversation
     from engine.errors import PromptError
 
     print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
@@ -106,8 +110,10 @@ def _interactive(lm, drafter, params, system) -> int:
         if not prompt.strip():
             return 0
         try:
-            text, _ids, _stats = _reply(lm, drafter, params, prompt, history, system, echo=True)
+            step, _tokens = _reply(service, params, args,
+                                   conversation(prompt, history, args.system), echo=True)
         except PromptError as exc:
             print(f"error: {exc}", file=sys.stderr)
             continue
-        history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
+        history += [{"role": "user", "content": prompt},
+                    {"role": "assistant", "content": step.full_text}]

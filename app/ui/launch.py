@@ -139,7 +139,8 @@ def launch(options: LaunchOptions, block: bool = True):
     print(f"OpenAI-compatible API at {url.rstrip('/')}/v1"
           + (" (key required)" if options.api_key else ""), flush=True)
     if block:
-        demo.block_thread()
+        demo.block_thread()  # until Ctrl-C
+        service.accels.writer.flush()  # the last reply's datastore record lands first
     return demo, url, service
 
 

@@ -84,20 +84,19 @@ def mini_histogram(accepted: list[int]) -> str:
 def live_readout(update: ReplyUpdate) -> str:
     """The line under a streaming reply: method, tokens/s, TTFT, tokens per step; once it
     ends, how it ended and which sources made its steps."""
-    per_step = GenerationStats(accepted=update.accepted).mean_accepted or 1.0
-    parts = _speed_chips("this reply", update.method, update.tokens_per_s, update.ttft_s,
-                         per_step)
-    parts.append(mini_histogram(update.accepted) if not update.method.endswith("off") else "")
-    if update.done and update.stats is not None:
-        stats = update.stats.to_json()
-        reason = STOP_REASONS.get(update.stats.stop_reason, update.stats.stop_reason)
-        parts.append(_chip(f"{update.tokens} tokens · {reason}", "qd-done"))
-        parts.append(sources_chip(mix_of(update.method, stats)))
-        if update.stats.datastore_drafted:
-            parts.append(_chip(f"datastore <b>{update.stats.datastore_accepted}</b> of "
-                               f"{update.stats.datastore_drafted} drafts kept", "qd-datastore"))
+    stats = update.stats
+    parts = _speed_chips("this reply", update.method, stats.tokens_per_s, stats.ttft_s,
+                         stats.mean_accepted or 1.0)
+    parts.append(mini_histogram(stats.accepted) if not update.method.endswith("off") else "")
+    if update.done:
+        reason = STOP_REASONS.get(stats.stop_reason, stats.stop_reason)
+        parts.append(_chip(f"{stats.tokens} tokens · {reason}", "qd-done"))
+        parts.append(sources_chip(mix_of(update.method, stats.to_json())))
+        if stats.datastore_drafted:
+            parts.append(_chip(f"datastore <b>{stats.datastore_accepted}</b> of "
+                               f"{stats.datastore_drafted} drafts kept", "qd-datastore"))
     else:
-        parts.append(_chip(f"{update.tokens} tokens…", "qd-live"))
+        parts.append(_chip(f"{stats.tokens} tokens…", "qd-live"))
     notes = "".join(f'<div class="qd-note">{html.escape(n)}</div>' for n in update.notices)
     return _row("".join(parts)) + notes
 
