@@ -94,13 +94,14 @@ class Runner:
 def run_checks(runner: Runner, cuda: bool, out: Path) -> None:
     py = sys.executable
     matrix = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-              "tests/test_family_matrix.py", "tests/test_reply_ends.py", "tests/test_quant.py"]
+              "tests/engine/test_family_matrix.py", "tests/engine/test_reply_ends.py",
+              "tests/engine/test_quant.py"]
     device_env = {"QUICKDRAFT_TEST_DEVICE": "cuda" if cuda else "cpu"}
     if not cuda:
         matrix += ["-k", "llama-gqa or reply_ends or crossover or auto_picks"]
     runner.command("matrix fp32 " + ("cuda" if cuda else "cpu, one family"), matrix, device_env)
     # the lean step against transformers on every family, and compiled against eager
-    lean = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_lean.py"]
+    lean = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_lean.py"]
     if not cuda:
         lean += ["-k", "decodes_as_transformers"]
     runner.command("lean step fp32 " + ("cuda, compiled" if cuda else "cpu, eager"), lean,

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     # The suite's GGUF writer (llama.cpp's tensor names and row order, quantized blocks).
-    from tests.test_gguf import tokenizer_fields, write_gguf
+    from engine.benchmark.gguf_writer import tokenizer_fields, write_gguf
 
     with tempfile.TemporaryDirectory(prefix="quickdraft-scaled-") as folder:
         params = scaled_model(args.scale, Path(folder))

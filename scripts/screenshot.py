@@ -1,5 +1,5 @@
 """Take the README's screenshot from the app as it is: the browser test that chats with Lookup
-and runs Compare (tests/test_ui_browser.py) saves the page it ends on.
+and runs Compare (tests/app/ui/test_ui_browser.py) saves the page it ends on.
 
     python -m scripts.screenshot [--out docs/screenshot.png]
 
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST = "tests/test_ui_browser.py::test_acceleration_switch_and_compare"
+TEST = "tests/app/ui/test_ui_browser.py::test_acceleration_switch_and_compare"
 
 
 def main(argv: list[str] | None = None) -> int:

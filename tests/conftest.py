@@ -53,7 +53,7 @@ TINY_CONFIGS = {
 def _no_compiling_behind_the_tests(monkeypatch):
     """A model the app's host loads uses a compiled step already built but builds none in
     the background: a build outliving its test would race the next tests' torch calls (the
-    FX tracer's state is global). tests/test_lean.py builds compiled steps where it asks."""
+    FX tracer's state is global). tests/engine/test_lean.py builds compiled steps where it asks."""
     import app.host
     from engine import loading
 

@@ -160,7 +160,7 @@ def check(sources: dict[str, str], helpers_from: list[ast.AST] = ()) -> list[str
 
 
 def suite_sources() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(TESTS.glob("*.py"))}
+    return {p.name: p.read_text() for p in sorted(TESTS.rglob("*.py"))}
 
 
 def test_the_suite_keeps_its_rules():

@@ -13,8 +13,7 @@ import pytest
 
 from app.conversation import title_from_prompt
 from app.store import Settings, Store, StoreError, atomic_write_text
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
 
 
 def test_conversation_round_trip_and_order(tmp_path):

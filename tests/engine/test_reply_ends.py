@@ -103,7 +103,7 @@ def test_an_eos_past_the_budget_ends_the_reply_by_length(tiny):
 @pytest.mark.parametrize("method", ["oracle", "lookup", "medusa"])
 def test_drafts_never_reach_past_the_budget(tiny, method):
     from engine.drafters.lookup import LookupDrafter
-    from tests import test_medusa as md
+    from tests.engine.drafters.medusa import test_medusa as md
 
     budget = 30
     _t, reply, _s = plain(tiny, SamplingParams(max_new_tokens=budget))

@@ -11,11 +11,12 @@ import torch
 
 from engine import gguf as qd_gguf
 from engine import lowbit_folder
+from engine.benchmark.gguf_writer import write_gguf
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.loading import load_model, resolve_folder
 from engine.quant import LowBitLinear
-from tests.test_gguf import tiny_llama, write_gguf
+from tests.engine.gguf.test_gguf import tiny_llama
 
 # GGUF tensor -> HF module, and the type each is written in (the rest stays F32)
 Q4 = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj",
@@ -31,7 +32,7 @@ def quantized_file(tmp_path_factory):
     import gguf
     from gguf import GGMLQuantizationType, quants
 
-    from tests.test_gguf import tokenizer_fields
+    from engine.benchmark.gguf_writer import tokenizer_fields
 
     path = tmp_path_factory.mktemp("lowbit") / "tiny-q4.gguf"
     want, real_add = {}, gguf.GGUFWriter.add_tensor
@@ -140,6 +141,6 @@ def test_greedy_while_drafting_equals_plain_on_the_kept_bits(quantized_file, cac
     plain = run(lm, ids, params)[1]
     _text, drafted, stats = run(lm, ids, params, FixedChain(3))
     assert sum(stats.drafted) > 0
-    # bf16 activations: a batched step may flip a near-tie, nothing wider (as tests/test_quant)
+    # bf16 activations: a batched step may flip a near-tie, nothing wider (as in test_quant)
     divergence = neartie.measure(lm, ids, plain, drafted)
     assert divergence is None or divergence.near_tie, divergence

@@ -21,7 +21,7 @@ import pytest
 
 from app.ui.launch import LaunchOptions, launch
 from engine.config import ModelSpec
-from tests.test_stored_files import write_bad_store
+from tests.app.test_stored_files import write_bad_store
 
 pytestmark = pytest.mark.slow
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "accel": "off"}
@@ -211,7 +211,7 @@ def test_the_page_own_origin_and_no_origin_are_served(url, generations):
     assert plain.status_code == 200 and len(generations) == 2
 
 
-# -- 3/4. Stored files (the rest: tests/test_stored_files.py) ---------------------------------
+# -- 3/4. Stored files (the rest: tests/app/test_stored_files.py) ---------------------------------
 
 def test_corrupt_conversations_leave_the_others_listed(service, url):
     listed = {c.id: c for c in service.store.list()}

@@ -17,8 +17,8 @@ from engine.config import ModelSpec, SamplingParams
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.loading import fingerprint, load_model, wrap_model
-from tests import test_family_matrix as fm
 from tests.conftest import make_tiny_model
+from tests.engine import test_family_matrix as fm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

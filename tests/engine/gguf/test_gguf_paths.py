@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from engine import gguf as qd_gguf
+from engine.benchmark.gguf_writer import gguf_tensors, write_gguf
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.loading import load_model, resolve_folder
-from tests.test_gguf import _gguf_tensors, tiny_llama, write_gguf
+from tests.engine.gguf.test_gguf import tiny_llama
 
 QUANTIZED = {"blk.0.ffn_up.weight": "Q8_0", "blk.1.ffn_down.weight": "Q4_0",
              "blk.0.ffn_gate.weight": "Q5_0"}
@@ -24,7 +25,7 @@ HF_NAMES = {"blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
 
 @pytest.fixture(scope="module")
 def vocab():
-    from tests.test_gguf import tokenizer_fields
+    from engine.benchmark.gguf_writer import tokenizer_fields
 
     return tokenizer_fields()
 
@@ -70,7 +71,7 @@ def test_quantized_tensors_load_as_gguf_dequantizes_them(tmp_path, vocab, cache)
         original = model.state_dict()[hf]
         assert torch.equal(state[hf], torch.from_numpy(want[name]))  # exactly gguf's values
         assert not torch.equal(state[hf], original)  # really quantized, not stored in fp32
-    plain = _gguf_tensors(model)["blk.1.ffn_up.weight"]
+    plain = gguf_tensors(model)["blk.1.ffn_up.weight"]
     assert np.array_equal(state["model.layers.1.mlp.up_proj.weight"].numpy(), plain)
 
 

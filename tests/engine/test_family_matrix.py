@@ -32,8 +32,8 @@ from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.loading import wrap_model
 from engine.tree import build_tree
-from tests import test_medusa as md
 from tests.cache_util import held
+from tests.engine.drafters.medusa import test_medusa as md
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

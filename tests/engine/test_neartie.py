@@ -98,7 +98,7 @@ def test_service_compare_calls_a_wrong_token_in_bf16_a_mismatch(tiny, tmp_path, 
     from app.store import Store
     from engine.config import ModelSpec
     from engine.loading import wrap_model
-    from tests.test_service import _untrained_medusa
+    from tests.app.test_service import _untrained_medusa
 
     # Reduced precision, where Compare used to call any difference a flipped near-tie.
     tiny = wrap_model(tiny.model.to(torch.bfloat16), tiny.tokenizer,

@@ -20,11 +20,11 @@ from engine.drafters.registry import ACCEL_LABELS, load_drafter
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.tree import build_tree
-from tests import test_kangaroo as kg
-from tests import test_medusa as md
 from tests.conftest import TINY_CONFIGS, make_tiny_model
+from tests.engine.drafters.kangaroo import test_kangaroo as kg
+from tests.engine.drafters.medusa import test_medusa as md
+from tests.engine.drafters.test_hybrid import break_pointmass, repetitive_prompt
 from tests.stats_util import chi_square_pvalue
-from tests.test_hybrid import break_pointmass, repetitive_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # Single-token matches count as copies: a random tiny model copies no longer, and the tests

@@ -13,8 +13,8 @@ from pathlib import Path
 from engine import datastore
 from engine.datastore import Datastore, DatastoreParams, load
 from engine.datastore_file import log_path, persist
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # A small recent tier: every few replies the index is rebuilt and a snapshot is due.
 SMALL = DatastoreParams(recent_cap=40)
 
@@ -79,7 +79,7 @@ CHILD = """
 import sys, time
 from pathlib import Path
 import engine.datastore_file as ds
-from tests.test_datastore_log import _learned, _doc
+from tests.engine.datastore.test_datastore_log import _learned, _doc
 
 path, count, where = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 

@@ -18,9 +18,9 @@ from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
 from engine.tree import build_tree, with_chain
-from tests import test_kangaroo as kg
-from tests import test_medusa as md
 from tests.conftest import TINY_CONFIGS, make_tiny_model
+from tests.engine.drafters.kangaroo import test_kangaroo as kg
+from tests.engine.drafters.medusa import test_medusa as md
 from tests.stats_util import chi_square_pvalue
 
 pytestmark = pytest.mark.usefixtures("one_thread")

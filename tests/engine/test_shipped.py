@@ -25,7 +25,7 @@ from engine.config import SamplingParams
 from engine.drafters.registry import TRAINED, load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
-from tests.test_accelerators import _save
+from tests.engine.test_accelerators import _save
 from trainer.resume import load_resume
 
 REPO_SHIPPED = accelerators.SHIPPED_DIR

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -23,9 +22,9 @@ from engine.chat import conversation, encode
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import QuickdraftError
 from engine.generate import run
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Name three colours of the rainbow."

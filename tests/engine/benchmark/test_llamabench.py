@@ -4,7 +4,6 @@ one line. A fake llama-bench (a script printing what the real one prints) stands
 
 from __future__ import annotations
 
-import json
 import stat
 import sys
 

@@ -29,11 +29,11 @@ from engine.drafters.withstore import (
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.tree import build_tree, join_trees, shape_of
-from tests import test_medusa as md
 from tests.conftest import TINY_CONFIGS, make_tiny_model
+from tests.engine.drafters.medusa import test_medusa as md
+from tests.engine.drafters.test_auto import drafters
+from tests.engine.drafters.test_hybrid import repetitive_prompt
 from tests.stats_util import chi_square_pvalue
-from tests.test_auto import drafters
-from tests.test_hybrid import repetitive_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,8 +12,8 @@ from engine.drafters.auto import MEDUSA, auto
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.generate import run
 from tests.conftest import make_tiny_model
-from tests.test_auto import drafters
-from tests.test_hybrid import repetitive_prompt
+from tests.engine.drafters.test_auto import drafters
+from tests.engine.drafters.test_hybrid import repetitive_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,8 +22,8 @@ from app.cli import main as cli_main
 from app.ui.launch import check_exposure, is_loopback, parse_auth, pick_port
 from engine.errors import QuickdraftError
 from tests.page_server import CHROMIUM_ARGS, chromium, free_port
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240  # importing torch + gradio and loading the model on a busy 2-core box
 REPLY_TIMEOUT_MS = 180_000
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,14 +23,15 @@ from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
 from engine.tree import build_tree
-from tests.test_medusa_bundled import TREE, _random_heads
+from tests.engine.drafters.medusa.test_medusa_bundled import TREE, _random_heads
+from tests.paths import ROOT
 from trainer.features import encode_conversations, hidden_states
 from trainer.kangaroo.train import KangarooTrainConfig, fit_adapter
 from trainer.train import TrainConfig
 from trainer.vocab import draft_vocabulary
 
 pytestmark = pytest.mark.slow
-BENCH = Path(__file__).resolve().parent.parent / "assets" / "bench_prompts.jsonl"
+BENCH = ROOT / "assets" / "bench_prompts.jsonl"
 PARAMS = SamplingParams(max_new_tokens=128)
 EXIT = 2  # the trained adapter's exit layer
 

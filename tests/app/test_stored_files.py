@@ -1,7 +1,7 @@
 """Stored files a user or an older version left behind: corrupt conversations are named
 once and skipped, bad settings fall back one line each and the app still starts, and a
 written file's folder is synced after the rename. (The running server's side of this is in
-tests/test_security.py.)"""
+tests/app/test_security.py.)"""
 
 from __future__ import annotations
 
