@@ -8,7 +8,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,8 @@ class LoadedModel:
     quant_reason: str = ""  # why --quant auto chose `quant` here ("" when it was asked for)
     quant_choice: object = None  # --quant auto's quant_auto.Choice: the record it chose by
     target: Target | None = None  # how decode steps run (set by wrap_model)
+    # engine.timing.step_cost's curves by target step name, timed on first use
+    step_costs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def dtype(self) -> torch.dtype:

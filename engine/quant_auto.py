@@ -30,7 +30,7 @@ import torch
 
 from engine import devices, quant
 from engine.paths import atomic_write, cache_dir
-from engine.timing import PlainStep
+from engine.timing import StepTimer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 HELDOUT = ASSETS / "heldout_text.txt"
@@ -233,7 +233,7 @@ def measure(model, tokenizer, wrap: Callable, window: int, eos: tuple[int, ...],
     order = admitted(right, ppl)
     measured = list(built)
     built = {name: built[name] for name in order}  # refused copies go before timing
-    steps = {name: PlainStep(wrap(built[name], name)) for name in order}
+    steps = {name: StepTimer(wrap(built[name], name)) for name in order}
     rounds = []
     while len(rounds) < MAX_ROUNDS:
         report(f"timing {', '.join(order)} in turn (round {len(rounds) + 1})")

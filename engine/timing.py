@@ -1,12 +1,22 @@
-"""Timing work on the model's device: CUDA kernels run asynchronously, so the clock is read
-only once the device has finished what was queued before and during the timed call."""
+"""Timing work on the model's device, and the one measure of what a decode step costs here.
+
+CUDA kernels run asynchronously, so the clock is read only once the device has finished what
+was queued before and during the timed call. A step's cost is timed once per loaded target
+(`step_cost`) and cached on the loaded model; a target whose compiled step becomes ready
+runs under another name and is timed again. Auto, the datastore's sizing, lookup's chain
+length, calibration's plain step and the speed report all read this one curve."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+SIZES = (1, 2, 4, 8, 16, 32)  # tokens per timed step (the pending token included)
+ROUNDS = 3  # rounds of every size in turn, after a warm-up one; the median of each is kept
 
 
 def sync(device: torch.device | None = None) -> None:
@@ -27,26 +37,93 @@ def seconds(device: torch.device | None, fn: Callable, *args) -> float:
     return time.perf_counter() - start
 
 
-class PlainStep:
-    """One plain decode step of a loaded model, timed as often as asked at one position:
-    the prompt is prefilled once, and each step writes the same cache row and is rolled
-    back, so repeated timings cost a step each and the cache never grows."""
+class StepTimer:
+    """Decode steps of a loaded model verifying n tokens, timed as often as asked at one
+    position: the prompt is prefilled once, and each step writes the same cache rows and is
+    rolled back, so repeated timings cost a step each and the cache never grows."""
 
-    def __init__(self, lm, prompt_len: int = 192):
-        n = max(2, min(prompt_len, lm.context_len // 2))
+    def __init__(self, lm, prompt_len: int = 192, room: int = 1):
+        n = max(2, min(prompt_len, lm.context_len - room))
         ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, n + 1)]
-        self.lm, self.token, self.position = lm, ids[-1], n - 1
+        self.lm, self.ids, self.position = lm, ids, n - 1
         self.cache = lm.target.new_cache()
         with torch.inference_mode():
             lm.target.forward(self.cache, ids[:-1], 0, last_only=True)
-            self._step()  # warm
+            self._step(1)  # warm
 
-    def seconds(self, repeats: int = 3) -> float:
-        """The fastest of `repeats` steps (the least disturbed by anything else running)."""
+    def seconds(self, tokens: int = 1, repeats: int = 3) -> float:
+        """The fastest of `repeats` steps of `tokens` (the least disturbed by other work)."""
         with torch.inference_mode():
-            return min(seconds(self.lm.device, self._step) for _ in range(repeats))
+            return min(seconds(self.lm.device, self._step, tokens) for _ in range(repeats))
 
-    def _step(self) -> None:
-        out = self.lm.target.forward(self.cache, [self.token], self.position, last_only=True)
-        int(out.logits[0, -1].argmax())  # a plain step reads its token back to the host
-        self.lm.target.rollback(self.cache, 1)
+    def median(self, tokens: int) -> float:
+        """Seconds of one step of `tokens`, timed once (medians are taken across rounds)."""
+        with torch.inference_mode():
+            return seconds(self.lm.device, self._step, tokens)
+
+    def _step(self, tokens: int) -> None:
+        # The pending token and tokens - 1 stand-in drafts, all read back and dropped: the
+        # work and the host sync of a verification step whose drafts were all rejected.
+        tail = self.ids[-1:] * tokens
+        out = self.lm.target.forward(self.cache, tail, self.position)
+        out.logits.argmax(-1).tolist()  # a step reads its tokens back to the host
+        self.lm.target.rollback(self.cache, tokens)
+
+
+def step_seconds(lm, sizes: tuple[int, ...] = SIZES, rounds: int = ROUNDS) -> dict[int, float]:
+    """{n: median seconds of a step verifying n tokens} on `lm`, after a prompt of up to 192
+    made-up tokens; sizes alternate round by round so load on the machine hits all. Sizes
+    past the model's window are left out."""
+    fit = tuple(n for n in sizes if n < lm.context_len // 2) or sizes[:1]
+    timer = StepTimer(lm, room=max(fit))
+    for n in fit:
+        timer.median(n)  # warm every size (a compiled step loads its kernels on first use)
+    times: dict[int, list[float]] = {n: [] for n in fit}
+    for _ in range(rounds):
+        for n in fit:
+            times[n].append(timer.median(n))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a verification step costs here, in plain steps, by the tokens it verifies:
+    interpolated between measured points, extended past the last one along the last segment.
+    Measured as a curve because it is not a line on low-bit weights: the kernel's cost grows
+    steeply with rows until the bf16 copies take over (int4: 2 tokens 1.2, 8 tokens 1.8, 16
+    tokens 2.3)."""
+
+    points: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.3))  # a bf16 CPU's
+    plain_s: float = 0.0  # seconds of one plain step where measured (0: assumed)
+
+    @classmethod
+    def linear(cls, per_token: float) -> StepCost:
+        """Each token past the first adds `per_token` plain steps."""
+        return cls(((1, 1.0), (2, 1.0 + per_token)))
+
+    @classmethod
+    def measured(cls, step_s: dict[int, float]) -> StepCost:
+        """From step_seconds' figures: each size as a multiple of the one-token step."""
+        plain = step_s[min(step_s)]
+        return cls(tuple((n, max(1.0, s / plain)) for n, s in sorted(step_s.items())), plain)
+
+    def __call__(self, tokens: int) -> float:
+        points = self.points if self.points[0][0] == 1 else ((1, 1.0), *self.points)
+        for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
+            if tokens <= n1 or (n1, c1) == points[-1]:
+                return max(1.0, c0 + (c1 - c0) * (tokens - n0) / (n1 - n0))
+        return points[-1][1]  # a single measured point: every size costs the same
+
+
+def step_cost(lm) -> StepCost:
+    """The step-cost curve of `lm` as it runs now, timed on first use and cached on the
+    loaded model per target step (a compiled step that becomes ready is timed afresh)."""
+    key = lm.target.name
+    if key not in lm.step_costs:
+        lm.step_costs[key] = StepCost.measured(step_seconds(lm))
+    return lm.step_costs[key]
+
+
+def plain_step_seconds(lm) -> float:
+    """Seconds of one plain decode step of `lm` (what every speedup is a multiple of)."""
+    return step_cost(lm).plain_s

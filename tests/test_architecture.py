@@ -181,3 +181,52 @@ def test_one_module_of_app_calls_the_decode_loop():
     sources = {".".join(path.relative_to(ROOT).with_suffix("").parts): path.read_text()
                for path in (ROOT / "app").rglob("*.py")}
     assert generate_callers(sources) == {"app.reply_core"}
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_reach_finder_follows_imports_through_others():
+    graph = {"engine.loading": {"engine.quant_auto"}, "engine.quant_auto": {"engine.drafters.x"}}
+    assert "engine.drafters.x" in reached(graph, "engine.loading")
+    assert reached({"a": {"b"}, "c": {"a"}}, "a") == {"b"}
+
+
+def test_loading_depends_on_no_drafter():
+    """Model loading times steps with engine.timing, never through a drafter."""
+    drafters = {m for m in reached(import_graph(), "engine.loading")
+                if m.startswith("engine.drafters")}
+    assert not drafters, f"engine.loading reaches {sorted(drafters)}"
+
+
+# What times a decode step's cost: defined once, in engine/timing.py (a drafter's own round,
+# e.g. engine.drafters.payoff.round_seconds, is timed on top of it, not beside it).
+STEP_TIMERS = {"step_cost", "step_costs", "step_seconds", "plain_step_seconds", "StepCost",
+               "StepTimer", "PlainStep"}
+
+
+def step_timers(sources: dict[str, str]) -> set[str]:
+    """The modules (name -> source) that define a step-cost timer at their top level."""
+    return {name for name, source in sources.items()
+            for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in STEP_TIMERS}
+
+
+def test_the_timer_finder_sees_a_second_timer():
+    sources = {"a": "def step_costs(lm):\n    pass", "b": "class StepCost:\n    pass",
+               "c": "def tree_step_seconds(lm):\n    pass\nx = step_cost(lm)"}
+    assert step_timers(sources) == {"a", "b"}
+
+
+def test_one_step_cost_timer_in_engine():
+    sources = {".".join(path.relative_to(ROOT).with_suffix("").parts): path.read_text()
+               for path in (ROOT / "engine").rglob("*.py")}
+    assert step_timers(sources) == {"engine.timing"}

@@ -67,7 +67,7 @@ def bench_report(
         "memory": probe.describe(),
         **({"datastore": leaveout.described(methods)} if store else {}),
         # ms of a step verifying n tokens on these weights (the speed report's cost table)
-        "step_costs": {n: round(t * 1e3, 2) for n, t in stepcost.step_costs(lm).items()},
+        "step_costs": {n: round(t * 1e3, 2) for n, t in stepcost.seconds_by_size(lm).items()},
     }
     verdicts = divergences(lm, prompt_ids, results) if params.temperature == 0 else {}
     report = build_report(machine, settings, results, skipped, verdicts)

@@ -36,13 +36,13 @@ from engine.drafters.base import Draft, Drafter
 from engine.drafters.composite import Composite, Step
 from engine.drafters.hybrid import TreeWithChain, lookup_match, tree_or_copy
 from engine.drafters.lookup import LookupDrafter, LookupParams
-from engine.drafters.payoff import StepCost
 from engine.drafters.withstore import (
     STORE,
     TreeJoin,
     store_alone,
     tree_copy_or_store,
 )
+from engine.timing import StepCost, step_cost
 
 COPY = "copy"  # rounds that draft a 3-gram match's continuation alone
 # The trained arms, named for how they draft: Medusa's tree with the lookup continuation
@@ -112,14 +112,13 @@ def over(lm, parts: dict[str, Drafter], labels: dict[str, str]) -> Composite:
     the best calibrated speedup, with or beside the datastore's tree."""
     from engine.accelerators import describe, measured_speedup
     from engine.drafters.lookup import fitted
-    from engine.drafters.payoff import step_costs
 
     store = parts.get(STORE)
     paying = {s: d for s, d in parts.items() if s != STORE and d.pays}
     speedups = {ARMS[s]: d.retimed_speedup or measured_speedup(
         (describe(lm, s) or {}).get("metrics", {})) or 1.0 for s, d in paying.items()}
     arm = fastest_arm(speedups)
-    cost = store.cost or StepCost(step_costs(lm)) if store is not None else None
+    cost = store.cost or step_cost(lm) if store is not None else None
     return auto(arm, paying, fitted(lm), speedups.get(arm), labels, store, cost)
 
 

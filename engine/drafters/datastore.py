@@ -19,8 +19,9 @@ from pathlib import Path
 from engine.datastore import Continuations, Datastore, open_store
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.lookup import LookupParams, LookupSource, fitted
-from engine.drafters.payoff import StepCost, alone_size, step_costs
+from engine.drafters.payoff import alone_size
 from engine.paths import data_dir
+from engine.timing import StepCost, step_cost
 from engine.tree import TreeShape, build_tree, join_trees, shape_of
 
 STORE_FILE = "store.safetensors"
@@ -125,7 +126,7 @@ class DatastoreDrafter(Drafter):
     def timed(cls, store: Datastore, lm) -> DatastoreDrafter:
         """Over `store`, its conversation lookup drafting as long as lookup does on `lm`
         and its trees sized by the step costs timed there."""
-        return cls(store, fitted(lm), StepCost(step_costs(lm)))
+        return cls(store, fitted(lm), step_cost(lm))
 
     def start(self, state, prefill) -> None:
         self.drafted = self.accepted = 0

@@ -26,12 +26,12 @@ from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
 from engine.drafters.payoff import (
     Payoff,
     not_paying_notice,
-    plain_step_seconds,
     round_seconds,
     timed_elsewhere,
 )
 from engine.errors import AcceleratorError
 from engine.sampling import logits_to_probs, sample_from
+from engine.timing import plain_step_seconds
 
 log = logging.getLogger(__name__)
 

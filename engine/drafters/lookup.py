@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.drafters.base import Draft, Drafter
-from engine.drafters.payoff import FixedChain as _FixedChain
-from engine.drafters.payoff import plain_step_seconds, round_seconds
+from engine.timing import step_cost
 
 
 @dataclass(frozen=True)
@@ -36,9 +35,9 @@ LONG_CHAIN_COST = 1.5
 
 def fitted(lm, params: LookupParams | None = None) -> LookupParams:
     """`params` with short_len raised to copy_len where long chains cost little here (a
-    few timed steps of `lm` in its dtype, on its device)."""
+    model's step-cost curve, timed once per loaded model)."""
     params = params or LookupParams()
-    long_chain = round_seconds(lm, _FixedChain(params.copy_len)) / plain_step_seconds(lm)
+    long_chain = step_cost(lm)(params.copy_len + 1)  # the pending token and the copy
     return replace(params, short_len=params.copy_len) if long_chain <= LONG_CHAIN_COST else params
 
 

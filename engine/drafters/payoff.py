@@ -1,5 +1,6 @@
 """Whether drafting pays here: expected tokens per step against step times measured on
-this machine, in this dtype, on this device.
+this machine, in this dtype, on this device (the plain step and the cost curve are
+engine.timing's, timed once per loaded model; a drafter's own round is timed here).
 
 Calibration times an accelerator where it was trained. Loaded in another dtype (fp32
 instead of bf16, 4-bit) or on another device, a drafted step costs a different multiple of
@@ -20,6 +21,7 @@ from engine import timing
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, start_drafter
 from engine.sampling import make_generator
+from engine.timing import StepCost
 
 # An estimate must beat plain decoding by this factor: estimates from held-out acceptance
 # and a few timed steps run a little high, and a drafter that only breaks even costs memory.
@@ -88,48 +90,14 @@ def _round(drafter: Drafter, state: DecodeState) -> None:
 
 
 class FixedChain(Drafter):
-    """Drafts `n` copies of the pending token: what timing a chain of n drafts needs."""
+    """Drafts `n` copies of the pending token: a chain of n drafts the model mostly
+    rejects (what exactness checks of long verification steps need)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
     def propose(self, state) -> Draft:
         return Draft.chain(state.ids[-1], [state.ids[-1]] * self.n)
-
-
-def plain_step_seconds(lm, repeats: int = 5) -> float:
-    """Median seconds of one plain decode step (what every speedup is a multiple of)."""
-    return round_seconds(lm, Drafter(), repeats=repeats)
-
-
-def step_costs(lm, sizes: tuple[int, ...] = (2, 4, 8, 16)) -> tuple[tuple[int, float], ...]:
-    """What a step verifying n tokens costs here, in plain steps, for each n in `sizes`
-    (timed chains of n - 1 drafts against a plain step). Measured as a curve because it is
-    not a line on low-bit weights: the kernel's cost grows steeply with rows until the bf16
-    copies take over (int4 here: 2 tokens 1.2, 8 tokens 1.8, 16 tokens 2.3)."""
-    plain = plain_step_seconds(lm)
-    return tuple((n, max(1.0, round_seconds(lm, FixedChain(n - 1)) / plain)) for n in sizes)
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """What a verification step costs here, in plain steps, by the tokens it verifies:
-    interpolated between measured points (payoff.step_costs, timed at load), extended past
-    the last one along the last segment."""
-
-    points: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.3))  # a bf16 CPU's
-
-    @classmethod
-    def linear(cls, per_token: float) -> StepCost:
-        """Each token past the first adds `per_token` plain steps."""
-        return cls(((1, 1.0), (2, 1.0 + per_token)))
-
-    def __call__(self, tokens: int) -> float:
-        points = self.points if self.points[0][0] == 1 else ((1, 1.0), *self.points)
-        for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
-            if tokens <= n1 or (n1, c1) == points[-1]:
-                return max(1.0, c0 + (c1 - c0) * (tokens - n0) / (n1 - n0))
-        return points[-1][1]  # a single measured point: every size costs the same
 
 
 def best_size(probs: list[float], value: Callable[[int, float], float]) -> int:

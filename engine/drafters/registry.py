@@ -16,9 +16,9 @@ from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
 from engine.drafters.medusa import FIX as MEDUSA_FIX
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.payoff import StepCost, step_costs
 from engine.drafters.withstore import medusa_datastore
 from engine.errors import AcceleratorError, QuickdraftError
+from engine.timing import step_cost
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ METHODS = (
            lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
     Method("medusa+datastore", "Medusa+datastore", lambda lm, parts: with_medusa(
         parts, lambda m: medusa_datastore(m, parts["datastore"], cost=parts["datastore"].cost
-                                          or StepCost(step_costs(lm)))),
+                                          or step_cost(lm))),
         "medusa", composes=("medusa", "datastore")),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
            "trainer.kangaroo.train"),

@@ -24,7 +24,8 @@ from engine.drafters.datastore import DatastoreDrafter, TreeJoin
 from engine.drafters.hybrid import TreeWithChain, tree_or_copy
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.payoff import StepCost, alone_size, best_size
+from engine.drafters.payoff import alone_size, best_size
+from engine.timing import StepCost
 
 STORE = "datastore"  # the source name, and the kind of a step the store drafts alone
 JOINED = "medusa+datastore"  # the kind of a Medusa step the store's tree joined

@@ -17,7 +17,7 @@ from engine.drafters.auto import COPY, KANGAROO, MEDUSA, auto
 from engine.drafters.base import Draft
 from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.lookup import LookupParams
-from engine.drafters.payoff import StepCost, best_size
+from engine.drafters.payoff import best_size
 from engine.drafters.registry import load_drafter
 from engine.drafters.withstore import (
     JOINED,
@@ -28,6 +28,7 @@ from engine.drafters.withstore import (
 )
 from engine.errors import AcceleratorError
 from engine.generate import run
+from engine.timing import StepCost
 from engine.tree import build_tree, join_trees, shape_of
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.engine.drafters.medusa import test_medusa as md

@@ -54,25 +54,41 @@ def test_a_copy_drafts_long_a_short_match_short_within_the_room_left():
 def test_shorter_matches_draft_long_chains_only_where_they_cost_little(
         cost, short_len, bundled_tokenizer, monkeypatch):
     """fp32 on a CPU: ten drafts cost ~2.2 plain steps; bf16 ~1.15."""
-    seconds = {0: 0.010, 10: 0.010 * cost}
-    monkeypatch.setattr(lookup, "plain_step_seconds", lambda lm: seconds[0])
-    monkeypatch.setattr(lookup, "round_seconds", lambda lm, drafter: seconds[drafter.n])
+    curve = timing.StepCost(((1, 1.0), (11, cost)))
+    monkeypatch.setattr(lookup, "step_cost", lambda lm: curve)
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
     assert lookup.fitted(lm) == LookupParams(copy_len=10, short_len=short_len)
     assert load_drafter(lm, "lookup").source.params.short_len == short_len
 
 
-def test_a_long_chain_is_timed_as_drafted(bundled_tokenizer, monkeypatch):
-    """The timed step verifies the pending token and ten drafts, every round."""
+def test_the_step_cost_is_timed_once_per_loaded_target(bundled_tokenizer, monkeypatch):
+    """Steps of each size are timed in turn; the curve is cached on the loaded model."""
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
-    chain = lookup._FixedChain(10)
-    sizes = []
-    score = chain.score
-    chain.score = lambda state, draft: sizes.append(draft.size) or score(state, draft)
-    ticks = iter([0, 9, 9, 11, 11, 14])  # injected timings: rounds of 9 (warm-up), 2 and 3 s
-    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=ticks.__next__))
-    assert lookup.round_seconds(lm, chain, repeats=2) == 2.5  # the timed rounds' median
-    assert sizes == [11, 11, 11]  # the warm-up round and two timed ones
+    sizes = _sized_clock(lm, monkeypatch)
+    curve = timing.step_cost(lm)
+    assert curve.plain_s == 1.0 and curve(4) == 4.0 and curve(3) == 3.0
+    timed = len(sizes)
+    assert timing.step_cost(lm) is curve and timing.plain_step_seconds(lm) == 1.0
+    assert len(sizes) == timed  # cached: nothing timed again
+    assert set(sizes) == {1, 2, 4, 8, 16, 32}
+    assert sizes.count(4) == 1 + timing.ROUNDS  # warmed once, then timed each round
+
+
+def _sized_clock(lm, monkeypatch) -> list[int]:
+    """Injects timings: the clock reads the tokens forwarded so far, so a step of n tokens
+    lasts n seconds. Returns the sizes of the steps forwarded (the prefill aside)."""
+    sizes, forward = [], lm.target.forward
+    total = [0]
+
+    def counted(cache, tokens, start, **kw):
+        total[0] += len(tokens)
+        if start:
+            sizes.append(len(tokens))
+        return forward(cache, tokens, start, **kw)
+
+    monkeypatch.setattr(lm.target, "forward", counted)
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: float(total[0])))
+    return sizes
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
