@@ -56,8 +56,8 @@ class StepTimer:
         with torch.inference_mode():
             return min(seconds(self.lm.device, self._step, tokens) for _ in range(repeats))
 
-    def median(self, tokens: int) -> float:
-        """Seconds of one step of `tokens`, timed once (medians are taken across rounds)."""
+    def once(self, tokens: int) -> float:
+        """Seconds of one step of `tokens` (step_seconds takes medians across rounds)."""
         with torch.inference_mode():
             return seconds(self.lm.device, self._step, tokens)
 
@@ -77,11 +77,11 @@ def step_seconds(lm, sizes: tuple[int, ...] = SIZES, rounds: int = ROUNDS) -> di
     fit = tuple(n for n in sizes if n < lm.context_len // 2) or sizes[:1]
     timer = StepTimer(lm, room=max(fit))
     for n in fit:
-        timer.median(n)  # warm every size (a compiled step loads its kernels on first use)
+        timer.once(n)  # warm every size (a compiled step loads its kernels on first use)
     times: dict[int, list[float]] = {n: [] for n in fit}
     for _ in range(rounds):
         for n in fit:
-            times[n].append(timer.median(n))
+            times[n].append(timer.once(n))
     return {n: statistics.median(t) for n, t in times.items()}
 
 
