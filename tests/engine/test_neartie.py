@@ -92,7 +92,7 @@ def test_compare_shows_a_near_tie_plainly_and_a_mismatch_in_red():
 
 
 def test_service_compare_calls_a_wrong_token_in_bf16_a_mismatch(tiny, tmp_path, monkeypatch):
-    import app.replies as replies_module
+    import app.reply_core as core_module
     from app.replies import ReplyRequest
     from app.service import Service
     from app.store import Store
@@ -104,7 +104,7 @@ def test_service_compare_calls_a_wrong_token_in_bf16_a_mismatch(tiny, tmp_path, 
     tiny = wrap_model(tiny.model.to(torch.bfloat16), tiny.tokenizer,
                       ModelSpec(source="tiny-bf16"), "tiny-bf16", "bf16")
 
-    real_run = replies_module.run
+    real_run = core_module.run  # Compare's runs go through the reply core
 
     def wrong_with_a_drafter(lm, ids, params, drafter=None, cancel=None):
         text, out, stats = real_run(lm, ids, params, drafter, cancel)
@@ -114,7 +114,7 @@ def test_service_compare_calls_a_wrong_token_in_bf16_a_mismatch(tiny, tmp_path, 
 
     _untrained_medusa(tiny)
     service = Service(Store(tmp_path / "data"), tiny)
-    monkeypatch.setattr(replies_module, "run", wrong_with_a_drafter)
+    monkeypatch.setattr(core_module, "run", wrong_with_a_drafter)
     request = ReplyRequest("", SamplingParams(temperature=0.0, max_new_tokens=8), "medusa")
     final = list(service.replies.compare(request))[-1]
     assert final.identical is False and final.dtype == "bfloat16"
