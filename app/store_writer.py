@@ -49,5 +49,6 @@ class StoreWriter:
                 path, pending = self._jobs.popleft()
             try:
                 datastore_file.persist(path, pending)  # looked up here: tests slow the disk
-            except OSError:  # a full disk: the reply stays in memory; it is in the chats too
+            except Exception:  # noqa: BLE001 - e.g. a full disk; the thread must live on, or
+                # flush() would wait forever. The reply stays in memory; it is in the chats too.
                 log.exception("the datastore could not be written to %s", path)
