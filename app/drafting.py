@@ -22,18 +22,18 @@ from engine.accelerators import (
     measured_speedup,
     shipped_root,
 )
-from engine.drafters.auto import SOURCE_OF
 from engine.drafters.base import Drafter
-from engine.drafters.datastore import open_datastore, store_file
 from engine.drafters.registry import (
     ACCEL_CHOICES,
     ACCEL_LABELS,
     TRAINED,
     base_method,
     checkpoints,
-    load_drafter,
-    over_datastore,
+    compose,
+    load_source,
+    over_store,
 )
+from engine.drafters.store import open_datastore, store_file
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.loading import LoadedModel
 
@@ -72,6 +72,7 @@ class Accelerators:
         self.store = store
         self.host = host
         self._drafters: dict[str, Drafter] = {}  # ready drafters for host.lm, by method
+        self._sources: dict[str, Drafter] = {}  # their sources, shared, by source name
         self._found: dict[str, tuple] = {}  # checkpoint -> (folder stamp, describe())
         self._datastore = None  # the datastore of host.lm's own outputs, once opened
         self._for: LoadedModel | None = None  # the model all of the above were built for
@@ -80,7 +81,8 @@ class Accelerators:
 
     def forget(self) -> None:
         """Drop everything built for the model (it is being swapped)."""
-        self._drafters, self._found, self._datastore, self._for = {}, {}, None, None
+        self._drafters, self._sources, self._found = {}, {}, {}
+        self._datastore, self._for = None, None
 
     def _sync(self) -> LoadedModel:
         """The host's model, after dropping what was built for another: a build that was
@@ -117,15 +119,15 @@ class Accelerators:
     def _auto_status(self) -> AccelStatus:
         """How Auto drafts with what is trained here, and how fast its trained arm is (a
         figure re-timed at each load, so it is said where it comes from)."""
-        arm = self.drafter("auto").used().partition(":")[2] or "off"
-        source = SOURCE_OF.get(arm)
+        auto = self.drafter("auto")
+        arm = auto.used().partition(":")[2] or "off"
         store = ", from the datastore of its earlier replies where it is confident" \
-            if "datastore" in self._drafters else ""
-        if source is None:
+            if "datastore" in getattr(auto, "sources", {}) else ""
+        if arm == "off":
             line = (f"Auto copies from this conversation where it can{store}, else decodes "
                     "plainly: no trained accelerator beats plain decoding here.")
         else:
-            speed = self._speed(accel_label(arm), source, self.drafter(source))
+            speed = self._speed(accel_label(arm), arm, self.source(arm))
             line = (f"Auto copies from this conversation where it can{store}, else drafts with "
                     f"{accel_label(arm)}. {speed}")
         if not any(self._describe(m) for m in TRAINED):
@@ -145,12 +147,18 @@ class Accelerators:
         lm = self._sync()
         for checkpoint in checkpoints(method):
             self._describe(checkpoint)  # drops drafters whose checkpoint changed
-        if method == "datastore" and method not in self._drafters:
-            self._drafters[method] = over_datastore(self.datastore, lm)
         if method not in self._drafters:
-            # Composed methods share the drafters held here.
-            self._drafters[method] = load_drafter(lm, method, lambda _lm, m: self.drafter(m))
+            # Methods share the sources held here.
+            self._drafters[method] = compose(lm, method, self.source)
         return self._drafters[method]
+
+    def source(self, name: str) -> Drafter:
+        """The shared drafter of the source `name` (the datastore's over the one kept here)."""
+        if name not in self._sources:
+            lm = self._sync()
+            self._sources[name] = (over_store(self.datastore, lm)
+                                   if name == "datastore" else load_source(lm, name))
+        return self._sources[name]
 
     def resolve(self, method: str, strict: bool = False) -> Resolved:
         """The drafter of `method` for one reply. Where it cannot be used now: plain
@@ -204,8 +212,9 @@ class Accelerators:
         seen = self._found.get(checkpoint)
         if seen is None or seen[0] != stamp:
             if seen is not None:
-                for stale in [m for m in self._drafters if checkpoint in checkpoints(m)]:
-                    self._drafters.pop(stale, None)
+                for held in (self._drafters, self._sources):
+                    for stale in [m for m in held if checkpoint in checkpoints(m)]:
+                        held.pop(stale, None)
             seen = self._found[checkpoint] = (stamp, describe(lm, checkpoint))
         return seen[1]
 

@@ -86,7 +86,7 @@ class ReplyCore:
             message["accel"] = drafter.used()  # Auto's arm; its stats say which sources drafted
             message["stats"] = event.stats.to_json()
             return ReplyStep(event.text, event.full_text, event.token_ids, message["accel"],
-                             event.stats, True, notices, drafter.reason(), message)
+                             event.stats, True, notices, drafter.reason(event.stats), message)
         if live.tokens == 0:
             live.ttft_s = event.elapsed_s  # the prefill and the first token
         else:

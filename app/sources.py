@@ -7,16 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A composite drafter's step kinds (engine.drafters: auto, hybrid, withstore) -> source.
+# A composite's step kind ("medusa+lookup+datastore": the offers it joined, the one that
+# drafts the step first) -> the source the step counts for.
 KIND_SOURCE = {"copy": "conversation", "lookup": "conversation", "datastore": "datastore",
-               "medusa+lookup": "medusa", "medusa+datastore": "medusa+datastore",
-               "kangaroo": "kangaroo", "off": "plain"}
+               "medusa": "medusa", "kangaroo": "kangaroo", "off": "plain"}
 # A drafter that is not a composition drafts every step it drafts from one source.
 METHOD_SOURCE = {"lookup": "conversation", "datastore": "datastore", "medusa": "medusa",
                  "kangaroo": "kangaroo", "off": "plain"}
 LABELS = {"conversation": "copies from this conversation", "datastore": "datastore",
-          "medusa": "Medusa", "medusa+datastore": "Medusa+datastore", "kangaroo": "Kangaroo",
-          "plain": "plain steps"}
+          "medusa": "Medusa", "kangaroo": "Kangaroo", "plain": "plain steps"}
 # Sources whose tokens are text that already existed: this conversation or earlier replies.
 REPEATED = ("conversation", "datastore")
 
@@ -27,7 +26,7 @@ class SourceMix:
 
     steps: dict[str, int]  # source -> model steps it drafted (plain: steps nothing drafted)
     gained: dict[str, int]  # source -> draft tokens the model accepted from its steps
-    store_joined: int = 0  # datastore tokens accepted inside Medusa+datastore steps
+    store_joined: int = 0  # datastore tokens accepted inside steps another source drafted
 
     @property
     def total_steps(self) -> int:
@@ -63,14 +62,17 @@ def mix_of(method: str, stats: dict) -> SourceMix | None:
     kinds = stats.get("step_kinds") or {}
     if kinds:
         steps, gained = {}, {}
+        joined_kept = 0  # tokens kept in steps another source drafted first
         for kind, n in kinds.items():
-            source = KIND_SOURCE.get(kind, kind)
+            first = kind.split("+")[0]
+            source = KIND_SOURCE.get(first, first)
+            kept = stats.get("kind_accepted", {}).get(kind, 0)
             steps[source] = steps.get(source, 0) + n
-            gained[source] = gained.get(source, 0) + stats.get("kind_accepted", {}).get(kind, 0)
+            gained[source] = gained.get(source, 0) + kept
+            joined_kept += kept if "+datastore" in kind else 0
         # datastore tokens beyond those of its own steps came inside joined steps
         beyond = stats.get("datastore_accepted", 0) - gained.get("datastore", 0)
-        joined = min(max(0, beyond), gained.get("medusa+datastore", 0))
-        return SourceMix(steps, gained, joined)
+        return SourceMix(steps, gained, min(max(0, beyond), joined_kept))
     source = METHOD_SOURCE.get(method.split(":")[0], method)
     total, drafting = stats.get("steps", 0), stats["drafting_steps"]
     accepted = sum(a * n for a, n in enumerate(stats.get("accepted_histogram", [])[1:]))

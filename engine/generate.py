@@ -17,7 +17,7 @@ import torch
 from engine import verify
 from engine.chat import fit_to_context
 from engine.config import SamplingParams
-from engine.drafters.base import DecodeState, Draft, Drafter, start_drafter
+from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
 from engine.errors import PromptError
 from engine.loading import LoadedModel
 from engine.sampling import logits_to_probs, make_generator, next_token
@@ -61,7 +61,7 @@ def generate(
     stream = TextStream(lm.tokenizer, params.stop)
     ends = Ends(lm.eos_ids, params.max_new_tokens, stream)
     start = time.perf_counter()
-    state = _prefill(lm, ids, params, drafter)
+    state, session = _prefill(lm, ids, params, drafter)
     stats.ttft_s = time.perf_counter() - start
     new = [state.ids[-1]]
     reason = ends.cut(new, 0)[1]
@@ -75,7 +75,7 @@ def generate(
         if stats.stop_reason:
             stats.elapsed_s = elapsed
             stats.step = lm.target.name
-            drafter.finish(stats)
+            session.finish(stats)
             text += stream.flush()
             yield StepEvent(text, new, _last(stats), stats.tokens, elapsed, True, stats,
                             stream.emitted, notices)
@@ -83,15 +83,15 @@ def generate(
         yield StepEvent(text, new, _last(stats), stats.tokens, elapsed,
                         full_text=stream.emitted, notices=notices)
         notices = []
-        new, reason, accepted, drafted = _step(state, drafter, ends, stats.tokens)
+        new, reason, accepted, drafted = _step(state, session, ends, stats.tokens)
         stats.steps += 1
         stats.accepted.append(accepted)
         stats.drafted.append(drafted)
 
 
 def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams,
-             drafter: Drafter) -> DecodeState:
-    """Run the prompt, choose the first token, and hand the drafter its starting state."""
+             drafter: Drafter) -> tuple[DecodeState, Session]:
+    """Run the prompt, choose the first token, and start the drafter's session."""
     generator = make_generator(params.seed, lm.device)
     target = lm.target
     cache = target.new_cache()
@@ -101,11 +101,11 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams,
         out = target.forward(cache, ids, 0, states=drafter.wants_hidden, last_only=True)
         first = next_token(out.logits[-1], params, generator)
         state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator)
-        start_drafter(drafter, state, out.states)
-    return state
+        session = start_session(drafter, state, out.states)
+    return state, session
 
 
-def _step(state: DecodeState, drafter: Drafter, ends: Ends,
+def _step(state: DecodeState, session: Session, ends: Ends,
           produced: int) -> tuple[list[int], str, int, int]:
     """One full-model forward: (new tokens, stop reason or "", accepted drafts, drafted).
 
@@ -114,14 +114,14 @@ def _step(state: DecodeState, drafter: Drafter, ends: Ends,
     count hold exactly what plain decoding would have produced.
     """
     with torch.inference_mode():
-        draft = drafter.propose(state)
-        logits, hidden = drafter.score(state, draft)
+        draft = session.propose(state)
+        logits, hidden = session.score(state, draft)
         path, nxt = accept(draft, logits, state.params, state.generator)
         new = [draft.tokens[i] for i in path] + [nxt]
         keep, reason = ends.cut(new, produced)
         if keep < len(new):  # the last kept token becomes the pending one
             path, new = path[:keep - 1], new[:keep]
-        drafter.commit(state, draft, path)
+        session.commit(state, draft, path)
         state.ids.extend(new)
         if hidden is not None:
             state.hidden = hidden[path[-1] if path else 0]

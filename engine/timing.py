@@ -104,8 +104,11 @@ class StepCost:
     @classmethod
     def measured(cls, step_s: dict[int, float]) -> StepCost:
         """From step_seconds' figures: each size as a multiple of the one-token step."""
-        plain = step_s[min(step_s)]
-        return cls(tuple((n, max(1.0, s / plain)) for n, s in sorted(step_s.items())), plain)
+        plain, points, top = step_s[min(step_s)], [], 1.0
+        for n, s in sorted(step_s.items()):  # more tokens never cost less: timing noise
+            top = max(top, s / plain)
+            points.append((n, top))
+        return cls(tuple(points), plain)
 
     def __call__(self, tokens: int) -> float:
         points = self.points if self.points[0][0] == 1 else ((1, 1.0), *self.points)

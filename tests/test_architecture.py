@@ -107,7 +107,7 @@ def drafter_classes() -> set[str]:
 
 def test_app_names_no_drafter_class():
     classes = drafter_classes()
-    assert {"MedusaDrafter", "KangarooDrafter", "Composite", "DatastoreDrafter"} <= classes
+    assert {"MedusaDrafter", "KangarooDrafter", "Composite", "StoreDrafter"} <= classes
     for path in (ROOT / "app").rglob("*.py"):
         tree = ast.parse(path.read_text())
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}

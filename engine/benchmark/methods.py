@@ -18,7 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 from engine.benchmark.leaveout import WITH_STORE, LeaveOneOut
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
-from engine.drafters.registry import ACCEL_CHOICES, load_drafter, over_datastore
+from engine.drafters.registry import ACCEL_CHOICES, compose, load_source, over_store
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.generate import run
 
@@ -111,18 +111,18 @@ def _accelerator(lm, name: str, held_out: LeaveOneOut | None) -> tuple[Drafter |
     """The method's drafter; its datastore (and Auto's) is the leave-one-out one, and
     NO_STORE is Auto without one."""
 
-    def part(lm, m: str) -> Drafter:
+    def source(m: str) -> Drafter:
         if m == "datastore":
             if held_out is None:
                 raise AcceleratorError("left out")
-            return over_datastore(held_out.store, lm)
-        return load_drafter(lm, m, part)
+            return over_store(held_out.store, lm)
+        return load_source(lm, m)
 
     try:
         if name == NO_STORE:
             held_out = None
-            return load_drafter(lm, "auto", part), ""
-        return part(lm, name), ""
+            return compose(lm, "auto", source), ""
+        return compose(lm, name, source), ""
     except AcceleratorError as exc:
         return None, f"not trained: {exc}"
     except ModuleNotFoundError as exc:
@@ -146,10 +146,9 @@ def engine_method(name: str, lm, params: SamplingParams, drafter: Drafter) -> Co
 
     def generate(prompt_ids: list[int]) -> Outcome:
         _text, ids, stats = run(lm, prompt_ids, params, drafter)
-        # Auto's mix of arms for this reply (the other compositions keep one too)
-        used = getattr(drafter, "last_reply", None) if name == "auto" else None
-        return Outcome(ids, stats.ttft_s, list(stats.accepted),
-                       dict(used) if used is not None else None)
+        # Auto's mix of step kinds in this reply (the other compositions keep one too)
+        used = dict(stats.step_kinds) if name == "auto" else None
+        return Outcome(ids, stats.ttft_s, list(stats.accepted), used)
 
     return Contender(name, generate)
 

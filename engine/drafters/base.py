@@ -1,13 +1,16 @@
 """The drafter interface, the state a generation carries from step to step, and plain
 decoding as the simplest drafter.
 
-A step of the decode loop: `propose` returns a Draft (a tree of candidate tokens under the
-pending token), `score` runs the target model over it, the shared acceptance rules pick a
-path, and `commit` lets the drafter update its own state for what was kept.
+A Drafter is what a method loaded for a model (weights, calibration, its verdict) and is
+shared by every reply; `start` returns the Session of one reply, which holds everything
+that reply changes. A step of the decode loop: the session's `propose` returns a Draft (a
+tree of candidate tokens under the pending token), `score` runs the target model over it,
+the shared acceptance rules pick a path, and `commit` keeps what was accepted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,30 +89,34 @@ class Draft:
         return len(self.tokens)
 
 
-class Drafter:
-    """Plain decoding: proposes nothing, so every step is one token from the full model."""
+@dataclass(frozen=True)
+class Offer:
+    """What a source's session would draft this step, decided from the past only: its
+    draft and how many of its tokens it expects kept. A composite picks and joins offers by
+    expected tokens per unit of the measured step cost (engine.drafters.composite)."""
 
-    name = "off"
-    drafts = False  # True when it proposes tokens: the loop then checks the cache can drop them
-    wants_hidden = False  # True when the drafter reads hidden states (state.hidden, prefill)
-    notice = ""  # one line for the user when it decodes plainly after all (does not pay here)
-    retimed_speedup: float | None = None  # the speedup estimated at load, when re-timed here
-    verifies = False  # True when its score/commit must verify its own drafts (Kangaroo's
-    # layers above the early exit); a composite then routes them to it
+    kind: str  # what a step it drafts counts as ("copy", "medusa", ...)
+    size: int  # draft nodes it offers (the root excluded)
+    build: Callable[[int], Draft]  # k -> the draft of its k most likely nodes (k == size: all)
+    # Each node's chance of being kept, most likely first (sources that count what was kept);
+    # empty for a trained source, which states its measured `speedup` instead.
+    chances: tuple[float, ...] = ()
+    speedup: float | None = None  # measured speed over plain decoding when drafted alone
+    joins: bool = True  # False: verified alone (a copy in progress, a round of own layers)
 
-    @property
-    def pays(self) -> bool:
-        """False when the drafter was measured no faster than plain decoding here (it then
-        decodes plainly, and Auto leaves it out)."""
-        return True
 
-    def start(self, state: DecodeState, prefill: tuple[torch.Tensor, ...] | None) -> None:
-        """Called once after prefill. prefill: every layer's (1, P, H) states over the prompt
-        (embeddings first) when the drafter wants hidden states, else None; state.hidden
-        then holds the state that predicted the pending token."""
+class Session:
+    """One reply's drafting (made by Drafter.start, advanced by every step). Plain decoding:
+    it proposes nothing, so every step is one token from the full model."""
+
+    wants_hidden = False  # True when it reads the final hidden states of what it scores
 
     def propose(self, state: DecodeState) -> Draft:
         return Draft.chain(state.ids[-1], [])
+
+    def offer(self, state: DecodeState) -> Offer | None:
+        """What it would draft this step in a composite (None: nothing)."""
+        return None
 
     def score(self, state: DecodeState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the full model over the draft's nodes: ((n, V) logits, (n, H) last hidden)."""
@@ -120,21 +127,48 @@ class Drafter:
         state.target.keep_path(state.cache, state.cached, [0, *path])
 
     def observe(self, state: DecodeState, layers: tuple[torch.Tensor, ...] | None,
-                path: list[int]) -> None:
-        """In a composite, a step another source drafted was verified and `path` kept (the
-        cache already holds it). layers: every layer's (1, n, H) states over the draft when
-        the composite ran the whole model with them, else None."""
+                path: list[int], mine: list[int]) -> None:
+        """In a composite, a step was verified and `path` kept (the cache already holds it).
+        layers: every layer's (1, n, H) states over the draft when the composite ran the
+        whole model with them, else None; mine: the draft's nodes this session offered."""
 
-    def finish(self, stats: GenerationStats) -> None:
-        """Called once when a generation ends (finished, stopped or cancelled)."""
+    def finish(self, stats: GenerationStats | None) -> None:
+        """Called once when the reply ends (finished, stopped or cancelled)."""
+
+
+class Drafter:
+    """How a method drafts for a loaded model: weights, calibration and its verdict,
+    shareable between replies (every reply's own state lives in the Session that `start`
+    returns). This one is plain decoding."""
+
+    name = "off"
+    drafts = False  # True when it proposes tokens: the loop then checks the cache can drop them
+    wants_hidden = False  # True when its sessions read hidden states (state.hidden, prefill)
+    verifies = False  # True when its sessions verify their own drafts (Kangaroo's layers
+    # above the early exit); a composite then routes such a step to that session
+    notice = ""  # one line for the user when it decodes plainly after all (does not pay here)
+    retimed_speedup: float | None = None  # the speedup estimated at load, when re-timed here
+    speedup: float | None = None  # measured speed over plain decoding (calibration, re-timed)
+
+    @property
+    def pays(self) -> bool:
+        """False when the drafter was measured no faster than plain decoding here (it then
+        decodes plainly, and Auto leaves it out)."""
+        return True
+
+    def start(self, state: DecodeState, prefill: tuple[torch.Tensor, ...] | None) -> Session:
+        """A session for one reply, once prefill ran. prefill: every layer's (1, P, H) states
+        over the prompt (embeddings first) when the drafter wants hidden states, else None;
+        state.hidden then holds the state that predicted the pending token."""
+        return Session()
 
     def used(self) -> str:
-        """The method the last reply drafted with, as stored and shown: its name, or for a
-        drafter that chooses among others, "<name>:<choice>"."""
+        """The method a reply drafted with, as stored and shown: its name, or for a drafter
+        that chooses among others, "<name>:<choice>"."""
         return self.name
 
-    def reason(self) -> str:
-        """One line for the readout on how it drafts; empty when there is nothing to say."""
+    def reason(self, stats: GenerationStats | None = None) -> str:
+        """One line for the readout on how it drafts (and how the reply `stats` did)."""
         return ""
 
 
@@ -160,10 +194,10 @@ def forward_layers(
     return out.logits, out.states
 
 
-def start_drafter(drafter: Drafter, state: DecodeState,
-                  states: tuple[torch.Tensor, ...] | None) -> None:
-    """Hand the drafter the prefill's every-layer `states` (computed when
-    drafter.wants_hidden, else None) once `state` holds the pending token."""
+def start_session(drafter: Drafter, state: DecodeState,
+                  states: tuple[torch.Tensor, ...] | None) -> Session:
+    """The drafter's session for the reply in `state` (which holds the pending token),
+    handed the prefill's every-layer `states` (computed when drafter.wants_hidden)."""
     if states is not None:
         state.hidden = states[-1][0, -1]
-    drafter.start(state, states)
+    return drafter.start(state, states)

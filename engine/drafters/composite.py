@@ -1,16 +1,19 @@
-"""Drafting sources composed into one drafter: an ordered set of sources and a per-step
-choice among them.
+"""Drafting sources composed into one drafter by one rule.
 
-A source is any Drafter. Every step the composite's `choose` picks how to draft and returns
-a Step: what kind of step it is (counted per reply), the source that drafted it, and the
-draft. `score` and `commit` go to that source when it verifies drafts itself
-(`verifies`: Kangaroo runs only the layers above its early exit); otherwise the composite
-runs the whole model once, keeping every layer's states when any source reads them, and
-keeps the accepted path. Every other source then sees the kept tokens through `observe`
-(Kangaroo's adapter reads their layer-l states at its next round, so no layer runs twice).
+Every step each source's session offers, from the past only, a draft and its expected kept
+tokens (engine.drafters.base.Offer): node chances from counts (lookup, the datastore), or a
+measured speedup (a trained source). The step takes the offer with the most expected
+tokens per unit of the step's measured cost, cut to its most likely nodes where that pays,
+plain decoding when none beats it; then every other offer that may join is grafted on (one
+tree, engine.tree.join_trees) where the added tokens pay for the longer verification.
 
-Verification is the shared loop's, so greedy replies stay exactly plain greedy decoding and
-sampling stays lossless whatever the choice, as long as it depends only on the past.
+A step drafted by one source that verifies its own drafts (Kangaroo: only the layers above
+its early exit) goes to that session; otherwise the composite runs the whole model once,
+keeping every layer's states when any source reads them, and every session observes what
+was kept (Kangaroo's adapter reads the kept tokens' layer-l states at its next round, so no
+layer runs twice). Verification is the shared loop's, so greedy replies stay exactly plain
+greedy decoding and sampling stays lossless whatever the choice, as it depends only on the
+past.
 """
 
 from __future__ import annotations
@@ -21,39 +24,136 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.drafters.base import Draft, Drafter, forward_layers
+from engine.drafters.base import Draft, Drafter, Offer, Session, forward_layers
+from engine.timing import StepCost
+from engine.tree import TreeShape, join_trees, shape_of
+
+
+def best_size(chances: list[float], value: Callable[[int, float], float]) -> int:
+    """How many of the most likely nodes to draft: the k that maximizes value(k, their
+    summed chances), 0 where no node improves on value(0, 0)."""
+    best_k, best, gain = 0, value(0, 0.0), 0.0
+    for k, p in enumerate(sorted(chances, reverse=True), 1):
+        gain += p
+        if (v := value(k, gain)) > best:
+            best_k, best = k, v
+    return best_k
+
+
+def gain(offer: Offer, k: int, cost: StepCost) -> float:
+    """Expected kept tokens of `offer` cut to k nodes (its speedup, for a trained source,
+    converted through the cost of verifying k + 1 tokens)."""
+    if offer.speedup is not None:
+        return offer.speedup * cost(k + 1) - 1.0
+    return sum(offer.chances[:k])
+
+
+def alone(offer: Offer, cost: StepCost) -> tuple[int, float]:
+    """(nodes, expected tokens per unit of step cost) of `offer` drafted as the whole step,
+    cut to the nodes that pay."""
+    k = offer.size if offer.speedup is not None else best_size(
+        list(offer.chances), lambda k, g: (1.0 + g) / cost(k + 1))
+    return k, (1.0 + gain(offer, k, cost)) / cost(k + 1)
+
+
+def pick(offers: list[Offer | None], cost: StepCost) -> tuple[int, int] | None:
+    """(index, nodes) of the offer that drafts the step alone, or None where none beats
+    plain decoding (one token per plain step)."""
+    best, best_value = None, 1.0
+    for i, offer in enumerate(offers):
+        if offer is None or offer.size == 0:
+            continue
+        k, value = alone(offer, cost)
+        if k > 0 and value > best_value:
+            best, best_value = (i, k), value
+    return best
+
+
+def join_size(offer: Offer, tokens: float, base: int, cost: StepCost) -> int:
+    """How many of `offer`'s nodes to graft onto a `base`-node draft expected to add
+    `tokens` tokens: the count that maximizes tokens per step cost."""
+    if offer.speedup is not None:
+        return offer.size
+    return best_size(list(offer.chances), lambda k, g: (tokens + g) / cost(base + k))
+
+
+class TreeJoin:
+    """Grafts one draft onto another as one tree (engine.tree.join_trees); the structures
+    are kept per shape, so a repeated shape costs no new mask."""
+
+    MAX_SHAPES = 512  # shapes kept before the cache starts over
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple[int, ...], TreeShape] = {}
+
+    def __call__(self, a: Draft, b: Draft) -> tuple[Draft, list[int]]:
+        """(the joined draft, the joined nodes of b's non-root nodes)."""
+        if b.size == 1:
+            return a, []
+        tokens, parents, where = join_trees(a.tokens, a.children, b.tokens, b.children)
+        key = tuple(parents)
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) >= self.MAX_SHAPES:
+                self._shapes.clear()
+            shape = self._shapes[key] = shape_of(parents)
+        return Draft(tokens, shape.children, shape.depths, shape.mask), where[1:]
 
 
 @dataclass
-class Step:
-    """How one step drafts."""
+class Plan:
+    """One step of a composite: its draft and where its nodes came from."""
 
-    kind: str  # what the step counts as in the reply's mix (e.g. "copy", "kangaroo")
-    source: str | None  # the source that drafted it (None: the composite itself)
-    draft: Draft  # the candidate tokens
+    kind: str  # what the step counts as: the kinds of the offers in it, joined by "+"
+    draft: Draft
+    mine: dict[int, list[int]]  # source index -> the draft's nodes it offered
+    own: int | None = None  # the source whose session verifies the step (None: whole model)
+
+
+def plan(offers: list[Offer | None], root: int, cost: StepCost, join: TreeJoin,
+         verifies: list[bool]) -> Plan:
+    """This step's draft under the composite's rule (see the module doc)."""
+    chosen = pick(offers, cost)
+    if chosen is None:
+        return Plan("off", Draft.chain(root, []), {})
+    first, k = chosen
+    base = offers[first]
+    draft = base.build(k)
+    step = Plan(base.kind, draft, {first: list(range(1, draft.size))},
+                first if verifies[first] else None)
+    if not base.joins:
+        return step
+    tokens = 1.0 + gain(base, k, cost)
+    for i, offer in enumerate(offers):
+        if i == first or offer is None or not offer.joins or offer.size == 0:
+            continue
+        k = join_size(offer, tokens, step.draft.size, cost)
+        if k == 0:
+            continue
+        added = gain(offer, k, cost)
+        joined, where = join(step.draft, offer.build(k))
+        if (tokens + added) / cost(joined.size) > tokens / cost(step.draft.size):
+            step.draft, step.kind, step.mine[i] = joined, f"{step.kind}+{offer.kind}", where
+            tokens += added
+    return step
 
 
 class Composite(Drafter):
-    """Sources and a per-step choice among them (see module doc)."""
+    """Sources and the rule that composes their offers (see module doc)."""
 
     drafts = True
 
-    def __init__(self, name: str, sources: dict[str, Drafter],
-                 choose: Callable[[Composite, object], Step], lead: str | None = None,
-                 pick: str = "", explain: Callable[[Composite], str] | None = None):
+    def __init__(self, name: str, sources: dict[str, Drafter], cost: StepCost | None = None,
+                 lead: str | None = None, pick: str = "",
+                 explain: Callable[[Composite, object], str] | None = None):
         self.name = name
-        self.sources = sources  # source name -> drafter, in the order they start
-        self.choose = choose  # (composite, state) -> Step, from the past only
+        self.sources = sources  # source name -> drafter, in the order offers are joined
+        self.cost = cost or StepCost()  # what verifying n tokens costs here, in plain steps
         self.lead = sources.get(lead) if lead else None  # the trained source it is judged by
         self.pick = pick  # what it chose among its sources at load, stored with each reply
-        self.explain = explain  # (composite) -> the readout's line on how it drafts
+        self.explain = explain  # (composite, reply stats or None) -> the readout's line
         self.wants_hidden = any(s.wants_hidden for s in sources.values())
-        self.kind = "off"  # this step's kind
-        self.steps: Counter = Counter()  # steps per kind in the current reply
-        self.last_reply: Counter = Counter()  # the same for the last finished reply
-        self.kept: Counter = Counter()  # draft tokens accepted per kind in the current reply
-        self._source: Drafter | None = None  # the source that drafted this step
-        self._layers: tuple[torch.Tensor, ...] | None = None  # a whole-model round's states
+        self.join = TreeJoin()  # shapes only: shared by every reply
 
     @property
     def pays(self) -> bool:
@@ -67,45 +167,61 @@ class Composite(Drafter):
     def retimed_speedup(self) -> float | None:
         return self.lead.retimed_speedup if self.lead else None
 
+    @property
+    def speedup(self) -> float | None:
+        return self.lead.speedup if self.lead else None
+
     def used(self) -> str:
         return f"{self.name}:{self.pick}" if self.pick else self.name
 
-    def reason(self) -> str:
-        return self.explain(self) if self.explain else ""
+    def reason(self, stats=None) -> str:
+        return self.explain(self, stats) if self.explain else ""
 
-    def start(self, state, prefill) -> None:
-        self.steps, self.kept = Counter(), Counter()
-        for source in self.sources.values():
-            source.start(state, prefill)
+    def start(self, state, prefill) -> CompositeSession:
+        return CompositeSession(self, [s.start(state, prefill) for s in self.sources.values()],
+                                [s.verifies for s in self.sources.values()])
+
+
+class CompositeSession(Session):
+    """One reply of a composite: its sources' sessions and the reply's mix of steps."""
+
+    def __init__(self, composite: Composite, sessions: list[Session], verifies: list[bool]):
+        self.composite = composite
+        self.sessions = sessions
+        self.verifies = verifies
+        self.wants_hidden = composite.wants_hidden
+        self.steps: Counter = Counter()  # steps per kind in this reply
+        self.kept: Counter = Counter()  # draft tokens accepted per kind in this reply
+        self._plan: Plan | None = None
+        self._layers: tuple[torch.Tensor, ...] | None = None  # a whole-model round's states
 
     def propose(self, state) -> Draft:
-        step = self.choose(self, state)
-        self.kind, self._source = step.kind, self.sources.get(step.source)
-        return step.draft
+        offers = [s.offer(state) for s in self.sessions]
+        c = self.composite
+        self._plan = plan(offers, state.ids[-1], c.cost, c.join, self.verifies)
+        return self._plan.draft
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._source is not None and self._source.verifies:
-            return self._source.score(state, draft)
+        if self._plan.own is not None:
+            return self.sessions[self._plan.own].score(state, draft)
         logits, self._layers = forward_layers(state, draft, self.wants_hidden)
         return logits, None if self._layers is None else self._layers[-1][0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
-        own = self._source if self._source is not None and self._source.verifies else None
+        step, own = self._plan, self._plan.own
         if own is not None:
-            own.commit(state, draft, path)
+            self.sessions[own].commit(state, draft, path)
         else:
             state.target.keep_path(state.cache, state.cached, [0, *path])
-        for source in self.sources.values():
-            if source is not own:
-                source.observe(state, self._layers, path)
+        for i, session in enumerate(self.sessions):  # layers: None where a session verified
+            session.observe(state, self._layers, path, step.mine.get(i, []))
         self._layers = None
-        self.steps[self.kind] += 1
-        self.kept[self.kind] += len(path)
+        self.steps[step.kind] += 1
+        self.kept[step.kind] += len(path)
 
     def finish(self, stats) -> None:
-        """Keep the reply's mix for the readout, and put it in the reply's stats."""
-        self.last_reply = self.steps
+        """Put the reply's mix in its stats."""
         if stats is not None:
             stats.step_kinds, stats.kind_accepted = dict(self.steps), dict(self.kept)
-        for source in self.sources.values():
-            source.finish(stats)
+        for session in self.sessions:
+            session.finish(stats)

@@ -20,10 +20,11 @@ from transformers import DynamicCache
 
 from engine import kv_cache
 from engine import split as layers
-from engine.accelerators import check_format
-from engine.drafters.base import Draft, Drafter
+from engine.accelerators import check_format, measured_speedup
+from engine.drafters.base import Draft, Drafter, Offer, Session
 from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
 from engine.drafters.payoff import (
+    PAY_MARGIN,
     Payoff,
     not_paying_notice,
     round_seconds,
@@ -73,17 +74,6 @@ def _fits(vocab: torch.Tensor, vocab_size: int) -> bool:
     return vocab.numel() > 0 and 0 <= int(vocab.min()) and int(vocab.max()) < vocab_size
 
 
-@dataclass
-class _Run:
-    """One generation's drafter state (made by start(), advanced by each step)."""
-
-    cache: DynamicCache  # the adapter's own KV cache (one layer)
-    lag: torch.Tensor  # (1, m, H) layer-l states of committed tokens the adapter has not read
-    drafted: torch.Tensor | None = None  # (1, k, H) layer-l states of the root and d1..d(k-1)
-    scored: torch.Tensor | None = None  # (1, k + 1, H) layer-l states of all verified nodes
-    external: bool = False  # this round's draft came from elsewhere (lookup), not the adapter
-
-
 class KangarooDrafter(Drafter):
     """Drafts with the early exit + adapter; verifies with the remaining layers only."""
 
@@ -107,7 +97,7 @@ class KangarooDrafter(Drafter):
         self.head = draft_head(lm.model, self.vocab).to(lm.dtype)  # (Vd, H)
         self.vocab_size = vocab_size
         self.metrics = metrics or {}
-        self.run: _Run | None = None
+        self.speedup = measured_speedup(self.metrics)
         # gamma 0: calibration found no setting faster than plain decoding, so decode plainly.
         self.off = settings.gamma == 0
         self.wants_hidden = not self.off
@@ -147,7 +137,7 @@ class KangarooDrafter(Drafter):
         timed = round_seconds(self.lm, self.with_schedule(eta=0.0, gamma=drafted))
         payoff = Payoff(tokens, plain_step_seconds(self.lm), timed)
         self.metrics = {**self.metrics, "speedup": round(payoff.speedup, 3), "pays": payoff.pays}
-        self.retimed_speedup = payoff.speedup
+        self.retimed_speedup = self.speedup = payoff.speedup
         if not payoff.pays:
             self.off, self.wants_hidden = True, False
             self.notice = not_paying_notice("Kangaroo", self.lm, payoff.speedup)
@@ -159,7 +149,6 @@ class KangarooDrafter(Drafter):
         other.settings.check(layers.num_layers(self.lm.model))
         other.off = gamma == 0
         other.wants_hidden = not other.off
-        other.run = None
         return other
 
     @property
@@ -189,55 +178,6 @@ class KangarooDrafter(Drafter):
             total += self.head.numel() * self.head.element_size()
         return total
 
-    # -- the decode loop's hooks ---------------------------------------------------------
-
-    def start(self, state, prefill) -> None:
-        """The adapter will read the whole prompt's layer-l states at the first propose."""
-        if not self.off:
-            self.run = _Run(DynamicCache(), layers.exit_states(prefill, self.settings.exit_layer))
-
-    def propose(self, state) -> Draft:
-        """Run the pending token through the shallow layers, then draft until unsure."""
-        if self.off:
-            return super().propose(state)
-        run, s = self.run, self.settings
-        gamma = min(s.gamma, state.room)
-        if gamma == 0:  # no room for a draft token: the round verifies the root alone
-            return self.propose_chain(state, [])
-        start = state.cached
-        h = self._shallow(state, state.ids[-1], start)  # (1, 1, H) root state
-        x, x_start = torch.cat([run.lag, h], dim=1), start - run.lag.shape[1]
-        states, tokens, qs = [h], [], []
-        while True:
-            out = self._adapt(x, x_start)[-1]  # (H,) adapter state of the last position
-            token, q, confident = self._choose(out, state)
-            tokens.append(token)
-            qs.append(q)
-            if len(tokens) == gamma or not confident:
-                break
-            x_start = start + len(tokens)
-            x = self._shallow(state, token, x_start)
-            states.append(x)
-        run.lag = run.lag[:, :0]
-        run.drafted = torch.cat(states, dim=1)
-        run.external = False
-        q_rows = torch.stack(qs) if qs[0] is not None else None
-        return Draft.chain(state.ids[-1], tokens, q_rows)
-
-    def absorb(self, exits: torch.Tensor) -> None:
-        """Queue the (1, m, H) layer-l states of tokens just committed by a round the adapter
-        did not draft (lookup, or another drafter's whole-model forward): the adapter reads
-        them at its next round, so no layer runs twice for a token."""
-        self.run.lag = torch.cat([self.run.lag, exits], dim=1)
-
-    def observe(self, state, layers, path: list[int]) -> None:
-        """After another source's whole-model round: the adapter reads the kept tokens'
-        layer-l states at its next round."""
-        if layers is None or self.off:
-            return
-        self.absorb(layers[self.settings.exit_layer][:, [0, *path]])
-        state.target.rollback(state.cache, 0)  # trims sliding-window layers
-
     def guesses(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The adapter's drafts over (n, H) adapter states: (n, Vd) float32 logits, the (n,)
         top-1 token ids and their (n,) probabilities. Drafting goes on after a guess while
@@ -251,51 +191,105 @@ class KangarooDrafter(Drafter):
         """Whether a draft with top-1 probability `top` is sure enough to draft on after."""
         return top > self.settings.eta
 
-    def propose_chain(self, state, tokens: list[int]) -> Draft:
-        """A round whose draft comes from elsewhere (a lookup continuation): the pending
-        token and `tokens` go through the shallow layers in one pass, and the adapter reads
-        the accepted ones at its next round (they join the lag)."""
+    def start(self, state, prefill) -> Session:
+        """A reply's session; the adapter reads the whole prompt's layer-l states at its
+        first round."""
         if self.off:
-            return Draft.chain(state.ids[-1], tokens)
-        target, run = state.target, self.run
-        h = target.embed([state.ids[-1], *tokens], state.cached)
-        run.drafted = target.run_layers(h, range(self.settings.exit_layer), state.cache,
-                                        state.cached)
-        run.external = True
-        return Draft.chain(state.ids[-1], tokens)
+            return Session()
+        return KangarooSession(self, layers.exit_states(prefill, self.settings.exit_layer))
+
+
+class KangarooSession(Session):
+    """One reply drafting with the early exit + adapter; it verifies its own drafts with
+    the layers above the exit."""
+
+    wants_hidden = True
+
+    def __init__(self, drafter: KangarooDrafter, lag: torch.Tensor) -> None:
+        self.drafter = drafter
+        self.settings = drafter.settings
+        self.cache = DynamicCache()  # the adapter's own KV cache (one layer)
+        self.lag = lag  # (1, m, H) layer-l states of committed tokens the adapter has not read
+        self.drafted: torch.Tensor | None = None  # (1, k, H) layer-l states of root, d1..d(k-1)
+        self.scored: torch.Tensor | None = None  # (1, k + 1, H) layer-l states of verified nodes
+        self.external = False  # the round's states were not read by the adapter (no room)
+
+    def offer(self, state) -> Offer | None:
+        """An adapter round, valued at its measured speedup: verified by this session alone."""
+        gamma = min(self.settings.gamma, state.room)
+        if gamma == 0:
+            return None
+        return Offer("kangaroo", gamma, lambda _k: self.propose(state),
+                     speedup=self.drafter.speedup or PAY_MARGIN, joins=False)
+
+    def propose(self, state) -> Draft:
+        """Run the pending token through the shallow layers, then draft until unsure."""
+        s = self.settings
+        gamma = min(s.gamma, state.room)
+        start = state.cached
+        h = self._shallow(state, state.ids[-1], start)  # (1, 1, H) root state
+        self.external = gamma == 0
+        if self.external:  # no room for a draft token: the round verifies the root alone
+            self.drafted = h
+            return Draft.chain(state.ids[-1], [])
+        x, x_start = torch.cat([self.lag, h], dim=1), start - self.lag.shape[1]
+        states, tokens, qs = [h], [], []
+        while True:
+            out = self._adapt(x, x_start)[-1]  # (H,) adapter state of the last position
+            token, q, confident = self._choose(out, state)
+            tokens.append(token)
+            qs.append(q)
+            if len(tokens) == gamma or not confident:
+                break
+            x_start = start + len(tokens)
+            x = self._shallow(state, token, x_start)
+            states.append(x)
+        self.lag = self.lag[:, :0]
+        self.drafted = torch.cat(states, dim=1)
+        q_rows = torch.stack(qs) if qs[0] is not None else None
+        return Draft.chain(state.ids[-1], tokens, q_rows)
+
+    def absorb(self, exits: torch.Tensor) -> None:
+        """Queue the (1, m, H) layer-l states of tokens just committed by a round the adapter
+        did not draft (another source's whole-model forward): the adapter reads them at its
+        next round, so no layer runs twice for a token."""
+        self.lag = torch.cat([self.lag, exits], dim=1)
+
+    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
+        """After another source's whole-model round: the adapter reads the kept tokens'
+        layer-l states at its next round."""
+        if layers is None:
+            return
+        self.absorb(layers[self.settings.exit_layer][:, [0, *path]])
+        state.target.rollback(state.cache, 0)  # trims sliding-window layers
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers l..L over the saved layer-l states (+ the last draft token's, computed now
         unless the round already ran it): logits and the final (normed) hidden states,
-        which Medusa's heads read when Auto mixes the two."""
-        if self.off:
-            return super().score(state, draft)
-        run, model = self.run, self.lm.model
+        which Medusa's heads read when a composite mixes the two."""
+        model = self.drafter.lm.model
         start, k = state.cached, draft.size - 1
-        run.scored = run.drafted
-        if run.drafted.shape[1] == k:
+        self.scored = self.drafted
+        if self.drafted.shape[1] == k:
             last = self._shallow(state, draft.tokens[-1], start + k)
-            run.scored = torch.cat([run.drafted, last], dim=1)  # (1, k + 1, H)
+            self.scored = torch.cat([self.drafted, last], dim=1)  # (1, k + 1, H)
         target = state.target
         deep = range(self.settings.exit_layer, layers.num_layers(model))
-        h = target.norm(target.run_layers(run.scored, deep, state.cache, start))
+        h = target.norm(target.run_layers(self.scored, deep, state.cache, start))
         return target.logits(h)[0], h[0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
-        if self.off:
-            return super().commit(state, draft, path)
-        run = self.run
         k, a = draft.size - 1, len(path)
         state.target.rollback(state.cache, k - a)  # every layer held start + k + 1
-        if run.external:  # the adapter has read none of this round's states
-            self.absorb(run.scored[:, :a + 1])
+        if self.external:  # the adapter has read none of this round's states
+            self.absorb(self.scored[:, :a + 1])
         elif a < k:
             # The adapter read the root and d1..d(k-1): keep the root and d1..da.
-            kv_cache.drop_last(run.cache, k - a - 1)
+            kv_cache.drop_last(self.cache, k - a - 1)
         else:
-            run.lag = run.scored[:, k:]  # dk's state, read at the next propose
-        run.drafted = run.scored = None
+            self.lag = self.scored[:, k:]  # dk's state, read at the next propose
+        self.drafted = self.scored = None
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -307,20 +301,20 @@ class KangarooDrafter(Drafter):
 
     def _adapt(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Adapter over x (1, n, H) at positions start..; returns its (n, H) states."""
-        return adapt(self.lm.model, self.adapter, x, start, self.run.cache)[0]
+        return adapt(self.drafter.lm.model, self.drafter.adapter, x, start, self.cache)[0]
 
     def _choose(self, out: torch.Tensor, state) -> tuple[int, torch.Tensor | None, bool]:
         """Draft token, its q row (V,) for speculative sampling (else None), and whether
         the draft is sure enough to go on."""
-        logits, top1, top = self.guesses(out[None])
-        sure = bool(self.sure(top[0]))
+        d = self.drafter
+        logits, top1, top = d.guesses(out[None])
+        sure = bool(d.sure(top[0]))
         params = state.params
         if params.acceptance_mode != "lossless":
             return int(top1[0]), None, sure
         q_small = logits_to_probs(logits[0], params)
         idx = sample_from(q_small, state.generator)
-        if self.vocab is None:
+        if d.vocab is None:
             return idx, q_small, sure
-        q = torch.zeros(self.vocab_size, device=q_small.device).index_copy_(0, self.vocab, q_small)
-        return int(self.vocab[idx]), q, sure
-
+        q = torch.zeros(d.vocab_size, device=q_small.device).index_copy_(0, d.vocab, q_small)
+        return int(d.vocab[idx]), q, sure

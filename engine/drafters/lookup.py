@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.drafters.base import Draft, Drafter
+from engine.drafters.base import Draft, Drafter, Offer, Session
 from engine.timing import step_cost
 
 
@@ -78,15 +78,34 @@ class NgramIndex:
         return [], 0
 
 
-class LookupSource:
-    """One generation's lookup state: the n-gram index over its ids."""
+# What a continuation's tokens are kept with before this reply says otherwise: each token
+# after a kept one, by the matched n-gram's length (a copy in progress: a max_ngram match).
+# Each reply then counts what its own continuations kept (PRIOR_WEIGHT: how many tokens'
+# worth the prior counts for).
+PRIOR_COPY, PRIOR_SHORT, PRIOR_WEIGHT = 0.8, (0.3, 0.5), 4.0
+
+
+class LookupDrafter(Drafter):
+    """Drafts the continuation of the latest n-gram's previous occurrence."""
+
+    name = "lookup"
+    drafts = True
+
+    def __init__(self, params: LookupParams | None = None) -> None:
+        self.params = params or LookupParams()
+
+    def start(self, state, prefill) -> LookupSession:
+        return LookupSession(self.params)
+
+
+class LookupSession(Session):
+    """One reply's n-gram index, and how often its continuations were kept so far."""
 
     def __init__(self, params: LookupParams) -> None:
         self.params = params
-        self.reset()
-
-    def reset(self) -> None:
-        self.index = NgramIndex(self.params.min_ngram, self.params.max_ngram)
+        self.index = NgramIndex(params.min_ngram, params.max_ngram)
+        self.kept: dict[bool, list[float]] = {}  # copying? -> [tokens kept, tokens missed]
+        self._copying = False  # whether this step's offer was a copy in progress
 
     def match(self, ids: list[int], room: int) -> tuple[list[int], int]:
         """(continuation, matched n-gram length) for the current suffix of `ids` (which
@@ -97,23 +116,35 @@ class LookupSource:
         return (chain if self.copying(n) else chain[:self.params.short_len]), n
 
     def copying(self, n: int) -> bool:
-        """Whether a match of `n` tokens (match's second value) is a copy in progress: then
-        the continuation alone is drafted."""
+        """Whether a match of `n` tokens is a copy in progress: then its continuation is
+        verified alone."""
         return n == self.params.max_ngram
 
-
-class LookupDrafter(Drafter):
-    """Drafts the continuation of the latest n-gram's previous occurrence."""
-
-    name = "lookup"
-    drafts = True
-
-    def __init__(self, params: LookupParams | None = None) -> None:
-        self.source = LookupSource(params or LookupParams())
-
-    def start(self, state, prefill) -> None:
-        self.source.reset()
-
     def propose(self, state) -> Draft:
-        return Draft.chain(state.ids[-1], self.source.match(state.ids, state.room)[0])
+        return Draft.chain(state.ids[-1], self.match(state.ids, state.room)[0])
 
+    def chance(self, n: int) -> float:
+        """The chance that a token of this step's continuation is kept after the one before
+        it was: the prior for its kind of match, updated by this reply's counts."""
+        copying = self.copying(n)
+        prior = PRIOR_COPY if copying else PRIOR_SHORT[min(n, len(PRIOR_SHORT)) - 1]
+        kept, missed = self.kept.get(copying, (0.0, 0.0))
+        return (PRIOR_WEIGHT * prior + kept) / (PRIOR_WEIGHT + kept + missed)
+
+    def offer(self, state) -> Offer | None:
+        chain, n = self.match(state.ids, state.room)
+        if not chain:
+            return None
+        p, root = self.chance(n), state.ids[-1]
+        self._copying = self.copying(n)
+        return Offer("copy" if self._copying else "lookup", len(chain),
+                     lambda k: Draft.chain(root, chain[:k]),
+                     chances=tuple(p ** i for i in range(1, len(chain) + 1)),
+                     joins=not self._copying)
+
+    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
+        if mine:
+            kept = sum(node in path for node in mine)
+            counts = self.kept.setdefault(self._copying, [0.0, 0.0])
+            counts[0] += kept
+            counts[1] += kept < len(mine)

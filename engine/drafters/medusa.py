@@ -20,9 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.accelerators import check_format
-from engine.drafters.base import Draft, Drafter
-from engine.drafters.payoff import Payoff, not_paying_notice, round_seconds, timed_elsewhere
+from engine.accelerators import check_format, measured_speedup
+from engine.drafters.base import Draft, Drafter, Offer, Session
+from engine.drafters.payoff import (
+    PAY_MARGIN,
+    Payoff,
+    not_paying_notice,
+    round_seconds,
+    timed_elsewhere,
+)
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.tree import (
     TreeBuffers,
@@ -179,7 +185,7 @@ class MedusaDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, lm, heads: MedusaHeads, tree: TreeBuffers,
-                 retimed: Payoff | None = None):
+                 retimed: Payoff | None = None, speedup: float | None = None):
         if tree.depth > heads.settings.num_heads:
             raise AcceleratorError(
                 f"the Medusa tree needs {tree.depth} heads but the checkpoint has "
@@ -196,6 +202,8 @@ class MedusaDrafter(Drafter):
         # device); None: the calibrated tree, as stored.
         self.retimed = retimed
         self.retimed_speedup = None if retimed is None else retimed.speedup
+        # The tree's measured speed over plain decoding (re-timed here, else calibration's).
+        self.speedup = self.retimed_speedup or speedup
         self.notice = "" if retimed is None or retimed.pays else not_paying_notice(
             "Medusa", lm, retimed.speedup)
         # Gather indices live on the heads' device once; only token values change per step.
@@ -234,14 +242,17 @@ class MedusaDrafter(Drafter):
             raise AcceleratorError(
                 f"the Medusa tree in {ckpt.folder} is invalid: {exc}; {FIX}"
             ) from exc
-        return cls(lm, heads, tree, retimed)
+        return cls(lm, heads, tree, retimed, measured_speedup(ckpt.metrics))
 
     @property
     def pays(self) -> bool:
         """False when calibration stored an empty tree: no tree beat plain decoding here."""
         return self.tree.size > 1
 
-    def propose(self, state) -> Draft:
+    def start(self, state, prefill) -> MedusaSession:
+        return MedusaSession(self)
+
+    def draft(self, state) -> Draft:
         """Heads read state.hidden (the state that predicted the pending token) and that
         token (the root) -> tree.
 
@@ -258,6 +269,29 @@ class MedusaDrafter(Drafter):
         top = torch.topk(logits, t.top_k, dim=-1).indices  # (K, top_k) columns
         drafted = self.heads.tokens(top[self._slots]).tolist()  # (n - 1,) node tokens
         return Draft([root, *drafted], t.children, t.depths, t.mask)
+
+
+class MedusaSession(Session):
+    """A reply drafting with the heads: they read the state the loop keeps (state.hidden),
+    so the session holds nothing of its own."""
+
+    wants_hidden = True
+
+    def __init__(self, drafter: MedusaDrafter) -> None:
+        self.drafter = drafter
+
+    def propose(self, state) -> Draft:
+        return self.drafter.draft(state)
+
+    def offer(self, state) -> Offer | None:
+        """The calibrated tree, valued at its measured speedup (an accelerator whose speed
+        was never measured is taken to just pay)."""
+        d = self.drafter
+        if d.tree.size == 1:
+            return None
+        size = d.tree.size - 1 if state.room >= d.tree.depth else state.room
+        return Offer("medusa", size, lambda _k: d.draft(state),
+                     speedup=d.speedup or PAY_MARGIN)
 
 
 def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]],

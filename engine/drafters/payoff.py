@@ -12,16 +12,14 @@ does not beat plain decoding by PAY_MARGIN.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine import timing
 from engine.config import SamplingParams
-from engine.drafters.base import DecodeState, Draft, Drafter, start_drafter
+from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
 from engine.sampling import make_generator
-from engine.timing import StepCost
 
 # An estimate must beat plain decoding by this factor: estimates from held-out acceptance
 # and a few timed steps run a little high, and a drafter that only breaks even costs memory.
@@ -75,17 +73,17 @@ def round_seconds(lm, drafter: Drafter, ids: list[int] | None = None,
                                 last_only=True)
         state = DecodeState(lm, SamplingParams(), cache, list(ids), n - 1,
                             make_generator(0, lm.device))
-        start_drafter(drafter, state, out.states)
+        session = start_session(drafter, state, out.states)
         for _ in range(repeats + 1):  # the first round warms up
-            times.append(timing.seconds(lm.device, _round, drafter, state))
+            times.append(timing.seconds(lm.device, _round, session, state))
     return statistics.median(times[1:])
 
 
-def _round(drafter: Drafter, state: DecodeState) -> None:
+def _round(session: Session, state: DecodeState) -> None:
     """One decode step whose drafts are all rejected."""
-    draft = drafter.propose(state)
-    drafter.score(state, draft)
-    drafter.commit(state, draft, [])
+    draft = session.propose(state)
+    session.score(state, draft)
+    session.commit(state, draft, [])
     state.ids.append(draft.tokens[-1])  # a rejected step still adds the model's token
 
 
@@ -96,22 +94,13 @@ class FixedChain(Drafter):
     def __init__(self, n: int) -> None:
         self.n = n
 
+    def start(self, state, prefill) -> Session:
+        return _Repeat(self.n)
+
+
+class _Repeat(Session):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
     def propose(self, state) -> Draft:
         return Draft.chain(state.ids[-1], [state.ids[-1]] * self.n)
-
-
-def best_size(probs: list[float], value: Callable[[int, float], float]) -> int:
-    """How many of the store's most probable nodes to draft: the k that maximizes
-    value(k, their summed path probability), 0 where no node improves on value(0, 0)."""
-    best_k, best, gain = 0, value(0, 0.0), 0.0
-    for k, p in enumerate(sorted(probs, reverse=True), 1):
-        gain += p
-        if (v := value(k, gain)) > best:
-            best_k, best = k, v
-    return best_k
-
-
-def alone_size(cost: StepCost) -> Callable[[list[float]], int]:
-    """best_size for the store's tree drafted as a whole step: the k nodes whose expected
-    tokens per step cost, (1 + gain) / cost(k + 1), is highest."""
-    return lambda probs: best_size(probs, lambda k, g: (1.0 + g) / cost(k + 1))

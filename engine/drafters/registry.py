@@ -8,15 +8,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.drafters import auto
+from engine.drafters.auto import auto
 from engine.drafters.base import Drafter
-from engine.drafters.datastore import DatastoreDrafter
-from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
+from engine.drafters.composite import Composite
 from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
-from engine.drafters.medusa import FIX as MEDUSA_FIX
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.withstore import medusa_datastore
+from engine.drafters.store import StoreDrafter
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.timing import step_cost
 
@@ -25,93 +23,76 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Method:
-    """One acceleration method."""
+    """One acceleration method: a drafting source of its own, sources it composes with, or
+    both (one rule composes them: engine.drafters.composite)."""
 
     name: str  # what --accel, the API and the settings file say
     label: str  # what people read
-    # (lm, checkpoint or None) -> drafter; for a method that composes others,
-    # (lm, {method: drafter}) over those of `composes` that load
-    build: Callable
+    build: Callable | None = None  # (lm, checkpoint or None) -> its source's drafter
     checkpoint: str | None = None  # the trained accelerator it loads; None: nothing to load
     # The module that trains that accelerator (trainer/ is imported only when training, and
     # the engine never imports it): it offers check(lm), prep_seconds_per_token(lm, options),
     # reserve_s(options), train(...) and summary_lines(metrics, settings).
     trainer: str | None = None
-    composes: tuple[str, ...] = ()  # the methods whose drafters it chooses among
+    composes: tuple[str, ...] = ()  # methods whose sources join its own, in join order
+    every_source: bool = False  # composes every source that loads here (Auto)
 
 
 METHODS = (
-    Method("auto", "Auto", lambda lm, parts: auto.over(lm, parts, ACCEL_LABELS),
-           composes=("medusa", "kangaroo", "datastore")),
-    Method("off", "Off", lambda lm, ckpt: Drafter()),
+    Method("auto", "Auto", every_source=True),
+    Method("off", "Off"),
     Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
-    Method("datastore", "Datastore", DatastoreDrafter.for_model),
     Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa.train"),
-    Method("medusa+lookup", "Medusa+lookup",
-           lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
-    Method("medusa+datastore", "Medusa+datastore", lambda lm, parts: with_medusa(
-        parts, lambda m: medusa_datastore(m, parts["datastore"], cost=parts["datastore"].cost
-                                          or step_cost(lm))),
-        "medusa", composes=("medusa", "datastore")),
+    Method("medusa+lookup", "Medusa+lookup", composes=("lookup", "medusa")),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
            "trainer.kangaroo.train"),
-    Method("kangaroo+lookup", "Kangaroo+lookup",
-           lambda lm, ckpt: kangaroo_lookup(KangarooDrafter.from_checkpoint(lm, ckpt)),
-           "kangaroo"),
+    Method("kangaroo+lookup", "Kangaroo+lookup", composes=("lookup", "kangaroo")),
+    Method("datastore", "Datastore", StoreDrafter.for_model, composes=("lookup",)),
+    Method("medusa+datastore", "Medusa+datastore", composes=("lookup", "medusa", "datastore")),
 )
-BY_NAME = {m.name: m for m in METHODS}
-ACCEL_CHOICES = tuple(BY_NAME)
+ACCEL_CHOICES = tuple(m.name for m in METHODS)
 ACCEL_LABELS = {m.name: m.label for m in METHODS}
 TRAINED = tuple(m.name for m in METHODS if m.trainer)  # the methods a user can train
 
 
-def with_medusa(parts: dict[str, Drafter], build: Callable) -> Drafter:
-    """`build(medusa)` for a composition that needs trained Medusa heads; AcceleratorError
-    (with the command that trains them) when they did not load."""
-    if "medusa" not in parts:
-        raise AcceleratorError(f"no Medusa accelerator is trained for this model; {MEDUSA_FIX}")
-    return build(parts["medusa"])
-
-
 def method(name: str) -> Method:
     """The method called `name`; QuickdraftError for an unknown one."""
-    try:
-        return BY_NAME[name]
-    except KeyError:
-        raise QuickdraftError(
-            f"unknown acceleration {name!r}: choose one of {', '.join(ACCEL_CHOICES)}"
-        ) from None
+    for m in METHODS:
+        if m.name == name:
+            return m
+    raise QuickdraftError(
+        f"unknown acceleration {name!r}: choose one of {', '.join(ACCEL_CHOICES)}")
+
+
+def sources(name: str) -> tuple[str, ...]:
+    """The sources a method drafts from, in the order their offers are joined (a source
+    is named by the method that builds it alone)."""
+    m = method(name)
+    if m.every_source:
+        return tuple(x.name for x in METHODS if x.build is not None)
+    found = [s for part in m.composes for s in sources(part)]
+    found += [m.name] if m.build is not None else []
+    return tuple(dict.fromkeys(found))
 
 
 def base_method(name: str) -> str | None:
-    """The trained accelerator a method loads ("medusa+lookup" -> "medusa"); None for
-    methods that load none."""
-    return method(name).checkpoint
+    """The trained accelerator a method is judged by ("medusa+lookup" -> "medusa"); None
+    for methods that load none and for Auto."""
+    m = method(name)
+    if m.every_source:
+        return None
+    return next((c for c in (method(s).checkpoint for s in sources(name)) if c), None)
 
 
 def checkpoints(name: str) -> tuple[str, ...]:
-    """The trained accelerators a method may load, those of the methods it composes included."""
+    """The trained accelerators a method may load, those of its sources included."""
+    return tuple(c for c in (method(s).checkpoint for s in sources(name)) if c)
+
+
+def load_source(lm, name: str) -> Drafter:
+    """The drafter of the source `name` alone; trained sources load their checkpoint for
+    `lm`. Raises AcceleratorError (with the command that fixes it) when none is trained."""
     m = method(name)
-    own = (m.checkpoint,) if m.checkpoint else ()
-    return own + tuple(c for part in m.composes for c in checkpoints(part))
-
-
-def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:
-    """The drafter for method `name`; trained methods load their checkpoint for `lm`.
-    A method that composes others gets those that load (one that is not trained or is
-    unusable here is left out); `load` (lm, method) -> drafter lets a caller share the
-    drafters it already holds.
-
-    Raises AcceleratorError (with the command that fixes it) when none is trained."""
-    m = method(name)
-    if m.composes:
-        parts = {}
-        for part in m.composes:
-            try:
-                parts[part] = (load or load_drafter)(lm, part)
-            except AcceleratorError as exc:
-                log.info("%s leaves %s out: %s", m.label, part, exc)
-        return m.build(lm, parts)
     if m.checkpoint is None:
         return m.build(lm, None)
     from engine.accelerators import load_checkpoint
@@ -119,8 +100,35 @@ def load_drafter(lm, name: str, load: Callable | None = None) -> Drafter:
     return m.build(lm, load_checkpoint(lm, m.checkpoint))
 
 
-def over_datastore(store, lm=None) -> Drafter:
-    """The datastore method's drafter over an open datastore (the caller keeps it); with
-    `lm`, its conversation lookup drafts as long as lookup does there and its trees are
-    sized by the step costs timed there."""
-    return DatastoreDrafter(store) if lm is None else DatastoreDrafter.timed(store, lm)
+def compose(lm, name: str, source: Callable[[str], Drafter]) -> Drafter:
+    """The drafter of method `name` over the sources `source(name)` returns (a caller's
+    shared ones): one source alone, or their composite. Auto leaves out a source that is
+    not trained or unusable here; another method raises its AcceleratorError."""
+    m = method(name)
+    names = sources(name)
+    if not names:
+        return Drafter()
+    parts = {}
+    for part in names:
+        try:
+            parts[part] = source(part)
+        except AcceleratorError as exc:
+            if not m.every_source:
+                raise
+            log.info("%s leaves %s out: %s", m.label, part, exc)
+    if m.every_source:
+        return auto(parts, step_cost(lm), ACCEL_LABELS)
+    if len(parts) == 1:
+        return parts[name]
+    return Composite(name, parts, step_cost(lm), lead=base_method(name))
+
+
+def over_store(store, lm) -> Drafter:
+    """The datastore source over an open datastore (its caller keeps it), its trees sized
+    by the step costs timed on `lm`."""
+    return StoreDrafter.timed(store, lm)
+
+
+def load_drafter(lm, name: str) -> Drafter:
+    """The drafter for method `name`, its sources loaded for `lm` (see compose)."""
+    return compose(lm, name, lambda part: load_source(lm, part))

@@ -12,24 +12,29 @@ import torch
 
 from engine import verify
 from engine.config import SamplingParams
-from engine.drafters.base import Draft, Drafter
+from engine.drafters.base import Draft, Drafter, Session
 from engine.errors import QuickdraftError
 from engine.generate import run
 from tests.conftest import make_tiny_model
+from tests.engine.drafters.spy import Spy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = [20, 31, 45, 52, 60, 71, 33, 48]
 
 
-class Oracle(Drafter):
+class Oracle(Drafter, Session):
     """Proposes the next `block` tokens of a known reply: every draft is accepted, so a
-    reply ends inside drafted blocks. Records each draft's size and the room it had."""
+    reply ends inside drafted blocks. Records each draft's size and the room it had (its
+    own session: it holds nothing a reply changes but that record)."""
 
     name = "oracle"
 
     def __init__(self, reply: list[int], block: int = 6):
         self.reply, self.block, self.seen = reply, block, []
+
+    def start(self, state, prefill) -> Session:
+        return self
 
     def propose(self, state) -> Draft:
         done = len(state.ids) - state.prompt_len  # reply tokens chosen so far
@@ -109,14 +114,12 @@ def test_drafts_never_reach_past_the_budget(tiny, method):
     _t, reply, _s = plain(tiny, SamplingParams(max_new_tokens=budget))
     drafter = {"oracle": lambda: Oracle(reply, block=8), "lookup": LookupDrafter,
                "medusa": lambda: md.medusa(tiny, md.random_heads(tiny))}[method]()
-    depths, propose = [], drafter.propose
+    depths = []
 
-    def recording(state):
-        draft = propose(state)
+    def recording(state, draft, path, session):
         depths.append((len(state.ids) - state.prompt_len, max(draft.depths)))
-        return draft
 
-    drafter.propose = recording
+    drafter = Spy(drafter, recording)
     prompt = PROMPT + reply[:12]  # lookup finds the reply's own continuation
     _t, ids, _s = run(tiny, prompt if method == "lookup" else PROMPT,
                       SamplingParams(max_new_tokens=budget), drafter)

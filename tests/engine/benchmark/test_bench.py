@@ -28,7 +28,7 @@ from engine.benchmark.prompts import (
 from engine.benchmark.report import notes, summarize, to_markdown, write_report
 from engine.benchmark.runner import Measurement
 from engine.config import SamplingParams
-from engine.drafters.base import Drafter
+from engine.drafters.base import Drafter, Session
 from engine.errors import QuickdraftError
 from scripts import bench_gpu, scaled_gguf
 from tests.conftest import make_tiny_model
@@ -162,13 +162,16 @@ def clock(monkeypatch) -> BenchClock:
     return clock
 
 
-class SlowDrafter(Drafter):
+class SlowDrafter(Drafter, Session):
     """Plain decoding whose every step takes 50 ms of the bench's clock: the bench must see
-    it slower."""
+    it slower (its own session: it holds nothing a reply changes)."""
 
     def __init__(self, clock: BenchClock) -> None:
         super().__init__()
         self.clock = clock
+
+    def start(self, state, prefill) -> Session:
+        return self
 
     def propose(self, state):
         self.clock.now += 0.05

@@ -13,8 +13,9 @@ from app.service import Service
 from app.store import Store
 from engine.config import SamplingParams
 from engine.datastore import Datastore, DatastoreParams, load, open_store
-from engine.drafters.datastore import DatastoreDrafter, store_file, tree_draft
+from engine.drafters.store import StoreDrafter, store_file, tree_draft
 from engine.generate import run
+from engine.timing import StepCost
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 
@@ -135,7 +136,7 @@ def _second_token_counts(lm, prompt, store, n):
     counts = torch.zeros(8, dtype=torch.long)
     for seed in range(n):
         params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=seed)
-        _t, ids, _ = run(lm, prompt, params, DatastoreDrafter(store))
+        _t, ids, _ = run(lm, prompt, params, StoreDrafter(store, StepCost.linear(0.0)))
         counts[ids[1]] += 1
     return counts
 

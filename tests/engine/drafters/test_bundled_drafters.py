@@ -16,10 +16,11 @@ import torch
 
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.auto import COPY, KANGAROO, MEDUSA, auto
-from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
+from engine.drafters.auto import COPY, auto
+from engine.drafters.composite import Composite
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head
+from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
 from engine.tree import build_tree
@@ -91,10 +92,18 @@ def test_kangaroo_trained_adapter(bundled_lm, prompts, plain, trained_adapter):
     assert assert_exact(bundled_lm, prompts, plain, d) > 0  # drafts were accepted
 
 
+KANGAROO, MEDUSA = "kangaroo", "medusa"
+
+
+def with_lookup(trained) -> Composite:
+    return Composite(f"{trained.name}+lookup", {"lookup": LookupDrafter(), trained.name: trained},
+                     lead=trained.name)
+
+
 def test_kangaroo_lookup(bundled_lm, prompts, plain, trained_adapter):
     adapter, vocab = trained_adapter
-    d = kangaroo_lookup(KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4),
-                                        vocab))
+    d = with_lookup(KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4), vocab,
+                                    metrics={"speedup": 1.5}))
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 
@@ -106,19 +115,22 @@ def test_medusa(bundled_lm, prompts, plain):
 
 def test_medusa_lookup(bundled_lm, prompts, plain):
     heads = _random_heads(int(bundled_lm.model.config.hidden_size))
-    d = medusa_lookup(MedusaDrafter(bundled_lm, heads, build_tree(TREE, 4)))
+    d = with_lookup(MedusaDrafter(bundled_lm, heads, build_tree(TREE, 4), speedup=1.5))
     assert assert_exact(bundled_lm, prompts, plain, d) > 0
 
 
 @pytest.mark.parametrize("arm", [KANGAROO, MEDUSA])
 def test_auto(bundled_lm, prompts, plain, trained_adapter, arm):
     adapter, vocab = trained_adapter
-    kangaroo = KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4), vocab)
+    speed = {arm: 1.8}  # the lead; the other measured slower
+    kangaroo = KangarooDrafter(bundled_lm, adapter, KangarooSettings(EXIT, 0.2, 4), vocab,
+                               metrics={"speedup": speed.get(KANGAROO, 1.3)})
     medusa = MedusaDrafter(bundled_lm, _random_heads(int(bundled_lm.model.config.hidden_size)),
-                           build_tree(TREE, 4))
-    d = auto(arm, {"medusa": medusa, "kangaroo": kangaroo})
+                           build_tree(TREE, 4), speedup=speed.get(MEDUSA, 1.3))
+    d = auto({"lookup": LookupDrafter(), MEDUSA: medusa, KANGAROO: kangaroo})
     steps = Counter()
     for ids, want in zip(prompts, plain, strict=True):
-        assert run(bundled_lm, ids, PARAMS, d)[1] == want
-        steps.update(d.last_reply)
-    assert set(steps) == {COPY, arm}
+        _t, got, stats = run(bundled_lm, ids, PARAMS, d)
+        assert got == want
+        steps.update(k.split("+")[0] for k in stats.step_kinds)
+    assert {COPY, arm} <= set(steps) <= {COPY, arm, "lookup", "off"}

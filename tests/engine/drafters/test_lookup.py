@@ -13,7 +13,7 @@ from engine.drafters import lookup
 from engine.drafters.lookup import (
     LookupDrafter,
     LookupParams,
-    LookupSource,
+    LookupSession,
     NgramIndex,
 )
 from engine.drafters.registry import load_drafter
@@ -39,7 +39,7 @@ def test_index_never_matches_the_suffix_itself():
 
 
 def test_a_copy_drafts_long_a_short_match_short_within_the_room_left():
-    source = LookupSource(LookupParams(copy_len=5, short_len=2))
+    source = LookupSession(LookupParams(copy_len=5, short_len=2))
     ids = list(range(20)) + [3]  # 3 occurred before, followed by 4, 5, 6, ...
     assert source.match(ids, 10) == ([4, 5], 1)  # a short match: a short chain
     assert source.match(ids, 1)[0] == [4]  # no drafts past the room left
@@ -58,7 +58,7 @@ def test_shorter_matches_draft_long_chains_only_where_they_cost_little(
     monkeypatch.setattr(lookup, "step_cost", lambda lm: curve)
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
     assert lookup.fitted(lm) == LookupParams(copy_len=10, short_len=short_len)
-    assert load_drafter(lm, "lookup").source.params.short_len == short_len
+    assert load_drafter(lm, "lookup").params.short_len == short_len
 
 
 def test_the_step_cost_is_timed_once_per_loaded_target(bundled_tokenizer, monkeypatch):

@@ -13,7 +13,7 @@ from engine import verify
 from engine.accelerators import load_checkpoint, save_checkpoint
 from engine.chat import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
+from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSession, KangarooSettings
 from engine.drafters.kangaroo_adapter import adapt
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
@@ -21,6 +21,7 @@ from engine.generate import run
 from engine.sampling import sample_from
 from tests.cache_util import held
 from tests.conftest import make_tiny_model
+from tests.engine.drafters.spy import Spy, sessions_of
 from tests.stats_util import chi_square_pvalue
 
 PROMPT = "Tell me a story about a lighthouse keeper."
@@ -140,8 +141,8 @@ def test_reduced_vocabulary_stays_exact(bundled_tokenizer):
     _t, got, stats = run(lm, ids, params, drafter(lm, 3, 0.0, 4, True, True, vocab))
     assert got == plain and sum(stats.accepted) > 0
     d = drafter(lm, vocab=vocab)
-    state = generate_mod._prefill(lm, ids, SamplingParams(temperature=1.0, seed=0), d)
-    draft = d.propose(state)
+    state, session = generate_mod._prefill(lm, ids, SamplingParams(temperature=1.0, seed=0), d)
+    draft = session.propose(state)
     assert draft.draft_probs is not None
     outside = torch.ones(draft.draft_probs.shape[1], dtype=torch.bool)
     outside[vocab] = False
@@ -203,21 +204,22 @@ def test_speculative_sampling_is_lossless_and_catches_a_broken_rule(bundled_toke
 # -- cache consistency -------------------------------------------------------------------
 
 
-def recording(cls):
-    """`cls` recording, after every commit, the committed tokens and copies of all caches."""
+def recording(drafter, kangaroo: KangarooDrafter) -> Spy:
+    """`drafter` (Kangaroo alone or a composite with it) recording, after every commit, the
+    committed tokens, copies of all caches and the Kangaroo session's adapter cache + lag;
+    `kangaroo` is the drafter whose settings and adapter the check reads."""
 
-    class Recorder(cls):
-        snapshots: list
+    def snapshot(state, draft, path, session):
+        own = next(s for s in sessions_of(session) if isinstance(s, KangarooSession))
+        committed = state.ids + [draft.tokens[i] for i in path]
+        copy = [(k.clone(), v.clone()) for k, v in held(state.cache, len(committed))]
+        ad = own.cache.layers[0]
+        spy.snapshots.append((committed, copy, ad.keys.clone(), ad.values.clone(),
+                              own.lag.clone()))
 
-        def commit(self, state, draft, path):
-            super().commit(state, draft, path)
-            committed = state.ids + [draft.tokens[i] for i in path]
-            copy = [(k.clone(), v.clone()) for k, v in held(state.cache, len(committed))]
-            ad = self.run.cache.layers[0]
-            adapter = (ad.keys.clone(), ad.values.clone())
-            self.snapshots.append((committed, copy, *adapter, self.run.lag.clone()))
-
-    return Recorder
+    spy = Spy(drafter, snapshot)
+    spy.snapshots, spy.kangaroo = [], kangaroo
+    return spy
 
 
 def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> set[int]:
@@ -240,7 +242,7 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
     d.snapshots = []
     run(lm, prompt, SamplingParams(max_new_tokens=tokens), d)
     final = d.snapshots[-1][0]
-    exit_layer = d.settings.exit_layer
+    exit_layer = d.kangaroo.settings.exit_layer
     ref = DynamicCache(config=lm.model.config)
     with torch.inference_mode():
         for t in final:  # the reference: one token at a time
@@ -248,7 +250,7 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
         hidden = lm.model(input_ids=torch.tensor([final]), output_hidden_states=True).hidden_states
         exit_states = layers.exit_states(hidden, exit_layer)
         ad_ref = DynamicCache()
-        adapt(lm.model, d.adapter, exit_states, 0, ad_ref)
+        adapt(lm.model, d.kangaroo.adapter, exit_states, 0, ad_ref)
     kept = set()
     for committed, caches, ad_k, ad_v, lag in d.snapshots:
         n = len(committed)
@@ -274,9 +276,9 @@ def test_caches_equal_one_by_one_decoding_after_any_accept_pattern(bundled_token
     lm.eos_ids = ()
     lm.target = make_target(lm.model, step, torch.float32)
     torch.manual_seed(0)
-    d = recording(KangarooDrafter)(lm, Adapter(lm.model),
-                                   KangarooSettings(exit_layer=2, eta=0.0, gamma=4))
-    kept = check_caches_after_random_accepts(lm, d, [5, 6, 7, 8, 9], monkeypatch)
+    k = KangarooDrafter(lm, Adapter(lm.model), KangarooSettings(exit_layer=2, eta=0.0, gamma=4))
+    kept = check_caches_after_random_accepts(lm, recording(k, k), [5, 6, 7, 8, 9],
+                                             monkeypatch)
     assert kept == {0, 1}  # both partial and full acceptance happened
 
 

@@ -53,7 +53,7 @@ def head1_hits(lm, heads: MedusaHeads, feats: Features) -> float:
     ids, hits, n = feats.ids.tolist(), 0, 0
     for t in range(0, len(ids) - 2, 2):
         state = SimpleNamespace(ids=ids[: t + 2], hidden=final[t], room=8)
-        hits += drafter.propose(state).tokens[1] == ids[t + 2]
+        hits += drafter.draft(state).tokens[1] == ids[t + 2]
         n += 1
     return hits / n
 

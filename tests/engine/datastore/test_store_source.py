@@ -1,11 +1,9 @@
-"""The datastore beside the other sources: its tree grafted onto Medusa's as a trie, the
-costs that decide whether it joins or drafts alone, greedy exactness of Medusa+datastore
-and of Auto with the datastore on every tiny config (proving the store drafted), lossless
-sampling with a broken-rule control, and the registry's rows."""
+"""The datastore beside the other sources: its tree grafted onto another as a trie, cut to
+the nodes that pay, greedy exactness of Medusa+datastore and of Auto with the datastore on
+every tiny config (proving the store drafted), lossless sampling with a broken-rule
+control, and the registry's rows."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import pytest
 import torch
@@ -13,30 +11,28 @@ import torch
 from engine import verify
 from engine.config import SamplingParams
 from engine.datastore import Continuations, Datastore, DatastoreParams
-from engine.drafters.auto import COPY, KANGAROO, MEDUSA, auto
+from engine.drafters.auto import COPY, auto
 from engine.drafters.base import Draft
-from engine.drafters.datastore import DatastoreDrafter
-from engine.drafters.lookup import LookupParams
-from engine.drafters.payoff import best_size
-from engine.drafters.registry import load_drafter
-from engine.drafters.withstore import (
-    JOINED,
-    STORE,
-    TreeJoin,
-    joining_pays,
-    medusa_datastore,
-)
+from engine.drafters.composite import Composite, TreeJoin, plan
+from engine.drafters.lookup import LookupDrafter, LookupParams
+from engine.drafters.registry import ACCEL_LABELS, load_drafter
+from engine.drafters.store import StoreDrafter
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.timing import StepCost
-from engine.tree import build_tree, join_trees, shape_of
+from engine.tree import join_trees, shape_of
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.engine.drafters.medusa import test_medusa as md
-from tests.engine.drafters.test_auto import drafters
-from tests.engine.drafters.test_hybrid import repetitive_prompt
+from tests.engine.drafters.spy import Spy
+from tests.engine.drafters.test_composite import (
+    kangaroo_of,
+    medusa_of,
+    repetitive_prompt,
+)
 from tests.stats_util import chi_square_pvalue
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+STORE = "datastore"
 
 
 # -- the join and the costs ---------------------------------------------------------------
@@ -67,13 +63,20 @@ def test_joining_keeps_the_first_draft_when_the_store_offers_nothing():
     assert joined.children == [[1], [2, 3], [], []]
 
 
-def test_the_store_joins_or_drafts_alone_only_where_that_pays():
+def test_the_store_joins_a_tree_only_where_its_nodes_pay():
+    store = Datastore("fp")
+    store.add_all([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8, 9]])
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(ids=[0, 2, 3, 4], room=32)
+    offer = StoreDrafter(store).start(state, None).offer(state)
+    tree = Draft.chain(4, [7, 7]), 2.0  # a 2-node trained draft at 2x
+    from engine.drafters.base import Offer
+
+    trained = Offer("medusa", 2, lambda k: tree[0], speedup=tree[1])
     flat, steep = StepCost.linear(0.02), StepCost.linear(0.5)
-    assert flat(1) == 1.0 and steep(5) == 3.0
-    # a 7-token Medusa step at 1.25x; 8 store nodes expected to add half a token
-    assert joining_pays(0.5, 7, 15, 1.25, flat)
-    assert not joining_pays(0.5, 7, 15, 1.25, steep)
-    assert not joining_pays(0.0, 7, 15, 1.0, flat)  # nothing expected: never
+    assert plan([trained, offer], 4, flat, TreeJoin(), [False, False]).kind == "medusa+datastore"
+    assert plan([trained, offer], 4, steep, TreeJoin(), [False, False]).kind == "medusa"
 
 
 def test_the_step_cost_follows_the_measured_curve():
@@ -83,16 +86,6 @@ def test_the_step_cost_follows_the_measured_curve():
     assert cost(3) == pytest.approx(1.265) and cost(12) == pytest.approx(2.035)
     assert cost(24) == pytest.approx(2.77)  # past the last point: the last segment's slope
     assert StepCost.linear(0.5)(5) == 3.0
-
-
-def test_the_store_drafts_only_as_many_nodes_as_pay():
-    probs = [0.9, 0.6, 0.3, 0.1, 0.05]
-    flat, steep = StepCost.linear(0.01), StepCost.linear(0.4)
-    alone = lambda cost: lambda k, g: (1 + g) / cost(k + 1)  # noqa: E731
-    assert best_size(probs, alone(flat)) == 5  # cheap tokens: all of them
-    assert best_size(probs, alone(steep)) == 2  # (1 + 1.5) / 1.8 beats 3 nodes' 2.8 / 2.2
-    assert best_size(probs, alone(StepCost.linear(2.0))) == 0  # nothing pays
-    assert best_size([], alone(flat)) == 0
 
 
 def test_the_most_probable_nodes_form_a_tree():
@@ -112,14 +105,14 @@ def test_the_datastore_method_drafts_only_the_nodes_that_pay_when_timed():
     store = Datastore("fp")
     store.add_all([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8, 9]])
     state = SimpleNamespace(ids=[0, 2, 3, 4], room=32)
-    untimed = DatastoreDrafter(store).propose(state)  # no cost: the whole tree
-    assert sorted(untimed.tokens) == [4, 5, 6, 7, 8, 9]
-    free = DatastoreDrafter(store, cost=StepCost.linear(0.0)).propose(state)
-    assert free.tokens == untimed.tokens
+
+    def drafted(cost):
+        return StoreDrafter(store, cost).start(state, None).propose(state).tokens
+
+    assert sorted(drafted(StepCost.linear(0.0))) == [4, 5, 6, 7, 8, 9]  # free: the whole tree
     # 5 is kept with chance 2 / (2 + 2); 6 and 8 each with a quarter of that
-    dear = DatastoreDrafter(store, cost=StepCost.linear(0.2)).propose(state)
-    assert dear.tokens == [4, 5]  # (1 + 0.5) / 1.2 beats (1 + 0.625) / 1.4
-    assert DatastoreDrafter(store, cost=StepCost.linear(0.5)).propose(state).tokens == [4]
+    assert drafted(StepCost.linear(0.2)) == [4, 5]  # (1 + 0.5) / 1.2 beats (1 + 0.625) / 1.4
+    assert drafted(StepCost.linear(0.5)) == [4]
 
 
 # -- exactness --------------------------------------------------------------------------
@@ -134,19 +127,12 @@ def store_of(lm, prompts: list[list[int]], tokens: int = 40) -> Datastore:
     return store
 
 
-class Counting:
-    """Counts how each step of a composite drafted, over every reply (a mixin)."""
-
-    def commit(self, state, draft, path):
-        self.all_steps = getattr(self, "all_steps", Counter())
-        self.all_steps[self.kind] += 1
-        super().commit(state, draft, path)
-
-
-def counting(drafter):
-    drafter.__class__ = type("Counting" + type(drafter).__name__,
-                             (Counting, type(drafter)), {})
-    return drafter
+def medusa_datastore(lm, store: Datastore, lookup=None, cost=None, seed=1,
+                     choices=md.TREE) -> Spy:
+    """Medusa+datastore as the registry composes it."""
+    return Spy(Composite("medusa+datastore", {
+        "lookup": LookupDrafter(lookup), "medusa": medusa_of(lm, seed, choices),
+        STORE: StoreDrafter(store, cost)}, cost, lead="medusa"))
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -154,8 +140,7 @@ def test_medusa_datastore_matches_plain_greedy_and_the_store_drafts(name, bundle
     lm = md.small_vocab_model(bundled_tokenizer, name, 64)
     prompts = [repetitive_prompt(64), repetitive_prompt(64, seed=5)]
     store = store_of(lm, prompts)
-    medusa = md.MedusaDrafter(lm, md.random_heads(lm), build_tree(md.TREE, 4))
-    drafter = counting(medusa_datastore(medusa, DatastoreDrafter(store)))
+    drafter = medusa_datastore(lm, store)
     params = SamplingParams(max_new_tokens=48)
     from_store, biggest = 0, 0
     for prompt in (*prompts, [9, 8, 7, 6]):
@@ -163,18 +148,23 @@ def test_medusa_datastore_matches_plain_greedy_and_the_store_drafts(name, bundle
         assert ids == run(lm, prompt, params)[1]
         from_store += stats.datastore_drafted
         biggest = max(biggest, *stats.drafted)
-    assert drafter.all_steps[JOINED] > 0  # the store's tree was verified with the heads'
+    assert any("datastore" in k for k in drafter.steps)  # verified with the heads' tree
     assert from_store > 0 and biggest > len(md.TREE)
 
 
-def auto_with_store(lm, arm, store, cost=None, **kw):
-    m, k = drafters(lm, **kw)
-    return counting(auto(arm, {"medusa": m, "kangaroo": k}, LookupParams(),
-                         store=DatastoreDrafter(store), cost=cost))
+def auto_with_store(lm, best, store, cost=None) -> Spy:
+    """Auto over lookup, the store and `best` (a random trained source at 1.5x; "off":
+    none)."""
+    trained = {"medusa": lambda: medusa_of(lm), "kangaroo": lambda: kangaroo_of(lm)}
+    sources = {"lookup": LookupDrafter(LookupParams())}
+    if best != "off":
+        sources[best] = trained[best]()
+    sources[STORE] = StoreDrafter(store, cost)
+    return Spy(auto(sources, cost, ACCEL_LABELS))
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-@pytest.mark.parametrize("arm", [KANGAROO, MEDUSA, "off"])
+@pytest.mark.parametrize("arm", ["kangaroo", "medusa", "off"])
 def test_auto_with_the_datastore_stays_exact_and_uses_it(name, arm, bundled_tokenizer):
     lm = make_tiny_model(name, bundled_tokenizer, vocab_size=64)
     lm.eos_ids = ()
@@ -187,8 +177,8 @@ def test_auto_with_the_datastore_stays_exact_and_uses_it(name, arm, bundled_toke
         assert ids == run(lm, prompt, params)[1]
         drafted += stats.datastore_drafted
     assert drafted > 0
-    assert a.all_steps[JOINED if arm == MEDUSA else STORE] > 0
-    assert set(a.all_steps) <= {COPY, arm, JOINED, STORE}
+    assert any(STORE in k for k in a.steps)
+    assert {k.split("+")[0] for k in a.steps} <= {COPY, "lookup", arm, STORE, "off"}
     assert "from the datastore" in a.reason()
 
 
@@ -198,7 +188,7 @@ def test_auto_leaves_the_store_out_where_verifying_costs_too_much(bundled_tokeni
     prompts = [repetitive_prompt(64)]
     a = auto_with_store(lm, "off", store_of(lm, prompts), cost=StepCost.linear(100.0))
     run(lm, prompts[0], SamplingParams(max_new_tokens=40), a)
-    assert a.all_steps[STORE] == 0 and a.all_steps["off"] > 0
+    assert not any(STORE in k for k in a.steps) and a.steps["off"] > 0
 
 
 # -- sampling ---------------------------------------------------------------------------
@@ -213,16 +203,15 @@ def sampling_case(bundled_tokenizer):
     store = Datastore("t", DatastoreParams(min_prob=0.0))
     store.add_all([[5, t, 4, 5] for t in range(8)] + [[5, t, 6, 7] for t in range(8)]
                   + [[t, 5, u] for t in range(8) for u in (2, 3)])
-    medusa = md.MedusaDrafter(lm, md.random_heads(lm, seed=2), build_tree([(0,), (1,), (0, 0)], 4))
-    drafter = counting(medusa_datastore(medusa, DatastoreDrafter(store), LookupParams(
-        copy_len=3, short_len=3), cost=StepCost.linear(0.0)))
+    drafter = medusa_datastore(lm, store, LookupParams(copy_len=3, short_len=3),
+                               StepCost.linear(0.0), seed=2, choices=[(0,), (1,), (0, 0)])
     return lm, prompt, drafter, md._exact_joint(lm, prompt, 3)
 
 
 def test_medusa_datastore_sampling_is_lossless(sampling_case):
     lm, prompt, drafter, exact = sampling_case
     assert chi_square_pvalue(md._sampled_joint(lm, prompt, drafter, 3, md.RUNS), exact) > 1e-3
-    assert drafter.all_steps[JOINED] > 0
+    assert any("datastore" in k and "medusa" in k for k in drafter.steps)
 
 
 def test_medusa_datastore_sampling_test_catches_a_broken_rule(sampling_case, monkeypatch):
