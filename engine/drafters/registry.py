@@ -46,7 +46,8 @@ METHODS = (
     Method("off", "Off", lambda lm, ckpt: Drafter()),
     Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
     Method("datastore", "Datastore", DatastoreDrafter.for_model),
-    Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa", "trainer.medusa.train"),
+    Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa",
+           "trainer.medusa.train_heads"),
     Method("medusa+lookup", "Medusa+lookup",
            lambda lm, ckpt: medusa_lookup(MedusaDrafter.from_checkpoint(lm, ckpt)), "medusa"),
     Method("medusa+datastore", "Medusa+datastore", lambda lm, parts: with_medusa(
@@ -54,7 +55,7 @@ METHODS = (
                                           or step_cost(lm))),
         "medusa", composes=("medusa", "datastore")),
     Method("kangaroo", "Kangaroo", KangarooDrafter.from_checkpoint, "kangaroo",
-           "trainer.kangaroo.train"),
+           "trainer.kangaroo.train_adapter"),
     Method("kangaroo+lookup", "Kangaroo+lookup",
            lambda lm, ckpt: kangaroo_lookup(KangarooDrafter.from_checkpoint(lm, ckpt)),
            "kangaroo"),

@@ -69,7 +69,7 @@ def test_the_terminal_chat_learns_into_the_apps_datastore(tiny, monkeypatch, cap
 
 def test_api_replies_are_kept_out_of_the_datastore(service):
     from app.reply_core import Ask
-    from engine.chat import conversation
+    from engine.chat_template import conversation
 
     steps = list(service.replies.complete(Ask(conversation("hello"), GREEDY), None))
     service.accels.writer.flush()
