@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.datastore import Continuations, Datastore, open_store
+from engine.datastore_load import open_store
+from engine.datastore_match import Continuations
+from engine.datastore_memory import Datastore
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.lookup import LookupParams, LookupSource, fitted
 from engine.drafters.payoff import alone_size

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
-from engine.datastore import Datastore
+from engine.datastore_memory import Datastore
 from engine.drafters.auto import KANGAROO, MEDUSA, auto
 from engine.drafters.datastore import DatastoreDrafter
 from engine.drafters.hybrid import kangaroo_lookup, medusa_lookup
