@@ -17,7 +17,7 @@ from app.host import ModelHost
 from app.reply_core import Ask, ReplyCore, ReplyStep
 from app.store import Store, StoreError
 from engine import neartie
-from engine.chat import conversation, fit_to_context
+from engine.chat_template import conversation, fit_to_context
 from engine.config import ChatMessage, ChatPrompt, SamplingParams
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.neartie import Divergence

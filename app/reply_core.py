@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from app.drafting import Accelerators
 from app.host import ModelHost
-from engine.chat import encode
+from engine.chat_template import encode
 from engine.config import ChatPrompt, SamplingParams
 from engine.drafters.base import Drafter
 from engine.generate import StepEvent, generate, run

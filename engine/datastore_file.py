@@ -1,4 +1,4 @@
-"""The datastore's files (engine/datastore.py): a snapshot and the log of what was learned
+"""The datastore's files (engine/datastore_memory.py): a snapshot and the log of what was learned
 since, written without the store itself (what to write is captured first: Snapshot,
 Pending), so a background writer can write while the store learns on.
 

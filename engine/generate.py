@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import verify
-from engine.chat import fit_to_context
+from engine.chat_template import fit_to_context
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
 from engine.errors import PromptError

@@ -17,7 +17,7 @@ from engine import devices, gguf, lowbit_folder, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
-from engine.lean.target import build as build_lean
+from engine.lean.lean_target import build as build_lean
 from engine.paths import cache_dir
 from engine.quant import LOW_BIT, quantize_model
 from engine.target import Target, TransformersTarget

@@ -120,7 +120,7 @@ def is_right(reply: str, answers: list[str]) -> bool:
 
 def prompts_that_fit(tokenizer, asked: list[dict], window: int) -> list[tuple[list[int], list]]:
     """(prompt ids, answers) of the questions whose prompt and reply fit the model's window."""
-    from engine.chat import conversation, encode
+    from engine.chat_template import conversation, encode
 
     fitting = []
     for q in asked:

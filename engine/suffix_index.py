@@ -1,4 +1,5 @@
-"""A suffix array over token documents: the datastore's search structure (engine/datastore.py).
+"""A suffix array over token documents: the datastore's search structure (the tiers of
+engine/datastore_memory.py, searched by engine/datastore_match.py).
 
 Suffixes are sorted by their first SORT_DEPTH tokens; a pattern's occurrences are one
 contiguous range, found by one bigram search and then narrowed token by token, and the

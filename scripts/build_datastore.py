@@ -14,7 +14,7 @@ import argparse
 import time
 
 from engine.config import ModelSpec
-from engine.datastore import Datastore
+from engine.datastore_memory import Datastore
 from engine.drafters.store import shipped_path
 from engine.loading import load_model
 from engine.paths import cache_dir

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.chat import encode
+from engine.chat_template import encode
 from engine.config import ChatMessage, ChatPrompt
 from trainer.context import answer_room, fit_prompt, padded
 from trainer.features import conversation_tokens

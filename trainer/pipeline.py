@@ -16,12 +16,12 @@ from engine.drafters.registry import TRAINED, method
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.features import conversation_tokens
-from trainer.kangaroo.train import KangarooTrainConfig
-from trainer.medusa.calibrate import CalibrationConfig
-from trainer.medusa.train import MedusaTrainConfig
+from trainer.kangaroo.train_adapter import KangarooTrainConfig
+from trainer.medusa.calibrate_tree import CalibrationConfig
+from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.resume import Resume, load_resume
 from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
-from trainer.train import TrainConfig
+from trainer.training_loop import TrainConfig
 
 
 @dataclass(frozen=True)

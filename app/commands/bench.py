@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from app.commands.common import add_model_args, load
-from app.commands.progress import ProgressLine
+from app.commands.progress_line import ProgressLine
 from engine.benchmark.methods import METHOD_CHOICES
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import QuickdraftError
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(args: argparse.Namespace, command: str) -> int:
     """Check the arguments, load, run, print the table and write the outputs."""
-    from engine.benchmark.bench import bench_report
+    from engine.benchmark.bench_run import bench_report
     from engine.benchmark.methods import build_methods, method_names
     from engine.benchmark.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
     from engine.benchmark.report import notes, overall_table, write_report

@@ -10,7 +10,7 @@ import traceback
 from pathlib import Path
 
 from app.commands.common import add_model_args, load
-from app.commands.progress import ProgressLine
+from app.commands.progress_line import ProgressLine
 from app.jobs import one_line
 from app.store import Store
 from engine.drafters.registry import TRAINED, method

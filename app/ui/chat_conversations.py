@@ -1,6 +1,6 @@
 """The chat tab's conversation events: which conversation is shown, the list and its search,
 New chat, rename, Delete and Clear (both undoable) and export. A mixin of ChatTab
-(app/ui/chat.py), which lays out the components these handlers fill."""
+(app/ui/chat_tab.py), which lays out the components these handlers fill."""
 
 from __future__ import annotations
 

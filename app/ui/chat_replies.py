@@ -1,5 +1,5 @@
 """The chat tab's reply events: Send (queued while another reply runs), Regenerate, Stop,
-the live readout and plots, and Compare. A mixin of ChatTab (app/ui/chat.py), which lays out
+the live readout and plots, and Compare. A mixin of ChatTab (app/ui/chat_tab.py), which lays out
 the components these handlers fill."""
 
 from __future__ import annotations

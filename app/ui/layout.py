@@ -5,9 +5,9 @@ from __future__ import annotations
 import gradio as gr
 
 from app.service import Service
-from app.ui.chat import ACCEL, GENERATE, INSTANT, ChatTab
+from app.ui.chat_tab import ACCEL, GENERATE, INSTANT, ChatTab
 from app.ui.models import ModelsTab
-from app.ui.train import TrainTab
+from app.ui.train_tab import TrainTab
 from app.uploads import MAX_AGE_S, SWEEP_S
 
 HEADER = ("## Quickdraft\nChat with a local model; switch on a trained accelerator to decode "

@@ -13,7 +13,8 @@ report states the rule.
 from __future__ import annotations
 
 from engine.config import SamplingParams
-from engine.datastore import Datastore, load
+from engine.datastore_load import load
+from engine.datastore_memory import Datastore
 from engine.generate import run
 
 # The methods that draft from the datastore, and the one each is compared with (the same

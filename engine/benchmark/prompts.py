@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.chat import conversation, encode, fit_to_context
+from engine.chat_template import conversation, encode, fit_to_context
 from engine.errors import QuickdraftError
 from engine.prompt_files import read_prompt_file
 

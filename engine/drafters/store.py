@@ -1,4 +1,4 @@
-"""Drafting from the datastore of the model's own outputs (engine/datastore.py).
+"""Drafting from the datastore of the model's own outputs (engine/datastore_memory.py).
 
 Each step matches the longest suffix of the latest tokens against everything the model
 has said before and offers the tree of what followed, each node with its chance of being
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.datastore import Continuations, Datastore, open_store
+from engine.datastore_load import open_store
+from engine.datastore_match import Continuations
+from engine.datastore_memory import Datastore
 from engine.drafters.base import Draft, Drafter, Offer, Session
 from engine.drafters.composite import alone
 from engine.paths import data_dir

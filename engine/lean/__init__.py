@@ -1,1 +1,1 @@
-"""The lean decode step for the Llama family (see engine/lean/target.py)."""
+"""The lean decode step for the Llama family (see engine/lean/lean_target.py)."""

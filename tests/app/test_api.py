@@ -18,7 +18,7 @@ import pytest
 
 from app.cli import main as cli_main
 from app.ui.launch import LaunchOptions, check_api_key, check_exposure, launch
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import QuickdraftError
 from engine.generate import run

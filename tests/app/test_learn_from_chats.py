@@ -16,7 +16,7 @@ import torch
 from app.service import Service
 from app.store import Conversation, Store
 from engine.accelerators import checkpoint_dir, load_checkpoint
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.kangaroo import KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import Adapter
@@ -24,17 +24,17 @@ from engine.drafters.medusa import MedusaHeads, MedusaSettings, heads_from_tenso
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
-from trainer.kangaroo.calibrate import KangarooCalibration
-from trainer.kangaroo.train import KangarooTrainConfig
-from trainer.medusa.calibrate import CalibrationConfig
-from trainer.medusa.train import MedusaTrainConfig
+from trainer.kangaroo.calibrate_exit import KangarooCalibration
+from trainer.kangaroo.train_adapter import KangarooTrainConfig
+from trainer.medusa.calibrate_tree import CalibrationConfig
+from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.resume import Resume, load_resume, start_from
 from trainer.selfdistill import DataBudget, data_path
-from trainer.train import TrainConfig
+from trainer.training_loop import TrainConfig
 
 # the module (trainer.medusa exports its train function under the same name)
-medusa_train = importlib.import_module("trainer.medusa.train")
+medusa_train = importlib.import_module("trainer.medusa.train_heads")
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 DONE = {"stop_reason": "eos", "tokens": 3}
@@ -256,7 +256,7 @@ def test_a_continued_run_starts_from_the_old_heads_and_learns_the_chats(lm, monk
     messages = []
     with monkeypatch.context() as patch:
         patch.setattr(medusa_train, "train_module", record_start)
-        patch.setattr(importlib.import_module("trainer.medusa.train"), "train", record_split)
+        patch.setattr(importlib.import_module("trainer.medusa.train_heads"), "train", record_split)
         second = train_accelerator(
             lm, dataclasses.replace(brief, chats=tuple(learn), continue_training=True),
             lambda p: messages.append(p.message))
@@ -301,7 +301,7 @@ def test_a_cancelled_continued_run_leaves_the_previous_checkpoint(lm):
 
 
 def test_a_continued_kangaroo_run_starts_from_the_stored_adapter(lm, monkeypatch):
-    kangaroo = importlib.import_module("trainer.kangaroo.train")
+    kangaroo = importlib.import_module("trainer.kangaroo.train_adapter")
     options = dataclasses.replace(
         _pattern_data(lm, 16), method="kangaroo",
         kangaroo=KangarooTrainConfig(exit_layers=(1,), epochs=2, draft_vocab=1000, calibration=(
@@ -330,7 +330,7 @@ def test_a_continued_kangaroo_run_starts_from_the_stored_adapter(lm, monkeypatch
 def test_the_train_tab_says_chats_are_used_and_retrain_continues(lm, monkeypatch):
     import gradio as gr
 
-    from app.ui.train import CHATS_LABEL, TrainTab
+    from app.ui.train_tab import CHATS_LABEL, TrainTab
 
     service = Service(Store(), lm)
     _chat_with(service, "Tell me about rain")
@@ -338,7 +338,7 @@ def test_the_train_tab_says_chats_are_used_and_retrain_continues(lm, monkeypatch
     monkeypatch.setattr(service.training, "start",
                         lambda options, learn_from_chats: asked.append((options,
                                                                          learn_from_chats)))
-    monkeypatch.setattr("app.ui.train.readout.job_html", lambda job: "")
+    monkeypatch.setattr("app.ui.train_tab.readout.job_html", lambda job: "")
     with gr.Blocks():
         tab = TrainTab(service)
         tab.wire()

@@ -13,7 +13,7 @@ from app.replies import CompareResult
 from app.service import Service
 from app.settings_rules import SettingError, page_choice, page_number, page_text
 from app.store import Store
-from app.ui.chat import ChatTab
+from app.ui.chat_tab import ChatTab
 from app.ui.readout import compare_html
 from engine.drafters.base import Drafter
 from engine.stats import GenerationStats
@@ -65,7 +65,7 @@ def test_events_with_hostile_values_answer_one_line_and_save_nothing(tab):
 
 
 def test_a_training_run_asked_with_hostile_values_is_refused_in_one_line(tab):
-    from app.ui.train import TrainTab
+    from app.ui.train_tab import TrainTab
 
     with gr.Blocks():
         train = TrainTab(tab.service)

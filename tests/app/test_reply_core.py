@@ -12,7 +12,7 @@ import pytest
 from app.replies import ReplyRequest
 from app.service import Service
 from app.store import Store
-from engine import datastore, datastore_file
+from engine import datastore_file, datastore_load
 from engine.config import SamplingParams
 from engine.drafters.store import store_file
 
@@ -48,7 +48,7 @@ def test_the_final_update_goes_out_before_the_datastore_is_written(service, monk
     assert last.done and last.stats.stop_reason in ("eos", "length")
     assert order == ["final update", "write starts", "next reply ends", "write ends",
                      "write starts", "write ends"]
-    reloaded = datastore.load(store_file(service.host.lm), service.host.lm.fingerprint)
+    reloaded = datastore_load.load(store_file(service.host.lm), service.host.lm.fingerprint)
     assert [d.tolist() for d in reloaded.docs] == [d.tolist() for d in
                                                    service.accels.datastore.docs]
 
@@ -69,7 +69,7 @@ def test_the_terminal_chat_learns_into_the_apps_datastore(tiny, monkeypatch, cap
 
 def test_api_replies_are_kept_out_of_the_datastore(service):
     from app.reply_core import Ask
-    from engine.chat import conversation
+    from engine.chat_template import conversation
 
     steps = list(service.replies.complete(Ask(conversation("hello"), GREEDY), None))
     service.accels.writer.flush()

@@ -325,7 +325,7 @@ def test_the_page_refuses_a_prompt_that_cannot_fit(tmp_path, bundled_tokenizer, 
     import gradio as gr
 
     from app.service import Service
-    from app.ui.chat import ChatTab
+    from app.ui.chat_tab import ChatTab
     from tests.conftest import make_tiny_model
 
     service = Service(Store(tmp_path), make_tiny_model("llama-mha", bundled_tokenizer))

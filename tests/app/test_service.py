@@ -16,7 +16,7 @@ from app.service import Service
 from app.store import Store, StoreError
 from engine import generate as generate_mod
 from engine.accelerators import checkpoint_dir
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import ModelSpec, SamplingParams
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
@@ -314,7 +314,7 @@ def _tree_always_wins(monkeypatch):
     """Calibration's measured decoding, with the first tree reported twice as fast as plain
     decoding and any other slower: which branch training takes is decided here, not by
     the clock (the decoding itself still runs, exactly as measured)."""
-    from trainer.medusa import calibrate
+    from trainer.medusa import calibrate_tree as calibrate
 
     real = calibrate.measure_decoding
 
@@ -330,7 +330,7 @@ def _tree_always_wins(monkeypatch):
 def _fast_training(max_conversations: int):
     """Options that train Medusa on a tiny model in seconds (few short answers, a small
     calibration)."""
-    from trainer.medusa.calibrate import CalibrationConfig
+    from trainer.medusa.calibrate_tree import CalibrationConfig
     from trainer.pipeline import TrainOptions
     from trainer.selfdistill import DataBudget
 

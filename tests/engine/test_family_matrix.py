@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
-from engine.datastore import Datastore
+from engine.datastore_memory import Datastore
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter

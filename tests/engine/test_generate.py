@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from engine.chat import conversation, encode, fit_to_context
+from engine.chat_template import conversation, encode, fit_to_context
 from engine.config import SamplingParams
 from engine.errors import PromptError
 from engine.generate import generate, run

@@ -16,7 +16,7 @@ from engine.config import ModelSpec, SamplingParams
 from engine.drafters.lookup import LookupDrafter
 from engine.generate import run
 from engine.lean import compiled
-from engine.lean.target import LeanTarget
+from engine.lean.lean_target import LeanTarget
 from engine.loading import make_target, wrap_model
 from engine.target import TransformersTarget
 

@@ -121,7 +121,7 @@ def test_the_repository_ships_both_accelerators_for_the_bundled_model(bundled_lm
 
 @pytest.mark.slow
 def test_a_fresh_install_chats_with_auto_over_them_exactly(bundled_lm, monkeypatch):
-    from engine.chat import conversation, encode
+    from engine.chat_template import conversation, encode
 
     monkeypatch.setenv("QUICKDRAFT_SHIPPED_DIR", str(REPO_SHIPPED))
     for method in TRAINED:

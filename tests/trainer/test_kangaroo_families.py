@@ -13,10 +13,10 @@ from engine.config import ModelSpec, SamplingParams
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from engine.loading import wrap_model
-from trainer.kangaroo.calibrate import KangarooCalibration
-from trainer.kangaroo.train import KangarooTrainConfig, train
+from trainer.kangaroo.calibrate_exit import KangarooCalibration
+from trainer.kangaroo.train_adapter import KangarooTrainConfig, train
 from trainer.pipeline import TrainOptions
-from trainer.train import TrainConfig
+from trainer.training_loop import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import timing
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head
@@ -18,8 +18,8 @@ from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
 from trainer.features import Features, encode_conversations, hidden_states
-from trainer.kangaroo import calibrate as calibrate_mod
-from trainer.kangaroo.calibrate import (
+from trainer.kangaroo import calibrate_exit as calibrate_mod
+from trainer.kangaroo.calibrate_exit import (
     Costs,
     KangarooCalibration,
     calibrate,
@@ -29,13 +29,13 @@ from trainer.kangaroo.calibrate import (
     expected_round,
     one_round,
 )
-from trainer.kangaroo.train import (
+from trainer.kangaroo.train_adapter import (
     KangarooTrainConfig,
     batch_loss,
     fit_adapter,
     make_batches,
 )
-from trainer.train import TrainConfig
+from trainer.training_loop import TrainConfig
 from trainer.vocab import draft_vocabulary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,7 +241,7 @@ def test_chat_with_no_kangaroo_trained_says_how_to_train(capsys):
 
 
 def test_train_summary_says_plainly_whether_it_pays():
-    from trainer.kangaroo.train import summary_lines
+    from trainer.kangaroo.train_adapter import summary_lines
 
     settings = {"exit_layer": 2, "eta": 0.2, "gamma": 4, "draft_vocab_size": 5000}
     metrics = {"agreement": {"1": 0.25, "2": 0.3}, "vocab_coverage": 0.9, "pays": True,

@@ -15,13 +15,13 @@ from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
 from engine.loading import wrap_model
 from tests.conftest import assert_exact_while_drafting
-from trainer.kangaroo.calibrate import KangarooCalibration
-from trainer.kangaroo.train import KangarooTrainConfig
-from trainer.medusa.calibrate import CalibrationConfig
-from trainer.medusa.train import MedusaTrainConfig
+from trainer.kangaroo.calibrate_exit import KangarooCalibration
+from trainer.kangaroo.train_adapter import KangarooTrainConfig
+from trainer.medusa.calibrate_tree import CalibrationConfig
+from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.selfdistill import DataBudget, data_path
-from trainer.train import TrainConfig
+from trainer.training_loop import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,13 +17,13 @@ from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
 from engine.loading import fingerprint
 from tests.conftest import make_tiny_model
-from trainer.kangaroo.calibrate import KangarooCalibration
-from trainer.kangaroo.train import KangarooTrainConfig
-from trainer.medusa.calibrate import CalibrationConfig
-from trainer.medusa.train import MedusaTrainConfig
+from trainer.kangaroo.calibrate_exit import KangarooCalibration
+from trainer.kangaroo.train_adapter import KangarooTrainConfig
+from trainer.medusa.calibrate_tree import CalibrationConfig
+from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.selfdistill import DataBudget
-from trainer.train import TrainConfig
+from trainer.training_loop import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

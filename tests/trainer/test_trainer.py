@@ -20,8 +20,8 @@ from trainer.losses import (
     soft_cross_entropy,
     sparse_soft_cross_entropy,
 )
-from trainer.medusa import calibrate as calibration
-from trainer.medusa.train import (
+from trainer.medusa import calibrate_tree as calibration
+from trainer.medusa.train_heads import (
     MedusaTrainConfig,
     fit_heads,
     head_accuracies,
@@ -29,7 +29,7 @@ from trainer.medusa.train import (
     positions,
     teacher_topk,
 )
-from trainer.train import TrainConfig, lr_factor, train_module
+from trainer.training_loop import TrainConfig, lr_factor, train_module
 
 CONVS = [
     [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}],

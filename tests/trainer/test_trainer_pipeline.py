@@ -12,20 +12,21 @@ from types import SimpleNamespace
 import pytest
 
 from app.cli import main
-from app.commands.progress import render
+from app.commands.progress_line import render
 from app.commands.train import summary
 from engine.config import SamplingParams
+from engine.drafters import registry
 from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
 from engine.progress import Progress
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
 from trainer import features as features_mod
 from trainer.features import conversation_tokens
-from trainer.medusa.calibrate import CalibrationConfig, prompts_that_fit
-from trainer.medusa.train import MedusaTrainConfig
+from trainer.medusa.calibrate_tree import CalibrationConfig, prompts_that_fit
+from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, _data_budget, train_accelerator
 from trainer.selfdistill import DataBudget
-from trainer.train import TrainConfig
+from trainer.training_loop import TrainConfig
 
 
 def _options(**overrides) -> TrainOptions:
@@ -113,7 +114,7 @@ def test_progress_line_shows_stage_fraction_and_eta():
 def test_progress_line_in_a_log_writes_a_line_per_stage_not_per_report():
     import io
 
-    from app.commands.progress import ProgressLine
+    from app.commands.progress_line import ProgressLine
 
     log = io.StringIO()
     bar = ProgressLine(log, every_s=3600)
@@ -151,7 +152,7 @@ def test_summary_says_plainly_when_the_heads_do_not_pay():
 @pytest.mark.parametrize("method", ["medusa", "kangaroo"])
 def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, method,
                                                                         monkeypatch):
-    trainer = importlib.import_module(f"trainer.{method}.train")
+    trainer = importlib.import_module(registry.method(method).trainer)
     options = _options(method=method, max_minutes=10.0)
     # Injected timings: every timed piece lasts one second on its own clock, so the figure is
     # what the division makes of it: the feature forward's tokens (4 rows of min(256, the

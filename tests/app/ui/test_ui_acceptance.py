@@ -8,7 +8,7 @@ import pytest
 
 from app.service import Service
 from app.store import Store
-from app.ui.chat import ChatTab
+from app.ui.chat_tab import ChatTab
 from tests.conftest import make_tiny_model
 
 

@@ -12,7 +12,7 @@ import torch
 
 from app import cli
 from engine.benchmark import runner as runner_mod
-from engine.benchmark.bench import bench_report
+from engine.benchmark.bench_run import bench_report
 from engine.benchmark.methods import (
     METHOD_CHOICES,
     Contender,

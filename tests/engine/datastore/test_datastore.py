@@ -12,7 +12,8 @@ import torch
 from app.service import Service
 from app.store import Store
 from engine.config import SamplingParams
-from engine.datastore import Datastore, DatastoreParams, load, open_store
+from engine.datastore_load import load, open_store
+from engine.datastore_memory import Datastore, DatastoreParams
 from engine.drafters.store import StoreDrafter, store_file, tree_draft
 from engine.generate import run
 from engine.timing import StepCost
@@ -211,9 +212,9 @@ def test_a_growing_context_extends_the_last_match_and_finds_what_a_fresh_search_
             context = context + torch.randint(0, 6, (step % 3,), generator=gen).tolist()
             if step % 2:
                 context = context + docs[3][len(context):len(context) + 2]
-            last = store._last
+            last = store._matcher._last
             got = store.continuations(context)
-            extended += last is not None and store._last.m > last.m
-            store._last = None
+            extended += last is not None and store._matcher._last.m > last.m
+            store._matcher._last = None
             assert got == store.continuations(context), (start, step)
     assert extended > 0

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine import datastore
-from engine.datastore import Datastore, DatastoreParams, load
 from engine.datastore_file import log_path, persist
+from engine.datastore_load import load, open_store
+from engine.datastore_memory import Datastore, DatastoreParams
 from tests.paths import ROOT
 
 # A small recent tier: every few replies the index is rebuilt and a snapshot is due.
@@ -68,7 +68,7 @@ def test_a_log_of_a_rebuilt_store_is_never_replayed_into_the_new_one(tmp_path):
     path = tmp_path / "store.safetensors"
     _learned(path, 2)
     old_log = log_path(path).read_bytes()
-    rebuilt = datastore.open_store(path, "other-model", lambda: [[7, 8, 9]])  # refused: rebuilt
+    rebuilt = open_store(path, "other-model", lambda: [[7, 8, 9]])  # refused: rebuilt
     log_path(path).write_bytes(old_log)  # a kill between its snapshot and the log's removal
     assert _docs(load(path, "other-model")) == _docs(rebuilt) == [[7, 8, 9]]
 

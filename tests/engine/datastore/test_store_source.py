@@ -10,7 +10,8 @@ import torch
 
 from engine import verify
 from engine.config import SamplingParams
-from engine.datastore import Continuations, Datastore, DatastoreParams
+from engine.datastore_match import Continuations
+from engine.datastore_memory import Datastore, DatastoreParams
 from engine.drafters.auto import COPY, auto
 from engine.drafters.base import Draft
 from engine.drafters.composite import Composite, TreeJoin, plan

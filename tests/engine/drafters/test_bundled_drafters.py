@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.auto import COPY, auto
 from engine.drafters.composite import Composite
@@ -27,8 +27,8 @@ from engine.tree import build_tree
 from tests.engine.drafters.medusa.test_medusa_bundled import TREE, _random_heads
 from tests.paths import ROOT
 from trainer.features import encode_conversations, hidden_states
-from trainer.kangaroo.train import KangarooTrainConfig, fit_adapter
-from trainer.train import TrainConfig
+from trainer.kangaroo.train_adapter import KangarooTrainConfig, fit_adapter
+from trainer.training_loop import TrainConfig
 from trainer.vocab import draft_vocabulary
 
 pytestmark = pytest.mark.slow

@@ -106,7 +106,7 @@ def test_greedy_exact_on_tiny_configs(name, bundled_tokenizer):
 
 @pytest.mark.slow
 def test_greedy_exact_and_accepting_on_bundled_model(bundled_lm):
-    from engine.chat import conversation, encode
+    from engine.chat_template import conversation, encode
 
     text = ("def area(width, height):\n    return width * height\n\n"
             "def perimeter(width, height):\n    return 2 * (width + height)\n")

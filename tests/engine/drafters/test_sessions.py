@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SamplingParams
-from engine.datastore import Datastore
+from engine.datastore_memory import Datastore
 from engine.drafters import registry
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_CHOICES, Method, compose, load_drafter

@@ -15,7 +15,7 @@ import torch
 
 from engine import gguf as qd_gguf
 from engine.benchmark.gguf_writer import tokenizer_fields, write_gguf
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import ModelLoadError
 from engine.generate import run

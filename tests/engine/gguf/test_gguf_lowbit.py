@@ -126,7 +126,7 @@ def test_bitsandbytes_choices_and_a_damaged_folder_get_one_line(quantized_file, 
 @pytest.mark.parametrize("wide_rows", [0, 2])  # every step on the kernels / wide ones bf16
 def test_greedy_while_drafting_equals_plain_on_the_kept_bits(quantized_file, cache, wide_rows):
     from engine import neartie
-    from engine.chat import conversation, encode
+    from engine.chat_template import conversation, encode
     from engine.config import SamplingParams
     from engine.drafters.payoff import FixedChain
     from engine.generate import run

@@ -11,7 +11,7 @@ import engine.generate as generate_mod
 from engine import split as layers
 from engine import verify
 from engine.accelerators import load_checkpoint, save_checkpoint
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSession, KangarooSettings
 from engine.drafters.kangaroo_adapter import adapt
@@ -355,7 +355,7 @@ def test_a_drafter_that_does_not_pay_says_so_and_decodes_plainly(bundled_tokeniz
 
 
 def test_adapter_adds_under_five_percent_of_the_bundled_model(bundled_lm):
-    from trainer.kangaroo.train import fitting_vocab
+    from trainer.kangaroo.train_adapter import fitting_vocab
 
     model_bytes = sum(p.numel() * p.element_size() for p in bundled_lm.model.parameters())
     rows = fitting_vocab(bundled_lm.model, 8192, 0.05)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import kv_cache, verify
-from engine.chat import conversation, encode
+from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
 from engine.drafters.base import Draft, forward_nodes
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings, pending_inputs
@@ -19,8 +19,8 @@ from engine.tree import build_tree, greedy_tree
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 from trainer.features import encode_conversations, hidden_states
-from trainer.medusa.train import MedusaTrainConfig, fit_heads, teacher_topk
-from trainer.train import TrainConfig
+from trainer.medusa.train_heads import MedusaTrainConfig, fit_heads, teacher_topk
+from trainer.training_loop import TrainConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
 # A bushy 16-node tree: three guesses for the next token, fewer deeper down.

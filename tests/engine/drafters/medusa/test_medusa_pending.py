@@ -15,8 +15,8 @@ from engine.errors import AcceleratorError
 from engine.tree import build_tree
 from tests.conftest import make_tiny_model
 from trainer.features import Features
-from trainer.medusa.train import MedusaTrainConfig, Teacher, fit_heads
-from trainer.train import TrainConfig
+from trainer.medusa.train_heads import MedusaTrainConfig, Teacher, fit_heads
+from trainer.training_loop import TrainConfig
 
 VOCAB = 16
 FOLLOW = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))  # token -> next

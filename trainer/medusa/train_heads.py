@@ -24,9 +24,9 @@ from engine.tree import expected_tokens, marginal_accuracies
 from trainer.context import prompt_ids
 from trainer.features import Features, features_for, forward_seconds_per_token
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
-from trainer.medusa.calibrate import calibrate
+from trainer.medusa.calibrate_tree import calibrate
 from trainer.resume import start_from
-from trainer.train import TrainConfig, train_module
+from trainer.training_loop import TrainConfig, train_module
 from trainer.vocab import coverage, draft_vocabulary
 
 CHUNK = 2048  # positions per LM-head matmul when scoring teachers and accuracies

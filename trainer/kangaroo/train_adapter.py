@@ -2,7 +2,7 @@
 copy of one of its layers, and the final norm) learns the frozen model's own next-token
 distribution from the states after the first l layers (soft cross-entropy against the full
 model, Kangaroo §3.2), on cached features, for each exit layer tried; calibration then keeps
-the exit layer, eta and gamma its cost model finds fastest here (trainer.kangaroo.calibrate).
+the exit layer, eta and gamma its cost model finds fastest here (trainer.kangaroo.calibrate_exit).
 
 Drafting and training can use a reduced vocabulary: the tokens the model emits most in its
 own self-distilled answers. Decoding stays lossless (verification reads the full
@@ -25,10 +25,10 @@ from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import padded, prompt_ids
 from trainer.features import Features, features_for, forward_seconds_per_token
-from trainer.kangaroo.calibrate import KangarooCalibration, calibrate
+from trainer.kangaroo.calibrate_exit import KangarooCalibration, calibrate
 from trainer.losses import soft_cross_entropy
 from trainer.resume import start_from
-from trainer.train import TrainConfig, train_module
+from trainer.training_loop import TrainConfig, train_module
 from trainer.vocab import coverage, draft_vocabulary
 
 
