@@ -380,7 +380,7 @@ def _mismatch_lines(name: str, f: dict, dtype: str) -> list[str]:
 
 
 def _picks(measurements: list[dict]) -> list[str]:
-    """How Auto drafted, per category: the share of its steps each arm took."""
+    """How Auto drafted, per category: the share of its steps of each kind."""
     picks: dict[str, Counter] = {}
     for m in measurements:
         if m.get("used"):
@@ -391,7 +391,7 @@ def _picks(measurements: list[dict]) -> list[str]:
         f"{cat}: " + ", ".join(f"{name} {100 * n / sum(c.values()):.0f}%"
                                for name, n in c.most_common())
         for cat, c in picks.items())
-    return [f"- auto's steps by arm, per category: {cells}"]
+    return [f"- auto's steps by kind, per category: {cells}"]
 
 
 def _fmt(x: float | None, suffix: str = "") -> str:

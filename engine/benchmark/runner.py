@@ -32,7 +32,7 @@ class Measurement:
     accepted: list[int] | None  # per step after prefill: drafts accepted; None = unknown
     peak_mem_mb: float  # peak memory during the call (see MemoryProbe.describe)
     peak_mem_delta_mb: float  # that peak minus the memory in use when the call began
-    used: dict[str, int] | None = None  # Auto: steps drafted by each arm (None for the others)
+    used: dict[str, int] | None = None  # Auto: its steps of each kind (None for the others)
     passes: list[float] | None = None  # tokens/s of each pass when there were several
 
     @property
