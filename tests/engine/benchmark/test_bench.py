@@ -206,7 +206,7 @@ def test_bench_measures_slowdown_mismatch_and_writes_outputs(bundled_tokenizer, 
     # nothing trained: copies, the datastore (the other prompt's reply) or plain steps
     assert used and all(set(u) <= {"off", "copy", "datastore"} for u in used)
     assert all(sum(u.values()) > 0 for u in used)
-    assert "- auto's steps by arm, per category: " in to_markdown(report)
+    assert "- auto's steps by kind, per category: " in to_markdown(report)
     for f in figures.values():
         assert REPORT_KEYS <= set(f)
         assert set(f["by_category"]) == {"qa", "translation"}
