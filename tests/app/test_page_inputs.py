@@ -120,7 +120,7 @@ def test_a_drafter_built_while_the_model_was_swapped_is_not_kept(tab, bundled_to
     other = make_tiny_model("llama-gqa", bundled_tokenizer)
     built = []
 
-    def load(lm, method, load=None):  # the swap happens while this build runs
+    def load(lm, method, source):  # the swap happens while this build runs
         built.append(lm)
         if len(built) == 1:
             with service.host.lock:
@@ -129,7 +129,7 @@ def test_a_drafter_built_while_the_model_was_swapped_is_not_kept(tab, bundled_to
                     forget()
         return Drafter()
 
-    monkeypatch.setattr("app.drafting.load_drafter", load)
+    monkeypatch.setattr("app.drafting.compose", load)
     service.accels.drafter("lookup")  # built for the model that was loaded when it started
     service.accels.drafter("lookup")
     assert built[-1] is other  # asked again, it is built for the model loaded now

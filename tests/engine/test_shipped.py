@@ -58,7 +58,7 @@ def test_a_shipped_accelerator_loads_when_none_is_trained(lm, shipped):
     params = SamplingParams(max_new_tokens=16)
     (folder / METRICS).write_text(json.dumps({"speedup": 1.3}))  # as calibration measured
     auto = load_drafter(lm, "auto")
-    assert auto.used() == "auto:medusa+lookup"  # Auto drafts with it from the first reply
+    assert auto.used() == "auto:medusa"  # Auto drafts with it from the first reply
     assert run(lm, [5, 6, 7], params, auto)[1] == run(lm, [5, 6, 7], params)[1]
 
 
