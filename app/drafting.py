@@ -23,6 +23,7 @@ from engine.accelerators import (
     shipped_root,
 )
 from engine.drafters.base import Drafter
+from engine.drafters.datastore_source import open_datastore, store_file
 from engine.drafters.registry import (
     ACCEL_CHOICES,
     ACCEL_LABELS,
@@ -33,7 +34,6 @@ from engine.drafters.registry import (
     load_source,
     over_store,
 )
-from engine.drafters.store import open_datastore, store_file
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.loading import LoadedModel
 

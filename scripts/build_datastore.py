@@ -15,7 +15,7 @@ import time
 
 from engine.config import ModelSpec
 from engine.datastore_memory import Datastore
-from engine.drafters.store import shipped_path
+from engine.drafters.datastore_source import shipped_path
 from engine.loading import load_model
 from engine.paths import cache_dir
 from trainer.selfdistill import DataBudget, data_path, generate_data, load_conversations

@@ -30,7 +30,7 @@ class LeaveOneOut:
     """One datastore, refilled before each prompt without that prompt's reply."""
 
     def __init__(self, lm) -> None:
-        from engine.drafters.store import shipped_path
+        from engine.drafters.datastore_source import shipped_path
 
         path = shipped_path(lm.fingerprint)
         base = load(path, lm.fingerprint) if path.is_file() else Datastore(lm.fingerprint)

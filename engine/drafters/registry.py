@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from engine.drafters.auto import auto
 from engine.drafters.base import Drafter
 from engine.drafters.composite import Composite
+from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.store import StoreDrafter
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.timing import step_cost
 

@@ -14,7 +14,7 @@ from app.service import Service
 from app.store import Store
 from engine import datastore_file, datastore_load
 from engine.config import SamplingParams
-from engine.drafters.store import store_file
+from engine.drafters.datastore_source import store_file
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,11 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
 from engine.datastore_memory import Datastore
+from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.registry import compose
-from engine.drafters.store import StoreDrafter
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.loading import wrap_model

@@ -14,7 +14,7 @@ from app.store import Store
 from engine.config import SamplingParams
 from engine.datastore_load import load, open_store
 from engine.datastore_memory import Datastore, DatastoreParams
-from engine.drafters.store import StoreDrafter, store_file, tree_draft
+from engine.drafters.datastore_source import StoreDrafter, store_file, tree_draft
 from engine.generate import run
 from engine.timing import StepCost
 from tests.conftest import make_tiny_model

@@ -9,9 +9,9 @@ import pytest
 from engine.config import SamplingParams
 from engine.datastore_memory import Datastore
 from engine.drafters import registry
+from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_CHOICES, Method, compose, load_drafter
-from engine.drafters.store import StoreDrafter
 from engine.generate import generate, run
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, repetitive_prompt

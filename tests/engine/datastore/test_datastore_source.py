@@ -15,9 +15,9 @@ from engine.datastore_memory import Datastore, DatastoreParams
 from engine.drafters.auto import COPY, auto
 from engine.drafters.base import Draft
 from engine.drafters.composite import Composite, TreeJoin, plan
+from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_LABELS, load_drafter
-from engine.drafters.store import StoreDrafter
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.timing import StepCost
