@@ -3,8 +3,10 @@
 `int4`: 4-bit weights in groups of 32 input features (asymmetric: a bf16 scale and zero
 point per group, the layout of llama.cpp's Q4_1), multiplied by
 `aten._weight_int4pack_mm_for_cpu` on a CPU and tinygemm's `aten._weight_int4pack_mm` on
-CUDA. `int8w`: 8-bit weights with a bf16 scale per output row, multiplied by
-`torch._weight_int8pack_mm`. Activations stay bf16.
+CUDA. `int8w`: 8-bit weights with a scale per output row, multiplied on a CPU by
+Quickdraft's own kernel (engine/kernels: activations quantized to int8 per block of 32, as
+llama.cpp does, and integer dot products; its scales are float32) where it could be built,
+else (and on CUDA) by `torch._weight_int8pack_mm` (bf16 scales). Activations stay bf16.
 
 These kernels are matrix-vector products: on a CPU their cost grows with every row (token)
 of the input, where a bf16 matmul costs about the same for 1 or 32 rows. A verification step
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import timing
+from engine import kernels, timing
 from engine.errors import ModelLoadError
 
 LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
@@ -129,7 +131,10 @@ class LowBitLinear(nn.Module):
                                  .contiguous().to(device))
         else:
             self.register_buffer("packed", codes.values.to(device))
-            self.register_buffer("scales", scale.to(device))
+            # float32 scales select Quickdraft's kernel (`lowbit_mm`); the values are the same
+            ours = (device.type == "cpu" and self.in_features % GROUP_SIZE == 0
+                    and kernels.available())
+            self.register_buffer("scales", (scale.float() if ours else scale).to(device))
         # (N, K) bf16 dequantized weights for wide steps, kept only when asked (they cost
         # more memory than the codes); None: every step uses the kernel
         self.wide: torch.Tensor | None = codes.kernel_dense().to(device) if wide else None
@@ -155,12 +160,7 @@ class LowBitLinear(nn.Module):
         """(M, K) bf16 -> (M, N) through the low-bit kernel."""
         # A layer fused with others (`fuse`) holds a strided view of the fused scales; the
         # kernels read them as contiguous.
-        scales = self.scales.contiguous()
-        if self.kind == "int8w":
-            return torch._weight_int8pack_mm(x, self.packed, scales)
-        if x.device.type == "cuda":
-            return torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP_SIZE, scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, scales)
+        return lowbit_mm(x, self.packed, self.scales.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every call is on the per-token path, 200+ times a step: no op that would do nothing.
@@ -179,6 +179,18 @@ class LowBitLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, kind={self.kind}, "
                 f"wide_rows={self.wide_rows}")
+
+
+def lowbit_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for: int8 codes
+    with float32 scales (Quickdraft's kernel) or bf16 ones (PyTorch's), else int4 packings."""
+    if packed.dtype == torch.int8:
+        if scales.dtype == torch.float32:
+            return torch.ops.quickdraft.q8_linear(x, packed, scales)
+        return torch._weight_int8pack_mm(x, packed, scales)
+    if x.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales)
 
 
 def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:

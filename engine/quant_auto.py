@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, quant
+from engine import devices, kernels, quant
 from engine.paths import atomic_write, cache_dir
 from engine.timing import StepTimer
 
@@ -79,9 +79,11 @@ class Choice:
 
 
 def machine_key(fingerprint: str) -> str:
-    """The model, the torch build, the CPU and the thread count a choice was measured on."""
+    """The model, the torch build, the CPU, the thread count and the int8 kernel (its
+    arithmetic differs from PyTorch's) a choice was measured on."""
     threads = torch.get_num_threads()
-    return f"{fingerprint}|torch {torch.__version__}|{devices.cpu_name()}|{threads}t"
+    kernel = "own int8 kernel" if kernels.available() else "torch kernels"
+    return f"{fingerprint}|torch {torch.__version__}|{devices.cpu_name()}|{threads}t|{kernel}"
 
 
 def remembered(key: str) -> Choice | None:

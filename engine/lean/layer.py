@@ -17,13 +17,14 @@ from torch.nn import functional as F
 from transformers.activations import ACT2FN
 
 from engine.lean.spec import LeanSpec
-from engine.quant import GROUP_SIZE
+from engine.quant import lowbit_mm
 
 
 class Lin(NamedTuple):
     """A linear layer's tensors. weight: (N, K) dense, or packed low-bit codes (int4: the
-    kernel's packing, int8w: (N, K) int8); scales: None for dense weights; wide: the
-    low-bit weights' bf16 copy where one is kept for steps of many rows (engine/quant.py)."""
+    kernel's packing, int8w: (N, K) int8; engine.quant.lowbit_mm picks the kernel); scales:
+    None for dense weights; wide: the low-bit weights' bf16 copy where one is kept for
+    steps of many rows (engine/quant.py)."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None
@@ -53,12 +54,7 @@ def linear(lin: Lin, x: torch.Tensor, wide_rows: int = 0) -> torch.Tensor:
         return F.linear(x, lin.weight, lin.bias)
     if lin.wide is not None and 0 < wide_rows <= x.shape[0]:
         return F.linear(x, lin.wide, lin.bias)
-    if lin.weight.dtype == torch.int8:
-        out = torch._weight_int8pack_mm(x, lin.weight, lin.scales)
-    elif x.device.type == "cuda":
-        out = torch.ops.aten._weight_int4pack_mm(x, lin.weight, GROUP_SIZE, lin.scales)
-    else:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.weight, GROUP_SIZE, lin.scales)
+    out = lowbit_mm(x, lin.weight, lin.scales)
     return out if lin.bias is None else out + lin.bias
 
 

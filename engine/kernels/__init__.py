@@ -1,0 +1,97 @@
+"""Quickdraft's own CPU kernels (lowbit.cpp), compiled on first use with the C++ compiler
+that torch.compile already needs, and registered as torch operators (`quickdraft::...`), so
+eager code, torch.export and AOTInductor packages call them like any other operator.
+
+The library is built once per machine into the user cache, under a key of its source, torch
+and the compiler flags; a later start loads it in milliseconds. Where it cannot be built or
+loaded (no compiler, no AVX2, a failed build) `available()` is False and the callers keep
+PyTorch's own kernels; the reason is logged once and kept in `problem`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from engine.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("lowbit.cpp")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-w", "-shared", "-fPIC")
+BUILD_SECONDS = 300  # a build that takes longer is abandoned (the kernels stay PyTorch's)
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+problem = ""  # why the kernels are not available, once that is known
+
+
+def available() -> bool:
+    """Whether `torch.ops.quickdraft` is there (building and loading it on first call)."""
+    global _loaded, problem
+    with _lock:
+        if _loaded is None:
+            try:
+                # A second library registering the same operators would abort the process.
+                if not _registered():
+                    torch.ops.load_library(str(_library()))
+                _loaded = True
+            except Exception as exc:  # noqa: BLE001 - any failure keeps PyTorch's kernels
+                problem = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                log.warning("Quickdraft's CPU kernels are not available (%s): "
+                            "using PyTorch's", problem)
+                _loaded = False
+        return _loaded
+
+
+def _registered() -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("quickdraft::q8_linear", "CPU")
+    except RuntimeError:  # no such operator yet
+        return False
+
+
+def _library() -> Path:
+    """The built library for this source, torch and machine: from the cache, else built."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise RuntimeError("this CPU has no AVX2")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (install g++)")
+    includes, links = _torch_flags()
+    command = [compiler, *FLAGS, *includes, str(SOURCE), *links]  # libraries after the source
+    key = hashlib.sha256(SOURCE.read_bytes() + repr(command).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / key / "quickdraft_lowbit.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed: a library appears whole or not at all.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        done = subprocess.run([*command, "-o", str(partial)], capture_output=True, text=True,
+                              timeout=BUILD_SECONDS)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: "
+                               f"{(done.stderr or done.stdout).strip()[-300:]}")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) for building against this torch."""
+    from torch.utils import cpp_extension
+
+    lib = cpp_extension.library_paths()[0]
+    includes = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                *(f"-I{p}" for p in cpp_extension.include_paths())]
+    return includes, [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]

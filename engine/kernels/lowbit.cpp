@@ -1,0 +1,147 @@
+// 8-bit weights x int8 activations for steps of 1..n tokens on AVX2 CPUs.
+//
+// Each row of activations is quantized to int8 in blocks of 32 with a float scale per
+// block (llama.cpp's Q8_0 form), then multiplied by int8 weights with a float scale per
+// output row using integer dot products (vpmaddubsw). A weight row is read from memory
+// once for up to kTile activation rows. PyTorch's own int8-weight kernel converts every
+// weight to fp32 and multiplies in fp32: at one token its arithmetic, not the memory, is
+// what limits it on CPUs without AVX-512.
+#include <immintrin.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 8;  // activation rows sharing one pass over a weight row
+
+// Activations quantized per block of 32: q (M, K) int8, d (M, K/32) scales.
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+};
+
+Quantized quantize(const float* x, int64_t m, int64_t k) {
+  const int64_t nb = k / kBlock;
+  Quantized out{std::vector<int8_t>(m * k), std::vector<float>(m * nb)};
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const float* v = x + i * kBlock;
+    __m256 part[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      part[j] = _mm256_loadu_ps(v + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part[j]));
+    }
+    __m128 top = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+    top = _mm_max_ss(top, _mm_movehdup_ps(top));
+    const float d = _mm_cvtss_f32(top) / 127.f;
+    const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i c[4];  // rounded to nearest (even), as nearbyint
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(part[j], inv));
+    // packs interleave 128-bit lanes: the permute puts the 32 values back in order
+    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                             _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * kBlock),
+                        _mm256_permutevar8x32_epi32(words, order));
+    out.d[i] = d;
+  }
+  return out;
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R activation rows (a, stride k; scales d, stride nb) times one weight row w:
+// result[r] = sum over blocks of d[r, b] * (a[r, block b] . w[block b]).
+template <int R>
+inline void tile(const int8_t* w, const int8_t* a, const float* d, int64_t k, int64_t nb,
+                 float* result) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
+    const __m256i magnitude = _mm256_sign_epi8(wv, wv);  // |w|: maddubs wants unsigned
+    for (int r = 0; r < R; ++r) {
+      const __m256i av = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(a + r * k + b * kBlock));
+      // |w| * (a * sign(w)) = a * w, pairs summed to int16 (|.| <= 2 * 127 * 127: exact)
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(av, wv));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(d + r * nb + b), dot, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) result[r] = hsum(acc[r]);
+}
+
+using Tile = void (*)(const int8_t*, const int8_t*, const float*, int64_t, int64_t, float*);
+constexpr Tile kTiles[kTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                   tile<5>, tile<6>, tile<7>, tile<8>};
+
+template <typename T>
+void write(T* out, int64_t n, int64_t row, int64_t col, float value) {
+  out[row * n + col] = static_cast<T>(value);
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
+              "q8_linear: x (M, K) and codes (N, K)");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "q8_linear: K must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat &&
+                  scale.numel() == codes.size(0),
+              "q8_linear: int8 codes (N, K) and float32 scales (N,)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q8_linear: float32 or bfloat16 activations");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), nb = k / kBlock;
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor wc = codes.contiguous(), sc = scale.contiguous();
+  const Quantized a = quantize(xf.data_ptr<float>(), m, k);
+  const int8_t* w = wc.data_ptr<int8_t>();
+  const float* s = sc.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+    float result[kTile];
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
+        const int64_t rows = std::min(kTile, m - r0);
+        kTiles[rows](w + j * k, a.q.data() + r0 * k, a.d.data() + r0 * nb, k, nb, result);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (bf16) write(out.data_ptr<c10::BFloat16>(), n, r0 + r, j, result[r] * s[j]);
+          else write(out.data_ptr<float>(), n, r0 + r, j, result[r] * s[j]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor q8_linear_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&) {
+  return at::empty({x.size(0), codes.size(0)}, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(quickdraft, m) {
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quickdraft, CPU, m) { m.impl("q8_linear", q8_linear); }
+
+TORCH_LIBRARY_IMPL(quickdraft, Meta, m) { m.impl("q8_linear", q8_linear_meta); }
