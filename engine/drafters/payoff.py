@@ -3,10 +3,11 @@ this machine, in this dtype, on this device (the plain step and the cost curve a
 engine.timing's, timed once per loaded model; a drafter's own round is timed here).
 
 Calibration times an accelerator where it was trained. Loaded in another dtype (fp32
-instead of bf16, 4-bit) or on another device, a drafted step costs a different multiple of
-a plain one (on a CPU in fp32, verifying 8 tokens costs ~1.5 plain steps; in bf16 ~1.1), so
-the drafter re-times its steps at load and decodes plainly, saying so, where the estimate
-does not beat plain decoding by PAY_MARGIN.
+instead of bf16, 4-bit), on another device or on another machine (a shipped accelerator),
+a drafted step costs a different multiple of a plain one (on one CPU bf16 verifies 8 tokens
+for ~1.1 plain steps, on another without bf16 arithmetic for ~6), so the drafter re-times its
+steps at load and decodes plainly, saying so, where the estimate does not beat plain
+decoding by PAY_MARGIN.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import timing
+from engine import devices, kernels, timing
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
 from engine.sampling import make_generator
@@ -44,11 +45,25 @@ class Payoff:
         return self.speedup > PAY_MARGIN
 
 
+def machine(lm) -> str:
+    """What step times depend on besides the dtype: the processor (or GPU), the threads,
+    torch and which low-bit kernels run. Calibration records it with its timings."""
+    if lm.device.type == "cuda":
+        where = torch.cuda.get_device_name(lm.device)
+    else:
+        where = f"{devices.cpu_name()}, {torch.get_num_threads()} threads"
+        if lm.quant in ("int4", "int8w") and kernels.available():
+            where += ", own int8 kernel"
+    return f"{where}, torch {torch.__version__}"
+
+
 def timed_elsewhere(settings: dict, lm) -> bool:
-    """True unless calibration timed this accelerator in `lm`'s dtype on its device type
-    (checkpoints that did not record one are taken as timed in neither)."""
+    """True unless calibration timed this accelerator in `lm`'s dtype on this machine
+    (checkpoints that did not record one, shipped ones among them, are taken as timed
+    elsewhere)."""
     return (settings.get("quant") != lm.quant
-            or settings.get("device", lm.device.type) != lm.device.type)
+            or settings.get("device", lm.device.type) != lm.device.type
+            or settings.get("machine") != machine(lm))
 
 
 def not_paying_notice(method: str, lm, speedup: float) -> str:

@@ -119,8 +119,10 @@ def compose(lm, name: str, source: Callable[[str], Drafter]) -> Drafter:
             log.info("%s leaves %s out: %s", m.label, part, exc)
     if m.every_source:
         return auto(parts, step_cost(lm), ACCEL_LABELS)
-    if len(parts) == 1:
-        return parts[name]
+    if len(parts) == 1 and m.checkpoint is not None:
+        return parts[name]  # a trained source alone decides by its own calibration
+    # Model-free sources alone go through the rule too: they draft only where their offer
+    # beats a plain step (a cheap match is not worth a step that verifies several tokens).
     return Composite(name, parts, step_cost(lm), lead=base_method(name))
 
 

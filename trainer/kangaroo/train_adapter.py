@@ -21,6 +21,7 @@ import torch
 from engine import split as layers
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head, sequence_states
+from engine.drafters.payoff import machine
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import padded, prompt_ids
@@ -248,7 +249,7 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     tensors = KangarooDrafter(lm, adapters[chosen.exit_layer], chosen, vocab).tensors()
     settings = {**chosen.to_json(), "pays": result.pays,
                 # where calibration timed it: another dtype or device re-times at load
-                "quant": lm.quant, "device": lm.device.type,
+                "quant": lm.quant, "device": lm.device.type, "machine": machine(lm),
                 "draft_vocab_size": int(vocab.numel()) if vocab is not None else int(vocab_size)}
     metrics = {
         "pays": result.pays, "speedup": result.speedup, "chosen": chosen.to_json(),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings, pending_inputs
+from engine.drafters.payoff import machine
 from engine.progress import Progress, ProgressFn, ignore
 from engine.tree import expected_tokens, marginal_accuracies
 from trainer.context import prompt_ids
@@ -235,8 +236,8 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
                        seconds=options.calibration_seconds)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
     settings = {**heads.settings.to_json(), "tree": result.tree, "pays": result.pays,
-                # the dtype and device the tree was timed in (another one re-times at load)
-                "quant": lm.quant, "device": lm.device.type,
+                # the dtype, device and machine the tree was timed on (another re-times at load)
+                "quant": lm.quant, "device": lm.device.type, "machine": machine(lm),
                 "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
                 "estimate_ratio": estimate_ratio(acc, result)}
     metrics = _metrics(acc, result, fit, heads, train, heldout, times)

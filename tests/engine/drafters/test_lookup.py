@@ -58,7 +58,7 @@ def test_shorter_matches_draft_long_chains_only_where_they_cost_little(
     monkeypatch.setattr(lookup, "step_cost", lambda lm: curve)
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
     assert lookup.fitted(lm) == LookupParams(copy_len=10, short_len=short_len)
-    assert load_drafter(lm, "lookup").params.short_len == short_len
+    assert load_drafter(lm, "lookup").sources["lookup"].params.short_len == short_len
 
 
 def test_the_step_cost_is_timed_once_per_loaded_target(bundled_tokenizer, monkeypatch):

@@ -17,7 +17,7 @@ from engine.config import SamplingParams
 from engine.drafters import kangaroo as kg
 from engine.drafters import medusa as md
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
-from engine.drafters.payoff import PAY_MARGIN, Payoff, round_seconds, timed_elsewhere
+from engine.drafters.payoff import PAY_MARGIN, Payoff, machine, round_seconds, timed_elsewhere
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import make_tiny_model
@@ -40,17 +40,22 @@ def test_the_decision_weighs_tokens_per_step_against_step_costs():
 
 
 def test_an_accelerator_is_re_timed_where_calibration_did_not_time_it(lm):
-    assert timed_elsewhere({"quant": "bf16"}, lm)  # lm is fp32
-    assert timed_elsewhere({"quant": "fp32", "device": "cuda"}, lm)
-    assert not timed_elsewhere({"quant": "fp32", "device": "cpu"}, lm)
-    assert not timed_elsewhere({"quant": "fp32"}, lm)  # no device recorded: its own
-    assert timed_elsewhere({}, lm)  # nothing recorded: re-timed
+    here = machine(lm)
+    assert timed_elsewhere({"quant": "bf16", "machine": here}, lm)  # lm is fp32
+    assert timed_elsewhere({"quant": "fp32", "device": "cuda", "machine": here}, lm)
+    assert not timed_elsewhere({"quant": "fp32", "device": "cpu", "machine": here}, lm)
+    assert not timed_elsewhere({"quant": "fp32", "machine": here}, lm)  # no device: its own
+    # another machine, or none recorded (a shipped accelerator): re-timed
+    assert timed_elsewhere({"quant": "fp32", "device": "cpu", "machine": "elsewhere"}, lm)
+    assert timed_elsewhere({"quant": "fp32", "device": "cpu"}, lm)
+    assert timed_elsewhere({}, lm)
 
 
 def _kangaroo_checkpoint(lm, quant: str) -> Checkpoint:
     settings = KangarooSettings(2, 0.6, 4)
     drafter = KangarooDrafter(lm, Adapter(lm.model), settings)
-    info = {"settings": {**settings.to_json(), "pays": True, "quant": quant, "device": "cpu"}}
+    info = {"settings": {**settings.to_json(), "pays": True, "quant": quant, "device": "cpu",
+                         "machine": machine(lm)}}
     return Checkpoint(Path("kangaroo"), drafter.tensors(), info,
                       {"pays": True, "speedup": 1.3, "mean_accepted": 1.25})
 
