@@ -72,7 +72,7 @@ def bench_report(
     verdicts = divergences(lm, prompt_ids, results) if params.temperature == 0 else {}
     report = build_report(machine, settings, results, skipped, verdicts)
     if peer_runs:
-        report["peers"] = {"llama-bench": _pooled(peer, peer_runs)}
+        report["peers"] = {"llama-bench": _pooled(peer, peer_runs, _work(report))}
     return report
 
 
@@ -82,10 +82,24 @@ def _peer(peer: llamabench.LlamaBench, depth: int, params: SamplingParams,
     return llamabench.measure(peer, depth, params.max_new_tokens)
 
 
-def _pooled(peer: llamabench.LlamaBench, runs: list[dict]) -> dict:
-    """The peer's figures: the mean of its runs before and after the methods, and each."""
+def _work(report: dict) -> list[tuple[int, int]]:
+    """(prompt tokens, new tokens) of every reply of the baseline (the first method)."""
+    first = report["settings"]["methods"][0]
+    return [(m["prompt_tokens"], m["tokens"]) for m in report["measurements"]
+            if m["method"] == first]
+
+
+def _pooled(peer: llamabench.LlamaBench, runs: list[dict],
+            work: list[tuple[int, int]]) -> dict:
+    """The peer's figures: the mean of its runs before and after the methods, and each.
+    tokens_per_s prices the baseline's own replies (llamabench.same_work);
+    reply_tokens_per_s is llama-bench's own reply of the longest length."""
+    for run in runs:
+        run["same_work_tokens_per_s"] = round(llamabench.same_work(run, work), 3)
     mean = lambda key: round(sum(r[key] for r in runs) / len(runs), 3)  # noqa: E731
-    return {**llamabench.described(peer), "tokens_per_s": mean("tokens_per_s"),
+    return {**llamabench.described(peer), "tokens_per_s": mean("same_work_tokens_per_s"),
+            "reply_tokens_per_s": mean("tokens_per_s"),
             "decode_tokens_per_s": mean("decode_tokens_per_s"),
             "ms_per_token": mean("ms_per_token"), "depth": runs[0]["depth"],
-            "tokens": runs[0]["tokens"], "runs": runs}
+            "tokens": runs[0]["tokens"], "replies": len(work),
+            "work_tokens": sum(t for _p, t in work), "runs": runs}

@@ -1,12 +1,13 @@
 """The llama.cpp peer as most local users run it: its own C++ benchmark program,
 `llama-bench`, on the same GGUF file, with the same threads, in the same run.
 
-The bench asks it for the same work as a reply (a prompt of the prompts' mean length, then
-the replies' length of new tokens: its "pg" test), whose time gives tokens/s the way the
-bench counts them (new tokens over the whole reply, prompt included); for generation alone
-at that depth ("tg"); and for the cost of a step of n tokens at that depth (what drafting on
-top of llama.cpp would pay per step). It is run before and after the bench's own methods;
-the report keeps both runs.
+The bench asks it for a reply (a prompt of the prompts' mean length, then the longest reply
+the bench allows: its "pg" test), for generation alone at that depth ("tg"), and for the
+cost of a step of n tokens at that depth (what drafting on top of llama.cpp would pay per
+step). From the first two come its time to read a prompt and to write a token, which price
+the bench's own work: every prompt's length and its reply's tokens (`same_work`), so
+llama.cpp's tokens/s counts what the methods' do (replies that end early weigh their
+prompt more). It is run before and after the bench's own methods; the report keeps both.
 """
 
 from __future__ import annotations
@@ -57,11 +58,22 @@ def measure(peer: LlamaBench, depth: int, tokens: int, repeats: int = 3) -> dict
     reply_s = (depth + tokens) / float(reply["avg_ts"])
     steps = {int(r["n_prompt"]): 1e3 * int(r["n_prompt"]) / float(r["avg_ts"])
              for r in rows if r.get("n_gen") == 0 and r.get("n_prompt") in STEP_SIZES}
+    token_s = 1.0 / float(generation["avg_ts"])
     return {"tokens_per_s": tokens / reply_s,
+            "prompt_s": max(0.0, reply_s - tokens * token_s),  # reading `depth` tokens
             "decode_tokens_per_s": float(generation["avg_ts"]),
             "ms_per_token": 1e3 / float(generation["avg_ts"]),
             "step_ms": {n: round(ms, 3) for n, ms in sorted(steps.items())},
             "depth": depth, "tokens": tokens}
+
+
+def same_work(run: dict, work: list[tuple[int, int]]) -> float:
+    """llama.cpp's tokens/s for `work`, (prompt tokens, new tokens) per reply: each prompt
+    read at the measured rate (scaled by its length) and each token written at the measured
+    generation speed, new tokens over the whole time as the bench counts them."""
+    per_prompt_token = run["prompt_s"] / run["depth"]
+    seconds = sum(p * per_prompt_token + t / run["decode_tokens_per_s"] for p, t in work)
+    return sum(t for _p, t in work) / seconds if seconds > 0 else 0.0
 
 
 def _row(rows: list[dict], prompt: int, gen: int) -> dict:

@@ -56,6 +56,17 @@ def test_measure_reads_generation_speed_and_step_costs(fake):
     assert "-d 150" in calls and "-n 64" in calls and "-pg 150,64" in calls
 
 
+def test_llama_cpp_is_priced_on_the_methods_own_work(fake):
+    """Replies that end early weigh their prompt more: llama.cpp reads each prompt and writes
+    each reply's tokens at its measured speeds (the fake: 150 prompt tokens in 0.48 s,
+    80 tokens/s after)."""
+    run = llamabench.measure(fake[0], depth=150, tokens=64)
+    assert run["prompt_s"] == pytest.approx(64 / 50 - 64 / 80)
+    assert llamabench.same_work(run, [(150, 64)]) == pytest.approx(50.0)  # its own reply
+    seconds = 0.48 + 32 / 80 + 0.24 + 10 / 80  # a 75-token prompt reads in half the time
+    assert llamabench.same_work(run, [(150, 32), (75, 10)]) == pytest.approx(42 / seconds)
+
+
 def test_the_table_compares_every_method_with_llama_bench(fake):
     peer, _ = fake
     runs = [llamabench.measure(peer, 150, 64) for _ in range(2)]
