@@ -1,20 +1,20 @@
-"""Weight-only low-bit linear layers through PyTorch's own kernels.
+"""Weight-only low-bit linear layers.
 
-`int4`: 4-bit weights in groups of 32 input features (asymmetric: a bf16 scale and zero
-point per group, the layout of llama.cpp's Q4_1), multiplied by
-`aten._weight_int4pack_mm_for_cpu` on a CPU and tinygemm's `aten._weight_int4pack_mm` on
-CUDA. `int8w`: 8-bit weights with a scale per output row, multiplied on a CPU by
-Quickdraft's own kernel (engine/kernels: activations quantized to int8 per block of 32, as
-llama.cpp does, and integer dot products; its scales are float32) where it could be built,
-else (and on CUDA) by `torch._weight_int8pack_mm` (bf16 scales). Activations stay bf16.
+`int4`: 4-bit weights in groups of 32 input features (asymmetric: a scale and a low per
+group, the form of llama.cpp's Q4_1), multiplied by tinygemm's `aten._weight_int4pack_mm` on CUDA. `int8w`: 8-bit weights with a scale per
+output row, multiplied by `torch._weight_int8pack_mm` on CUDA. On a CPU both run on
+Quickdraft's own kernels (engine/kernels: activations quantized to int8 per block of 32, as
+llama.cpp does, and integer dot products; their scales are float32) where those could be
+built, else on `aten._weight_int4pack_mm_for_cpu` and `torch._weight_int8pack_mm` (bf16
+scales). Activations stay bf16 between layers.
 
-These kernels are matrix-vector products: on a CPU their cost grows with every row (token)
-of the input, where a bf16 matmul costs about the same for 1 or 32 rows. A verification step
-of n tokens would then cost ~n plain steps and no drafter could pay. So each layer can also
-keep its dequantized weights in bf16 (`wide`) and multiply rows from `wide_rows` on with
-those: the same weights (up to bf16 rounding, like any batched bf16 step), at a bf16 matmul's
-flat cost. `wide_rows` comes from measured costs (`crossover`), so where the low-bit kernel
-stays cheap (CUDA) no copy is kept. The copies cost memory (bf16 weights beside the low-bit
+On a CPU a step's cost grows with every row (token) of the input: Quickdraft's kernels read
+a weight row once for up to 8 rows, so a step of 4 tokens costs ~1.7 plain steps on AVX2
+(measured on the bundled model). Where a CPU multiplies bf16 at about the same cost for 1
+or 32 rows, each layer can also keep its dequantized weights in bf16 (`wide`, opt-in) and
+multiply rows from `wide_rows` on with those: the same weights up to bf16 rounding.
+`wide_rows` comes from measured costs (`crossover`), so where the low-bit kernel stays cheap
+no copy is kept. The copies cost memory (bf16 weights beside the low-bit
 ones); tied embeddings look up the LM head's dequantized table, so the head's copy is free.
 """
 
@@ -103,6 +103,17 @@ def _inner_tiles(k: int) -> int:
     return next((t for t in CUDA_INNER_K_TILES if k % (16 * t) == 0), 0)
 
 
+def _own_int4(codes: Codes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quickdraft's int4 kernel's layout (CPU): (N, K/2) bytes, byte i of a group holding
+    value i in its low nibble and i + 16 in its high one (llama.cpp's), and (N, 2, K/group)
+    float32 scales and lows."""
+    n, k = codes.shape
+    values = codes.values.reshape(n, k // GROUP_SIZE, GROUP_SIZE).to(torch.uint8)
+    half = GROUP_SIZE // 2
+    packed = (values[..., :half] | values[..., half:] << 4).reshape(n, k // 2).contiguous()
+    return packed, torch.stack([codes.scale.float(), codes.low.float()], 1).contiguous()
+
+
 def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # tinygemm wants two codes per byte, high nibble first
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
@@ -124,16 +135,20 @@ class LowBitLinear(nn.Module):
         self.bias = (None if bias is None else
                      nn.Parameter(bias.detach().to(device, torch.bfloat16), False))
         scale, zero = codes.kernel_scales()
-        if codes.kind == "int4":
+        # float32 scales select Quickdraft's kernels (`lowbit_mm`)
+        ours = (device.type == "cpu" and self.in_features % GROUP_SIZE == 0
+                and kernels.available())
+        if codes.kind == "int4" and ours:
+            packed, scales = _own_int4(codes)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales", scales)
+        elif codes.kind == "int4":
             self.register_buffer("packed", _pack_int4(codes.values.to(torch.int32), device))
             # (K/group, N, 2): scale and zero per group and output, the kernels' layout
             self.register_buffer("scales", torch.stack([scale, zero], -1).transpose(0, 1)
                                  .contiguous().to(device))
         else:
             self.register_buffer("packed", codes.values.to(device))
-            # float32 scales select Quickdraft's kernel (`lowbit_mm`); the values are the same
-            ours = (device.type == "cpu" and self.in_features % GROUP_SIZE == 0
-                    and kernels.available())
             self.register_buffer("scales", (scale.float() if ours else scale).to(device))
         # (N, K) bf16 dequantized weights for wide steps, kept only when asked (they cost
         # more memory than the codes); None: every step uses the kernel
@@ -153,6 +168,12 @@ class LowBitLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         if self.kind == "int8w":
             return (self.packed.float() * self.scales.float()[:, None]).to(torch.bfloat16)
+        if self.scales.dtype == torch.float32:  # Quickdraft's int4 layout
+            n, k = self.out_features, self.in_features
+            pairs = self.packed.reshape(n, k // GROUP_SIZE, GROUP_SIZE // 2)
+            values = torch.cat([pairs & 15, pairs >> 4], -1).float()
+            w = values * self.scales[:, 0, :, None] + self.scales[:, 1, :, None]
+            return w.reshape(n, k).to(torch.bfloat16)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
         return self.low_bit(eye).t().contiguous()  # (K, N) rows of W^T, exactly the kernel's
 
@@ -182,11 +203,13 @@ class LowBitLinear(nn.Module):
 
 
 def lowbit_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for: int8 codes
-    with float32 scales (Quickdraft's kernel) or bf16 ones (PyTorch's), else int4 packings."""
-    if packed.dtype == torch.int8:
-        if scales.dtype == torch.float32:
+    """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for: float32
+    scales for Quickdraft's kernels, bf16 ones for PyTorch's (int8 codes or int4 packings)."""
+    if scales.dtype == torch.float32:
+        if packed.dtype == torch.int8:
             return torch.ops.quickdraft.q8_linear(x, packed, scales)
+        return torch.ops.quickdraft.q4_linear(x, packed, scales)
+    if packed.dtype == torch.int8:
         return torch._weight_int8pack_mm(x, packed, scales)
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales)
@@ -205,9 +228,12 @@ def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
         return None
     if any((m.bias is None) != (first.bias is None) for m in layers):
         return None
-    if first.kind == "int4" and not _packing_concatenates([m.out_features for m in layers],
-                                                          first.in_features,
-                                                          first.packed.device):
+    if any(m.scales.dtype != first.scales.dtype for m in layers):  # kernels differ
+        return None
+    # PyTorch's int4 scales: (K/group, N, 2); the others' rows come first
+    axis = 1 if first.kind == "int4" and first.scales.dtype != torch.float32 else 0
+    if axis and not _packing_concatenates([m.out_features for m in layers],
+                                          first.in_features, first.packed.device):
         return None
     fused = LowBitLinear.__new__(LowBitLinear)
     nn.Module.__init__(fused)
@@ -215,7 +241,6 @@ def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
     fused.out_features = sum(m.out_features for m in layers)
     fused.bias = None if first.bias is None else nn.Parameter(
         torch.cat([m.bias for m in layers]), False)
-    axis = 1 if first.kind == "int4" else 0  # int4 scales: (K/group, N, 2); int8w: (N,)
     fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
     fused.register_buffer("scales", torch.cat([m.scales for m in layers], dim=axis))
     fused.wide, fused.wide_rows = None, 0

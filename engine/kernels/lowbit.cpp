@@ -1,11 +1,12 @@
-// 8-bit weights x int8 activations for steps of 1..n tokens on AVX2 CPUs.
+// Low-bit weights x int8 activations for steps of 1..n tokens on AVX2 CPUs.
 //
 // Each row of activations is quantized to int8 in blocks of 32 with a float scale per
-// block (llama.cpp's Q8_0 form), then multiplied by int8 weights with a float scale per
-// output row using integer dot products (vpmaddubsw). A weight row is read from memory
-// once for up to kTile activation rows. PyTorch's own int8-weight kernel converts every
-// weight to fp32 and multiplies in fp32: at one token its arithmetic, not the memory, is
-// what limits it on CPUs without AVX-512.
+// block (llama.cpp's Q8_0 form), then multiplied with integer dot products (vpmaddubsw) by
+// int8 weights with a float scale per output row (q8_linear), or by 4-bit weights with a
+// float scale and low per block of 32 (q4_linear: w = code * scale + low, Q4_1's form). A
+// weight row is read from memory once for up to kTile activation rows. PyTorch's own
+// low-bit kernels convert every weight to fp32 and multiply in fp32: at one token their
+// arithmetic, not the memory, is what limits them on CPUs without AVX-512.
 #include <immintrin.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,11 +28,13 @@ constexpr int64_t kTile = 8;  // activation rows sharing one pass over a weight 
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> d;
+  std::vector<float> dsum;  // d times the block's sum of q (4-bit weights' low term)
 };
 
 Quantized quantize(const float* x, int64_t m, int64_t k) {
   const int64_t nb = k / kBlock;
-  Quantized out{std::vector<int8_t>(m * k), std::vector<float>(m * nb)};
+  Quantized out{std::vector<int8_t>(m * k), std::vector<float>(m * nb),
+                std::vector<float>(m * nb)};
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < m * nb; ++i) {
@@ -55,6 +58,12 @@ Quantized quantize(const float* x, int64_t m, int64_t k) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * kBlock),
                         _mm256_permutevar8x32_epi32(words, order));
     out.d[i] = d;
+    const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]),
+                                          _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    out.dsum[i] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
   return out;
 }
@@ -88,6 +97,45 @@ inline void tile(const int8_t* w, const int8_t* a, const float* d, int64_t k, in
   }
   for (int r = 0; r < R; ++r) result[r] = hsum(acc[r]);
 }
+
+// The same for a 4-bit weight row: codes (k / 2 bytes; byte i of a block holds element i
+// in its low nibble and i + 16 in its high one), scales (nb) and lows (nb) of its blocks.
+template <int R>
+inline void tile4(const uint8_t* codes, const float* scales, const float* lows,
+                  const int8_t* a, const float* d, const float* dsum, int64_t k, int64_t nb,
+                  float* result) {
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
+    const __m256i wv = _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), nibble);  // 0..15: unsigned
+    const float scale = scales[b];
+    for (int r = 0; r < R; ++r) {
+      const __m256i av = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(a + r * k + b * kBlock));
+      const __m256 dot = _mm256_cvtepi32_ps(
+          _mm256_madd_epi16(_mm256_maddubs_epi16(wv, av), ones));  // |.| <= 2 * 15 * 127
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale * d[r * nb + b]), dot, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    // the lows: sum over blocks of low * d * (sum of the block's activations)
+    __m256 low = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+      low = _mm256_fmadd_ps(_mm256_loadu_ps(lows + b), _mm256_loadu_ps(dsum + r * nb + b), low);
+    float tail = 0.f;
+    for (; b < nb; ++b) tail += lows[b] * dsum[r * nb + b];
+    result[r] = hsum(acc[r]) + hsum(low) + tail;
+  }
+}
+
+using Tile4 = void (*)(const uint8_t*, const float*, const float*, const int8_t*,
+                       const float*, const float*, int64_t, int64_t, float*);
+constexpr Tile4 kTiles4[kTile + 1] = {nullptr, tile4<1>, tile4<2>, tile4<3>, tile4<4>,
+                                      tile4<5>, tile4<6>, tile4<7>, tile4<8>};
 
 using Tile = void (*)(const int8_t*, const int8_t*, const float*, int64_t, int64_t, float*);
 constexpr Tile kTiles[kTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
@@ -132,7 +180,44 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
-at::Tensor q8_linear_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&) {
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == 2 * codes.size(1),
+              "q4_linear: x (M, K) and codes (N, K/2)");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "q4_linear: K must be a multiple of 32");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), nb = k / kBlock;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
+                  scales.dim() == 3 && scales.size(0) == n && scales.size(1) == 2 &&
+                  scales.size(2) == nb,
+              "q4_linear: uint8 codes (N, K/2) and float32 scales (N, 2, K/32)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q4_linear: float32 or bfloat16 activations");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor wc = codes.contiguous(), sc = scales.contiguous();
+  const Quantized a = quantize(xf.data_ptr<float>(), m, k);
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  const float* s = sc.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+    float result[kTile];
+    for (int64_t j = begin; j < end; ++j) {
+      const float* row_scales = s + j * 2 * nb;
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
+        const int64_t rows = std::min(kTile, m - r0);
+        kTiles4[rows](w + j * (k / 2), row_scales, row_scales + nb, a.q.data() + r0 * k,
+                      a.d.data() + r0 * nb, a.dsum.data() + r0 * nb, k, nb, result);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (bf16) write(out.data_ptr<c10::BFloat16>(), n, r0 + r, j, result[r]);
+          else write(out.data_ptr<float>(), n, r0 + r, j, result[r]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&) {
   return at::empty({x.size(0), codes.size(0)}, x.options());
 }
 
@@ -140,8 +225,15 @@ at::Tensor q8_linear_meta(const at::Tensor& x, const at::Tensor& codes, const at
 
 TORCH_LIBRARY(quickdraft, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quickdraft, CPU, m) { m.impl("q8_linear", q8_linear); }
+TORCH_LIBRARY_IMPL(quickdraft, CPU, m) {
+  m.impl("q8_linear", q8_linear);
+  m.impl("q4_linear", q4_linear);
+}
 
-TORCH_LIBRARY_IMPL(quickdraft, Meta, m) { m.impl("q8_linear", q8_linear_meta); }
+TORCH_LIBRARY_IMPL(quickdraft, Meta, m) {
+  m.impl("q8_linear", linear_meta);
+  m.impl("q4_linear", linear_meta);
+}

@@ -1,5 +1,5 @@
-"""Quickdraft's CPU kernel (engine/kernels): int8 weights x activations quantized to int8 per
-block of 32, against the same arithmetic written out in PyTorch."""
+"""Quickdraft's CPU kernels (engine/kernels): int8 and int4 weights x activations quantized to
+int8 per block of 32, against the same arithmetic written out in PyTorch."""
 
 from __future__ import annotations
 
@@ -12,15 +12,18 @@ pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason=f"kernels not built here: {kernels.problem}")
 
 
-def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Each row quantized per block of 32 (scale = block max / 127, rounded half to even),
-    then multiplied by the int8 weights and their row scales, in float64."""
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """Each row quantized per block of 32 (scale = block max / 127, rounded half to even)."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // 32, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     q = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks))
-    a = (q * d).reshape(m, k).double()
-    return a @ (codes.double() * scale.double()[:, None]).t()
+    return (q * d).reshape(m, k).double()
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The quantized rows times the int8 weights and their row scales, in float64."""
+    return quantized(x) @ (codes.double() * scale.double()[:, None]).t()
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 96), (3, 1536, 40), (9, 64, 7), (16, 32, 33),
@@ -39,6 +42,20 @@ def test_the_kernel_is_block_quantized_activations_times_the_weights(m, k, n, dt
     assert ((out.double() - want).abs() / want.abs().max()).max() < tolerance
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 96), (3, 1536, 40), (9, 64, 7), (16, 288, 33)])
+def test_the_int4_kernel_is_quantized_activations_times_the_4_bit_weights(m, k, n):
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g) * 3
+    weight = torch.randn(n, k, generator=g)
+    codes = quant.Codes.of(weight, "int4")
+    layer = quant.LowBitLinear(codes, None, torch.device("cpu"))
+    assert layer.scales.dtype == torch.float32 and layer.packed.shape == (n, k // 2)
+    assert torch.equal(layer.dequantized(), codes.dense(torch.bfloat16))
+    out = torch.ops.quickdraft.q4_linear(x, layer.packed, layer.scales)
+    want = quantized(x) @ codes.dense(torch.float64).t()
+    assert ((out.double() - want).abs() / want.abs().max()).max() < 1e-5
+
+
 def test_a_row_gives_the_same_bits_in_a_step_of_any_size():
     """Drafted steps verify several tokens at once: each must get exactly what a plain step
     of that token alone would (the arithmetic of a row never depends on the others)."""
@@ -47,19 +64,34 @@ def test_a_row_gives_the_same_bits_in_a_step_of_any_size():
     codes = torch.randint(-127, 128, (200, 576), dtype=torch.int8, generator=g)
     scale = torch.rand(200, generator=g)
     whole = torch.ops.quickdraft.q8_linear(x, codes, scale)
+    four = quant.LowBitLinear(quant.Codes.of(torch.randn(200, 576, generator=g), "int4"), None,
+                              torch.device("cpu"))
+    whole4 = four(x)
     for i in range(13):
         assert torch.equal(whole[i], torch.ops.quickdraft.q8_linear(x[i:i + 1], codes, scale)[0])
+        assert torch.equal(whole4[i], four(x[i:i + 1])[0])
 
 
-def test_int8_layers_use_it_and_stay_close_to_their_dense_weights():
+@pytest.mark.parametrize("kind", ["int8w", "int4"])
+def test_low_bit_layers_use_them_and_stay_close_to_their_dense_weights(kind):
     g = torch.Generator().manual_seed(1)
     linear = torch.nn.Linear(256, 48, bias=True)
-    layer = quant.LowBitLinear.from_linear(linear, "int8w", torch.device("cpu"))
+    layer = quant.LowBitLinear.from_linear(linear, kind, torch.device("cpu"))
     assert layer.scales.dtype == torch.float32  # the mark of this kernel's layout
     x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
     want = x.float() @ layer.dequantized().float().t() + linear.bias.float()
     got = layer(x).float()
     assert ((got - want).abs().max() / want.abs().max()) < 0.02
+
+
+def test_fused_int4_projections_are_the_projections_side_by_side():
+    layers = [quant.LowBitLinear.from_linear(torch.nn.Linear(64, n), "int4",
+                                             torch.device("cpu")) for n in (32, 16, 16)]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    apart = torch.cat([m(x) for m in layers], -1)
+    fused = quant.fuse(layers)
+    assert fused is not None and torch.equal(fused(x), apart)
+    assert torch.equal(torch.cat([m(x) for m in layers], -1), apart)  # views of the fused
 
 
 def test_shapes_the_kernel_cannot_take_keep_pytorchs():
@@ -80,6 +112,7 @@ def test_bad_arguments_are_refused_with_a_message():
 def test_a_failed_build_keeps_pytorchs_kernels(monkeypatch, tmp_path):
     """No compiler (or any failure): one logged reason, and int8 layers on PyTorch's kernel."""
     monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setattr(kernels, "_registered", lambda: False)  # as in a new process
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert not kernels.available()
