@@ -1,12 +1,13 @@
 """Weight-only low-bit linear layers.
 
 `int4`: 4-bit weights in groups of 32 input features (asymmetric: a scale and a low per
-group, the form of llama.cpp's Q4_1), multiplied by tinygemm's `aten._weight_int4pack_mm` on CUDA. `int8w`: 8-bit weights with a scale per
-output row, multiplied by `torch._weight_int8pack_mm` on CUDA. On a CPU both run on
-Quickdraft's own kernels (engine/kernels: activations quantized to int8 per block of 32, as
-llama.cpp does, and integer dot products; their scales are float32) where those could be
-built, else on `aten._weight_int4pack_mm_for_cpu` and `torch._weight_int8pack_mm` (bf16
-scales). Activations stay bf16 between layers.
+group, the form of llama.cpp's Q4_1), multiplied by tinygemm's `aten._weight_int4pack_mm`
+on CUDA. `int8w`: 8-bit weights with a scale per output row, multiplied by
+`torch._weight_int8pack_mm` on CUDA. On a CPU both run on Quickdraft's own kernels
+(engine/kernels: activations quantized to int8 per block of 32, as llama.cpp does, and
+integer dot products; their scales are float32) where those could be built, else on
+`aten._weight_int4pack_mm_for_cpu` and `torch._weight_int8pack_mm` (bf16 scales).
+Activations stay bf16 between layers.
 
 On a CPU a step's cost grows with every row (token) of the input: Quickdraft's kernels read
 a weight row once for up to 8 rows, so a step of 4 tokens costs ~1.7 plain steps on AVX2

@@ -54,7 +54,8 @@ def command_line(args: argparse.Namespace, prog: str = "python launcher.py bench
                         ("--prompts", args.prompts), ("--methods", args.methods),
                         ("--assistant", args.assistant), ("--limit", args.limit),
                         ("--passes", args.passes if args.passes != 1 else None),
-                        ("--out", args.out)):
+                        ("--llama-bench", args.llama_bench),
+                        ("--llama-bench-file", args.llama_bench_file), ("--out", args.out)):
         if value is not None:
             parts += [flag, str(value)]
     if args.trust_remote_code:

@@ -73,6 +73,8 @@ def bench_report(
     report = build_report(machine, settings, results, skipped, verdicts)
     if peer_runs:
         report["peers"] = {"llama-bench": _pooled(peer, peer_runs, _work(report))}
+        for name, figures in report["methods"].items():  # each priced on its own replies
+            figures["llama_bench_tokens_per_s"] = _priced(peer_runs, _work(report, name))
     return report
 
 
@@ -82,18 +84,25 @@ def _peer(peer: llamabench.LlamaBench, depth: int, params: SamplingParams,
     return llamabench.measure(peer, depth, params.max_new_tokens)
 
 
-def _work(report: dict) -> list[tuple[int, int]]:
-    """(prompt tokens, new tokens) of every reply of the baseline (the first method)."""
-    first = report["settings"]["methods"][0]
+def _work(report: dict, method: str | None = None) -> list[tuple[int, int]]:
+    """(prompt tokens, new tokens) of every reply of `method` (None: the baseline, the
+    first method)."""
+    method = method or report["settings"]["methods"][0]
     return [(m["prompt_tokens"], m["tokens"]) for m in report["measurements"]
-            if m["method"] == first]
+            if m["method"] == method]
+
+
+def _priced(runs: list[dict], work: list[tuple[int, int]]) -> float:
+    """llama.cpp's tokens/s for `work`, the mean over its runs (llamabench.same_work)."""
+    return round(sum(llamabench.same_work(r, work) for r in runs) / len(runs), 3)
 
 
 def _pooled(peer: llamabench.LlamaBench, runs: list[dict],
             work: list[tuple[int, int]]) -> dict:
     """The peer's figures: the mean of its runs before and after the methods, and each.
-    tokens_per_s prices the baseline's own replies (llamabench.same_work);
-    reply_tokens_per_s is llama-bench's own reply of the longest length."""
+    tokens_per_s prices the baseline's replies (each method's own row prices its own:
+    `llama_bench_tokens_per_s`); reply_tokens_per_s is llama-bench's own reply of the
+    longest length."""
     for run in runs:
         run["same_work_tokens_per_s"] = round(llamabench.same_work(run, work), 3)
     mean = lambda key: round(sum(r[key] for r in runs) / len(runs), 3)  # noqa: E731

@@ -270,9 +270,12 @@ def overall_table(report: dict) -> list[str]:
 
 
 def vs_llamacpp(f: dict, peer: dict) -> float | None:
-    """A method's median tok/s over llama.cpp's (its binding's row, or llama-bench's
-    figures; None when llama.cpp produced nothing)."""
-    return f["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
+    """A method's median tok/s over llama.cpp's (its binding's row, or llama-bench's priced
+    on this method's own replies where the bench did; None when llama.cpp produced
+    nothing)."""
+    own = f.get("llama_bench_tokens_per_s") if "runs" in peer else None
+    base = own or peer["tokens_per_s"]
+    return f["tokens_per_s"] / base if base else None
 
 
 def category_table(report: dict, key: str | Callable[[dict], str]) -> list[str]:
@@ -348,9 +351,10 @@ def notes(report: dict) -> list[str]:
         own = bench.get("reply_tokens_per_s", bench["tokens_per_s"])
         lines.append(f"- llama-bench ({bench['exe']}, {bench['threads']} threads, "
                      f"{Path(bench['gguf']).name}): {bench['tokens_per_s']:.1f} tok/s for "
-                     f"the same work as the methods (each prompt read and each reply's "
+                     f"the same work as {BASELINE} (each prompt read and each reply's "
                      f"tokens written at llama-bench's measured speeds; runs before and "
-                     f"after the methods: {runs}); its own reply of {bench['tokens']} "
+                     f"after the methods: {runs}; every method's `vs llama-bench` prices "
+                     f"its own replies the same way); its own reply of {bench['tokens']} "
                      f"tokens to a prompt of {bench['depth']}: {own:.1f} tok/s, prompt "
                      f"included; generation alone there {decode:.1f} tok/s; its "
                      f"n-token step in plain steps: {costs}.")

@@ -77,6 +77,9 @@ def test_the_table_compares_every_method_with_llama_bench(fake):
               "peers": {"llama-bench": {"tokens_per_s": 80.0, "runs": runs}}}
     header, _rule, row = overall_table(report)
     assert "vs llama-bench" in header and "1.25x" in row  # 100 tok/s over 80
+    # a method whose replies were priced on their own (shorter replies: llama.cpp slower)
+    figures["llama_bench_tokens_per_s"] = 50.0
+    assert "2.00x" in overall_table(report)[2]
 
 
 def test_a_missing_or_failing_program_is_one_line(tmp_path, fake):
