@@ -14,26 +14,25 @@ a weight row once for up to 8 rows, so a step of 4 tokens costs ~1.7 plain steps
 (measured on the bundled model). Where a CPU multiplies bf16 at about the same cost for 1
 or 32 rows, each layer can also keep its dequantized weights in bf16 (`wide`, opt-in) and
 multiply rows from `wide_rows` on with those: the same weights up to bf16 rounding.
-`wide_rows` comes from measured costs (`crossover`), so where the low-bit kernel stays cheap
-no copy is kept. The copies cost memory (bf16 weights beside the low-bit
-ones); tied embeddings look up the LM head's dequantized table, so the head's copy is free.
+`wide_rows` comes from measured costs (engine/quant_wide.py), so where the low-bit kernel
+stays cheap no copy is kept. The copies cost memory (bf16 weights beside the low-bit ones);
+tied embeddings look up the LM head's dequantized table, so the head's copy is free.
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine import kernels, timing
+from engine import kernels
 from engine.errors import ModelLoadError
+from engine.quant_wide import measured_wide_rows
 
 LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
 GROUP_SIZE = 32  # int4: input features sharing one scale and zero point (as Q4_1)
 CUDA_INNER_K_TILES = (8, 4, 2)  # tinygemm's packings, fastest first: K % (16 * tiles) == 0
-ROWS = (1, 2, 4, 8, 16, 32)  # step sizes (tokens) the cost curve is measured at
 # The LM head's kind per choice: 8-bit under int4, as llama.cpp's Q4 files keep their
 # token table in Q8_0/Q6_K (the head is where 4 bits cost the most perplexity).
 HEAD_KIND = {"int4": "int8w", "int8w": "int8w"}
@@ -317,7 +316,8 @@ def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = 0) -> nn
     if tied:
         tie_embedding(model)
     own_memory(model)
-    set_wide_rows(model, measured_wide_rows(model) if wide_rows is None else wide_rows)
+    rows = measured_wide_rows(low_bit_layers(model)) if wide_rows is None else wide_rows
+    set_wide_rows(model, rows)
     return model
 
 
@@ -376,43 +376,3 @@ def set_wide_rows(model: nn.Module, rows: int) -> None:
         layer.wide_rows = rows
         if rows == 0:
             layer.wide = None
-
-
-def crossover(low_bit: dict[int, float], wide: dict[int, float]) -> int:
-    """Fewest rows from which the bf16 copies are at least as fast as the low-bit kernel at
-    every measured size from there on (0: never). Inputs: seconds per step of n rows."""
-    sizes = sorted(set(low_bit) & set(wide))
-    for i, n in enumerate(sizes):
-        if all(wide[m] <= low_bit[m] for m in sizes[i:]):
-            return n
-    return 0
-
-
-def layer_costs(model: nn.Module, rows=ROWS, repeats: int = 5) -> tuple[dict, dict]:
-    """Median seconds of all low-bit layers' matmuls for a step of n rows, through the
-    kernel and through the bf16 copies: {n: seconds} each (the model's own shapes)."""
-    layers = low_bit_layers(model)
-    device = layers[0].packed.device
-    low, wide = {}, {}
-    with torch.inference_mode():
-        for n in rows:
-            xs = {m.in_features: torch.randn(n, m.in_features, dtype=torch.bfloat16,
-                                             device=device) for m in layers}
-            low[n] = _median_seconds(
-                lambda xs=xs: [m.low_bit(xs[m.in_features]) for m in layers], repeats, device)
-            wide[n] = _median_seconds(
-                lambda xs=xs: [xs[m.in_features] @ m.wide.t() for m in layers
-                               if m.wide is not None], repeats, device)
-    return low, wide
-
-
-def measured_wide_rows(model: nn.Module) -> int:
-    """`crossover` of this model's layers measured here (a few hundred ms once per load)."""
-    if any(m.wide is None for m in low_bit_layers(model)):
-        return 0
-    return crossover(*layer_costs(model, repeats=3))
-
-
-def _median_seconds(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    return statistics.median(timing.seconds(device, fn) for _ in range(repeats))

@@ -98,5 +98,24 @@ def _run(peer: LlamaBench, extra: list[str]) -> list[dict]:
         raise QuickdraftError(f"llama-bench printed no JSON ({exc})") from exc
 
 
+def note(bench: dict, baseline: str) -> str:
+    """The report's line on the peer (`bench`: the report's pooled llama-bench figures)."""
+    runs = ", ".join(f"{r.get('same_work_tokens_per_s', r['tokens_per_s']):.1f}"
+                     for r in bench["runs"])
+    steps = bench["runs"][-1]["step_ms"]
+    costs = ", ".join(f"{n}: {ms / steps[1]:.2f}" for n, ms in steps.items()
+                      if 1 in steps and n > 1)
+    decode = bench["runs"][-1]["decode_tokens_per_s"]
+    own = bench.get("reply_tokens_per_s", bench["tokens_per_s"])
+    return (f"- llama-bench ({bench['exe']}, {bench['threads']} threads, "
+            f"{Path(bench['gguf']).name}): {bench['tokens_per_s']:.1f} tok/s for the same "
+            f"work as {baseline} (each prompt read and each reply's tokens written at "
+            f"llama-bench's measured speeds; runs before and after the methods: {runs}; "
+            f"every method's `vs llama-bench` prices its own replies the same way); its own "
+            f"reply of {bench['tokens']} tokens to a prompt of {bench['depth']}: {own:.1f} "
+            f"tok/s, prompt included; generation alone there {decode:.1f} tok/s; its n-token "
+            f"step in plain steps: {costs}.")
+
+
 def described(peer: LlamaBench) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(peer).items()}

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engine import devices, neartie
+from engine.benchmark import llamabench
 from engine.benchmark.leaveout import WITH_STORE
 from engine.benchmark.methods import BASELINE, OVERALL
 from engine.benchmark.runner import Measurement
@@ -342,22 +343,7 @@ def notes(report: dict) -> list[str]:
     lines += [f"- {name} did not run: {why}" for name, why in report["skipped"].items()]
     lines += _picks(report["measurements"])
     if bench := report.get("peers", {}).get("llama-bench"):
-        runs = ", ".join(f"{r.get('same_work_tokens_per_s', r['tokens_per_s']):.1f}"
-                         for r in bench["runs"])
-        steps = bench["runs"][-1]["step_ms"]
-        costs = ", ".join(f"{n}: {ms / steps[1]:.2f}" for n, ms in steps.items()
-                          if 1 in steps and n > 1)
-        decode = bench["runs"][-1]["decode_tokens_per_s"]
-        own = bench.get("reply_tokens_per_s", bench["tokens_per_s"])
-        lines.append(f"- llama-bench ({bench['exe']}, {bench['threads']} threads, "
-                     f"{Path(bench['gguf']).name}): {bench['tokens_per_s']:.1f} tok/s for "
-                     f"the same work as {BASELINE} (each prompt read and each reply's "
-                     f"tokens written at llama-bench's measured speeds; runs before and "
-                     f"after the methods: {runs}; every method's `vs llama-bench` prices "
-                     f"its own replies the same way); its own reply of {bench['tokens']} "
-                     f"tokens to a prompt of {bench['depth']}: {own:.1f} tok/s, prompt "
-                     f"included; generation alone there {decode:.1f} tok/s; its "
-                     f"n-token step in plain steps: {costs}.")
+        lines.append(llamabench.note(bench, BASELINE))
     if store := report["settings"].get("datastore"):
         lines.append(f"- Datastore methods ({', '.join(WITH_STORE)}; compare "
                      f"{', '.join(WITH_STORE.values())}): {store['rule']}.")

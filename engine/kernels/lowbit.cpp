@@ -146,67 +146,24 @@ void write(T* out, int64_t n, int64_t row, int64_t col, float value) {
   out[row * n + col] = static_cast<T>(value);
 }
 
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
-              "q8_linear: x (M, K) and codes (N, K)");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "q8_linear: K must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat &&
-                  scale.numel() == codes.size(0),
-              "q8_linear: int8 codes (N, K) and float32 scales (N,)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "q8_linear: float32 or bfloat16 activations");
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), nb = k / kBlock;
+// out (M, N) in x's dtype, x's rows quantized once: `tile(a, j, r0, rows, result)` fills
+// result[0..rows) with output j of rows r0.. (the weights' part, the caller's).
+template <typename TileFn>
+at::Tensor each_output(const char* name, const at::Tensor& x, int64_t n, TileFn tile) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": float32 or bfloat16 activations");
+  const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor wc = codes.contiguous(), sc = scale.contiguous();
   const Quantized a = quantize(xf.data_ptr<float>(), m, k);
-  const int8_t* w = wc.data_ptr<int8_t>();
-  const float* s = sc.data_ptr<float>();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     float result[kTile];
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t r0 = 0; r0 < m; r0 += kTile) {
         const int64_t rows = std::min(kTile, m - r0);
-        kTiles[rows](w + j * k, a.q.data() + r0 * k, a.d.data() + r0 * nb, k, nb, result);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (bf16) write(out.data_ptr<c10::BFloat16>(), n, r0 + r, j, result[r] * s[j]);
-          else write(out.data_ptr<float>(), n, r0 + r, j, result[r] * s[j]);
-        }
-      }
-    }
-  });
-  return out;
-}
-
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == 2 * codes.size(1),
-              "q4_linear: x (M, K) and codes (N, K/2)");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "q4_linear: K must be a multiple of 32");
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), nb = k / kBlock;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
-                  scales.dim() == 3 && scales.size(0) == n && scales.size(1) == 2 &&
-                  scales.size(2) == nb,
-              "q4_linear: uint8 codes (N, K/2) and float32 scales (N, 2, K/32)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "q4_linear: float32 or bfloat16 activations");
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor wc = codes.contiguous(), sc = scales.contiguous();
-  const Quantized a = quantize(xf.data_ptr<float>(), m, k);
-  const uint8_t* w = wc.data_ptr<uint8_t>();
-  const float* s = sc.data_ptr<float>();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
-    float result[kTile];
-    for (int64_t j = begin; j < end; ++j) {
-      const float* row_scales = s + j * 2 * nb;
-      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
-        const int64_t rows = std::min(kTile, m - r0);
-        kTiles4[rows](w + j * (k / 2), row_scales, row_scales + nb, a.q.data() + r0 * k,
-                      a.d.data() + r0 * nb, a.dsum.data() + r0 * nb, k, nb, result);
+        tile(a, j, r0, rows, result);
         for (int64_t r = 0; r < rows; ++r) {
           if (bf16) write(out.data_ptr<c10::BFloat16>(), n, r0 + r, j, result[r]);
           else write(out.data_ptr<float>(), n, r0 + r, j, result[r]);
@@ -215,6 +172,44 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     }
   });
   return out;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
+              "q8_linear: x (M, K) and codes (N, K)");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "q8_linear: K must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat &&
+                  scale.numel() == codes.size(0),
+              "q8_linear: int8 codes (N, K) and float32 scales (N,)");
+  const int64_t k = x.size(1), nb = k / kBlock;
+  const at::Tensor wc = codes.contiguous(), sc = scale.contiguous();
+  const int8_t* w = wc.data_ptr<int8_t>();
+  const float* s = sc.data_ptr<float>();
+  return each_output("q8_linear", x, codes.size(0),
+                     [&](const Quantized& a, int64_t j, int64_t r0, int64_t rows, float* result) {
+    kTiles[rows](w + j * k, a.q.data() + r0 * k, a.d.data() + r0 * nb, k, nb, result);
+    for (int64_t r = 0; r < rows; ++r) result[r] *= s[j];
+  });
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == 2 * codes.size(1),
+              "q4_linear: x (M, K) and codes (N, K/2)");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "q4_linear: K must be a multiple of 32");
+  const int64_t k = x.size(1), n = codes.size(0), nb = k / kBlock;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
+                  scales.dim() == 3 && scales.size(0) == n && scales.size(1) == 2 &&
+                  scales.size(2) == nb,
+              "q4_linear: uint8 codes (N, K/2) and float32 scales (N, 2, K/32)");
+  const at::Tensor wc = codes.contiguous(), sc = scales.contiguous();
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  const float* s = sc.data_ptr<float>();
+  return each_output("q4_linear", x, n,
+                     [&](const Quantized& a, int64_t j, int64_t r0, int64_t rows, float* result) {
+    const float* row_scales = s + j * 2 * nb;
+    kTiles4[rows](w + j * (k / 2), row_scales, row_scales + nb, a.q.data() + r0 * k,
+                  a.d.data() + r0 * nb, a.dsum.data() + r0 * nb, k, nb, result);
+  });
 }
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&) {

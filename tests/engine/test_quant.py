@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import neartie, quant
+from engine import neartie, quant, quant_wide
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import AcceleratorError
 from engine.generate import run
@@ -125,9 +125,9 @@ def test_a_quantized_model_keeps_its_fingerprint_when_given(bundled_tokenizer):
 
 def test_crossover_is_the_first_size_from_which_the_copies_always_win():
     low = {1: 1.0, 2: 1.6, 4: 2.8, 8: 5.0}
-    assert quant.crossover(low, {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2}) == 4
-    assert quant.crossover(low, {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0}) == 0
-    assert quant.crossover(low, {1: 0.5, 2: 2.0, 4: 2.0, 8: 2.0}) == 4  # 1 alone is not it
+    assert quant_wide.crossover(low, {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2}) == 4
+    assert quant_wide.crossover(low, {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0}) == 0
+    assert quant_wide.crossover(low, {1: 0.5, 2: 2.0, 4: 2.0, 8: 2.0}) == 4  # 1 alone is not it
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's mappings")
