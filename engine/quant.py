@@ -5,9 +5,9 @@ group, the form of llama.cpp's Q4_1), multiplied by tinygemm's `aten._weight_int
 on CUDA. `int8w`: 8-bit weights with a scale per output row, multiplied by
 `torch._weight_int8pack_mm` on CUDA. On a CPU both run on Quickdraft's own kernels
 (engine/kernels: activations quantized to int8 per block of 32, as llama.cpp does, and
-integer dot products; their scales are float32) where those could be built, else on
-`aten._weight_int4pack_mm_for_cpu` and `torch._weight_int8pack_mm` (bf16 scales).
-Activations stay bf16 between layers.
+integer dot products; int8 scales in float32, int4 ones in float16) where those could be
+built, else on `aten._weight_int4pack_mm_for_cpu` and `torch._weight_int8pack_mm` (bf16
+scales). Activations stay bf16 between layers.
 
 On a CPU a step's cost grows with every row (token) of the input: Quickdraft's kernels read
 a weight row once for up to 8 rows, so a step of 4 tokens costs ~1.7 plain steps on AVX2
@@ -106,12 +106,12 @@ def _inner_tiles(k: int) -> int:
 def _own_int4(codes: Codes) -> tuple[torch.Tensor, torch.Tensor]:
     """Quickdraft's int4 kernel's layout (CPU): (N, K/2) bytes, byte i of a group holding
     value i in its low nibble and i + 16 in its high one (llama.cpp's), and (N, 2, K/group)
-    float32 scales and lows."""
+    float16 scales and lows (as llama.cpp's Q4_1 blocks: 0.625 bytes per weight in all)."""
     n, k = codes.shape
     values = codes.values.reshape(n, k // GROUP_SIZE, GROUP_SIZE).to(torch.uint8)
     half = GROUP_SIZE // 2
     packed = (values[..., :half] | values[..., half:] << 4).reshape(n, k // 2).contiguous()
-    return packed, torch.stack([codes.scale.float(), codes.low.float()], 1).contiguous()
+    return packed, torch.stack([codes.scale.half(), codes.low.half()], 1).contiguous()
 
 
 def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -135,7 +135,7 @@ class LowBitLinear(nn.Module):
         self.bias = (None if bias is None else
                      nn.Parameter(bias.detach().to(device, torch.bfloat16), False))
         scale, zero = codes.kernel_scales()
-        # float32 scales select Quickdraft's kernels (`lowbit_mm`)
+        # float32 (int8) and float16 (int4) scales select Quickdraft's kernels (`lowbit_mm`)
         ours = (device.type == "cpu" and self.in_features % GROUP_SIZE == 0
                 and kernels.available())
         if codes.kind == "int4" and ours:
@@ -168,11 +168,12 @@ class LowBitLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         if self.kind == "int8w":
             return (self.packed.float() * self.scales.float()[:, None]).to(torch.bfloat16)
-        if self.scales.dtype == torch.float32:  # Quickdraft's int4 layout
+        if self.scales.dtype == torch.float16:  # Quickdraft's int4 layout
             n, k = self.out_features, self.in_features
             pairs = self.packed.reshape(n, k // GROUP_SIZE, GROUP_SIZE // 2)
             values = torch.cat([pairs & 15, pairs >> 4], -1).float()
-            w = values * self.scales[:, 0, :, None] + self.scales[:, 1, :, None]
+            scales = self.scales.float()
+            w = values * scales[:, 0, :, None] + scales[:, 1, :, None]
             return w.reshape(n, k).to(torch.bfloat16)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
         return self.low_bit(eye).t().contiguous()  # (K, N) rows of W^T, exactly the kernel's
@@ -203,14 +204,15 @@ class LowBitLinear(nn.Module):
 
 
 def lowbit_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for: float32
-    scales for Quickdraft's kernels, bf16 ones for PyTorch's (int8 codes or int4 packings)."""
-    if scales.dtype == torch.float32:
-        if packed.dtype == torch.int8:
-            return torch.ops.quickdraft.q8_linear(x, packed, scales)
-        return torch.ops.quickdraft.q4_linear(x, packed, scales)
+    """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for:
+    Quickdraft's where int8 codes have float32 scales and int4 ones float16 scales,
+    PyTorch's where they have bf16 ones."""
     if packed.dtype == torch.int8:
+        if scales.dtype == torch.float32:
+            return torch.ops.quickdraft.q8_linear(x, packed, scales)
         return torch._weight_int8pack_mm(x, packed, scales)
+    if scales.dtype == torch.float16:
+        return torch.ops.quickdraft.q4_linear(x, packed, scales)
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales)
@@ -231,7 +233,7 @@ def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
     if any(m.scales.dtype != first.scales.dtype for m in layers):  # kernels differ
         return None
     # PyTorch's int4 scales: (K/group, N, 2); the others' rows come first
-    axis = 1 if first.kind == "int4" and first.scales.dtype != torch.float32 else 0
+    axis = 1 if first.kind == "int4" and first.scales.dtype == torch.bfloat16 else 0
     if axis and not _packing_concatenates([m.out_features for m in layers],
                                           first.in_features, first.packed.device):
         return None

@@ -25,7 +25,7 @@ from engine.paths import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lowbit.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-w", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-w", "-shared", "-fPIC")
 BUILD_SECONDS = 300  # a build that takes longer is abandoned (the kernels stay PyTorch's)
 
 _lock = threading.Lock()

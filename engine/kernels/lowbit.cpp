@@ -3,7 +3,8 @@
 // Each row of activations is quantized to int8 in blocks of 32 with a float scale per
 // block (llama.cpp's Q8_0 form), then multiplied with integer dot products (vpmaddubsw) by
 // int8 weights with a float scale per output row (q8_linear), or by 4-bit weights with a
-// float scale and low per block of 32 (q4_linear: w = code * scale + low, Q4_1's form). A
+// half-precision scale and low per block of 32 (q4_linear: w = code * scale + low, Q4_1's
+// form and size: 0.625 bytes per weight). A
 // weight row is read from memory once for up to kTile activation rows. PyTorch's own
 // low-bit kernels convert every weight to fp32 and multiply in fp32: at one token their
 // arithmetic, not the memory, is what limits them on CPUs without AVX-512.
@@ -99,9 +100,10 @@ inline void tile(const int8_t* w, const int8_t* a, const float* d, int64_t k, in
 }
 
 // The same for a 4-bit weight row: codes (k / 2 bytes; byte i of a block holds element i
-// in its low nibble and i + 16 in its high one), scales (nb) and lows (nb) of its blocks.
+// in its low nibble and i + 16 in its high one), scales (nb) and lows (nb) of its blocks as
+// IEEE half-precision bits.
 template <int R>
-inline void tile4(const uint8_t* codes, const float* scales, const float* lows,
+inline void tile4(const uint8_t* codes, const uint16_t* scales, const uint16_t* lows,
                   const int8_t* a, const float* d, const float* dsum, int64_t k, int64_t nb,
                   float* result) {
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
@@ -111,7 +113,7 @@ inline void tile4(const uint8_t* codes, const float* scales, const float* lows,
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
     const __m256i wv = _mm256_and_si256(
         _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), nibble);  // 0..15: unsigned
-    const float scale = scales[b];
+    const float scale = _cvtsh_ss(scales[b]);
     for (int r = 0; r < R; ++r) {
       const __m256i av = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(a + r * k + b * kBlock));
@@ -124,15 +126,18 @@ inline void tile4(const uint8_t* codes, const float* scales, const float* lows,
     // the lows: sum over blocks of low * d * (sum of the block's activations)
     __m256 low = _mm256_setzero_ps();
     int64_t b = 0;
-    for (; b + 8 <= nb; b += 8)
-      low = _mm256_fmadd_ps(_mm256_loadu_ps(lows + b), _mm256_loadu_ps(dsum + r * nb + b), low);
+    for (; b + 8 <= nb; b += 8) {
+      const __m256 halves = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(lows + b)));
+      low = _mm256_fmadd_ps(halves, _mm256_loadu_ps(dsum + r * nb + b), low);
+    }
     float tail = 0.f;
-    for (; b < nb; ++b) tail += lows[b] * dsum[r * nb + b];
+    for (; b < nb; ++b) tail += _cvtsh_ss(lows[b]) * dsum[r * nb + b];
     result[r] = hsum(acc[r]) + hsum(low) + tail;
   }
 }
 
-using Tile4 = void (*)(const uint8_t*, const float*, const float*, const int8_t*,
+using Tile4 = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const int8_t*,
                        const float*, const float*, int64_t, int64_t, float*);
 constexpr Tile4 kTiles4[kTile + 1] = {nullptr, tile4<1>, tile4<2>, tile4<3>, tile4<4>,
                                       tile4<5>, tile4<6>, tile4<7>, tile4<8>};
@@ -197,16 +202,16 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "q4_linear: x (M, K) and codes (N, K/2)");
   TORCH_CHECK(x.size(1) % kBlock == 0, "q4_linear: K must be a multiple of 32");
   const int64_t k = x.size(1), n = codes.size(0), nb = k / kBlock;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf &&
                   scales.dim() == 3 && scales.size(0) == n && scales.size(1) == 2 &&
                   scales.size(2) == nb,
-              "q4_linear: uint8 codes (N, K/2) and float32 scales (N, 2, K/32)");
+              "q4_linear: uint8 codes (N, K/2) and float16 scales (N, 2, K/32)");
   const at::Tensor wc = codes.contiguous(), sc = scales.contiguous();
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  const float* s = sc.data_ptr<float>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
   return each_output("q4_linear", x, n,
                      [&](const Quantized& a, int64_t j, int64_t r0, int64_t rows, float* result) {
-    const float* row_scales = s + j * 2 * nb;
+    const uint16_t* row_scales = s + j * 2 * nb;
     kTiles4[rows](w + j * (k / 2), row_scales, row_scales + nb, a.q.data() + r0 * k,
                   a.d.data() + r0 * nb, a.dsum.data() + r0 * nb, k, nb, result);
   });

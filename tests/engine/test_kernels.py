@@ -3,6 +3,8 @@ int8 per block of 32, against the same arithmetic written out in PyTorch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,10 +51,13 @@ def test_the_int4_kernel_is_quantized_activations_times_the_4_bit_weights(m, k, 
     weight = torch.randn(n, k, generator=g)
     codes = quant.Codes.of(weight, "int4")
     layer = quant.LowBitLinear(codes, None, torch.device("cpu"))
-    assert layer.scales.dtype == torch.float32 and layer.packed.shape == (n, k // 2)
-    assert torch.equal(layer.dequantized(), codes.dense(torch.bfloat16))
+    assert layer.scales.dtype == torch.float16 and layer.packed.shape == (n, k // 2)
+    # half-precision scales and lows, as llama.cpp's Q4_1 blocks
+    halved = dataclasses.replace(codes, scale=codes.scale.half().float(),
+                                 low=codes.low.half().float())
+    assert torch.equal(layer.dequantized(), halved.dense(torch.bfloat16))
     out = torch.ops.quickdraft.q4_linear(x, layer.packed, layer.scales)
-    want = quantized(x) @ codes.dense(torch.float64).t()
+    want = quantized(x) @ halved.dense(torch.float64).t()
     assert ((out.double() - want).abs() / want.abs().max()).max() < 1e-5
 
 
@@ -77,7 +82,7 @@ def test_low_bit_layers_use_them_and_stay_close_to_their_dense_weights(kind):
     g = torch.Generator().manual_seed(1)
     linear = torch.nn.Linear(256, 48, bias=True)
     layer = quant.LowBitLinear.from_linear(linear, kind, torch.device("cpu"))
-    assert layer.scales.dtype == torch.float32  # the mark of this kernel's layout
+    assert layer.scales.dtype == (torch.float32 if kind == "int8w" else torch.float16)
     x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
     want = x.float() @ layer.dequantized().float().t() + linear.bias.float()
     got = layer(x).float()
