@@ -10,8 +10,8 @@ import torch
 
 from engine import kernels, quant
 
-pytestmark = pytest.mark.skipif(not kernels.available(),
-                                reason=f"kernels not built here: {kernels.problem}")
+built = pytest.mark.skipif(not kernels.available(),
+                           reason=f"kernels not built here: {kernels.problem}")
 
 
 def quantized(x: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,7 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torc
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 96), (3, 1536, 40), (9, 64, 7), (16, 32, 33),
                                    (2, 96, 1)])
+@built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_is_block_quantized_activations_times_the_weights(m, k, n, dtype):
     g = torch.Generator().manual_seed(m * k + n)
@@ -44,6 +45,7 @@ def test_the_kernel_is_block_quantized_activations_times_the_weights(m, k, n, dt
     assert ((out.double() - want).abs() / want.abs().max()).max() < tolerance
 
 
+@built
 @pytest.mark.parametrize("m,k,n", [(1, 576, 96), (3, 1536, 40), (9, 64, 7), (16, 288, 33)])
 def test_the_int4_kernel_is_quantized_activations_times_the_4_bit_weights(m, k, n):
     g = torch.Generator().manual_seed(m + k + n)
@@ -61,6 +63,7 @@ def test_the_int4_kernel_is_quantized_activations_times_the_4_bit_weights(m, k, 
     assert ((out.double() - want).abs() / want.abs().max()).max() < 1e-5
 
 
+@built
 def test_a_row_gives_the_same_bits_in_a_step_of_any_size():
     """Drafted steps verify several tokens at once: each must get exactly what a plain step
     of that token alone would (the arithmetic of a row never depends on the others)."""
@@ -77,6 +80,7 @@ def test_a_row_gives_the_same_bits_in_a_step_of_any_size():
         assert torch.equal(whole4[i], four(x[i:i + 1])[0])
 
 
+@built
 @pytest.mark.parametrize("kind", ["int8w", "int4"])
 def test_low_bit_layers_use_them_and_stay_close_to_their_dense_weights(kind):
     g = torch.Generator().manual_seed(1)
@@ -89,6 +93,7 @@ def test_low_bit_layers_use_them_and_stay_close_to_their_dense_weights(kind):
     assert ((got - want).abs().max() / want.abs().max()) < 0.02
 
 
+@built
 def test_fused_int4_projections_are_the_projections_side_by_side():
     layers = [quant.LowBitLinear.from_linear(torch.nn.Linear(64, n), "int4",
                                              torch.device("cpu")) for n in (32, 16, 16)]
@@ -99,12 +104,14 @@ def test_fused_int4_projections_are_the_projections_side_by_side():
     assert torch.equal(torch.cat([m(x) for m in layers], -1), apart)  # views of the fused
 
 
+@built
 def test_shapes_the_kernel_cannot_take_keep_pytorchs():
     layer = quant.LowBitLinear.from_linear(torch.nn.Linear(40, 8), "int8w", torch.device("cpu"))
     assert layer.scales.dtype == torch.bfloat16
     assert layer(torch.randn(2, 40, dtype=torch.bfloat16)).shape == (2, 8)
 
 
+@built
 def test_bad_arguments_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.quickdraft.q8_linear(torch.randn(1, 40), torch.zeros(3, 40, dtype=torch.int8),
@@ -114,6 +121,7 @@ def test_bad_arguments_are_refused_with_a_message():
                                        torch.ones(3, dtype=torch.bfloat16))
 
 
+@built
 def test_a_failed_build_keeps_pytorchs_kernels(monkeypatch, tmp_path):
     """No compiler (or any failure): one logged reason, and int8 layers on PyTorch's kernel."""
     monkeypatch.setattr(kernels, "_loaded", None)
@@ -126,3 +134,14 @@ def test_a_failed_build_keeps_pytorchs_kernels(monkeypatch, tmp_path):
     assert layer.scales.dtype == torch.bfloat16
     assert layer(torch.randn(1, 64, dtype=torch.bfloat16)).shape == (1, 8)
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind
+
+
+def test_the_kernels_build_where_a_compiler_and_avx2_are_there():
+    """Where they can be built they are (the tests above would otherwise skip silently)."""
+    import shutil
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    if not shutil.which("g++") and not shutil.which("c++"):
+        pytest.skip("no C++ compiler here")
+    assert kernels.available(), kernels.problem
