@@ -32,18 +32,26 @@ struct Quantized {
   std::vector<float> dsum;  // d times the block's sum of q (4-bit weights' low term)
 };
 
-Quantized quantize(const float* x, int64_t m, int64_t k) {
+// 8 activations as floats: float32 as they are, bfloat16 widened (its bits are a float's top half).
+inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
+inline __m256 load8(const c10::BFloat16* v) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+Quantized quantize(const T* x, int64_t m, int64_t k) {
   const int64_t nb = k / kBlock;
   Quantized out{std::vector<int8_t>(m * k), std::vector<float>(m * nb),
                 std::vector<float>(m * nb)};
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < m * nb; ++i) {
-    const float* v = x + i * kBlock;
+    const T* v = x + i * kBlock;
     __m256 part[4];
     __m256 amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
-      part[j] = _mm256_loadu_ps(v + 8 * j);
+      part[j] = load8(v + 8 * j);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part[j]));
     }
     __m128 top = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -146,11 +154,6 @@ using Tile = void (*)(const int8_t*, const int8_t*, const float*, int64_t, int64
 constexpr Tile kTiles[kTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
                                    tile<5>, tile<6>, tile<7>, tile<8>};
 
-template <typename T>
-void write(T* out, int64_t n, int64_t row, int64_t col, float value) {
-  out[row * n + col] = static_cast<T>(value);
-}
-
 // out (M, N) in x's dtype, x's rows quantized once: `tile(a, j, r0, rows, result)` fills
 // result[0..rows) with output j of rows r0.. (the weights' part, the caller's).
 template <typename TileFn>
@@ -160,9 +163,13 @@ at::Tensor each_output(const char* name, const at::Tensor& x, int64_t n, TileFn 
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const Quantized a = quantize(xf.data_ptr<float>(), m, k);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = x.contiguous();
+  const Quantized a = x.scalar_type() == at::kFloat
+                          ? quantize(xc.data_ptr<float>(), m, k)
+                          : quantize(xc.data_ptr<c10::BFloat16>(), m, k);
+  // Pointers taken once: data_ptr's checks cost about what a 1-row output does.
+  float* f32 = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* b16 = f32 ? nullptr : out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     float result[kTile];
     for (int64_t j = begin; j < end; ++j) {
@@ -170,8 +177,8 @@ at::Tensor each_output(const char* name, const at::Tensor& x, int64_t n, TileFn 
         const int64_t rows = std::min(kTile, m - r0);
         tile(a, j, r0, rows, result);
         for (int64_t r = 0; r < rows; ++r) {
-          if (bf16) write(out.data_ptr<c10::BFloat16>(), n, r0 + r, j, result[r]);
-          else write(out.data_ptr<float>(), n, r0 + r, j, result[r]);
+          if (f32) f32[(r0 + r) * n + j] = result[r];
+          else b16[(r0 + r) * n + j] = static_cast<c10::BFloat16>(result[r]);
         }
       }
     }
