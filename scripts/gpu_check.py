@@ -5,7 +5,7 @@
 
 On a CUDA machine (under ~10 minutes): the family matrix and the reply-end tests on CUDA in
 fp32 (exact) with every drafter, greedy and sampled; the lean step against transformers on
-every family it covers, and its compiled (AOTInductor) step against the eager one; the
+every family it covers, and its CUDA-graph step against the eager one; the
 bundled model loaded in fp32, bf16, NF4 and int8 with one greedy and one sampled reply per
 drafter (fp32 must match Off token for token; the other precisions report their match);
 2-minute Medusa and Kangaroo training runs and replies with what they built; and
@@ -103,11 +103,11 @@ def run_checks(runner: Runner, cuda: bool, out: Path) -> None:
         # the rest on the CPU anyway)
         matrix += ["-k", "greedy_to_the_end and llama-gqa-lookup] or llama-gqa-int4-2]"]
     runner.command("matrix fp32 " + ("cuda" if cuda else "cpu, one family"), matrix, device_env)
-    # the lean step against transformers on every family, and compiled against eager
+    # the lean step against transformers on every family, and graphed against eager
     lean = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_lean.py"]
     if not cuda:
-        lean += ["-k", "decodes_as_transformers and llama"]
-    runner.command("lean step fp32 " + ("cuda, compiled" if cuda else "cpu, eager"), lean,
+        lean += ["-k", "(decodes_as_transformers or graphed) and llama"]
+    runner.command("lean step fp32 " + ("cuda, graphs" if cuda else "cpu, static buffers"), lean,
                    device_env, timeout=900)
     # The CPU form skips the sampled replies: the suite samples on the CPU elsewhere, and
     # each reply here is a process that loads the model.

@@ -21,13 +21,24 @@ class LeanCache:
     """Keys and values of every layer: (kv_heads, capacity, D) each."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, limit: int, capacity: int = FIRST_CAPACITY):
+                 device: torch.device, limit: int, capacity: int = FIRST_CAPACITY,
+                 storage: tuple | None = None):
         self.shape = (kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.limit = limit  # positions the model supports: never allocated beyond
+        if storage is not None:  # an earlier reply's tensors, and graphs captured over them
+            self.keys, self.values, self.graphs = storage
+            return
         capacity = min(capacity, limit)
         self.keys = [self._empty(capacity) for _ in range(layers)]
         self.values = [self._empty(capacity) for _ in range(layers)]
+        # CUDA graphs captured over these tensors (engine/lean/graphs.py), by step key.
+        self.graphs: dict = {}
+
+    @property
+    def storage(self) -> tuple:
+        """What a later cache can take over: the (growing) tables and their graphs."""
+        return self.keys, self.values, self.graphs
 
     @property
     def capacity(self) -> int:
@@ -49,6 +60,7 @@ class LeanCache:
         while capacity < slots:
             capacity *= 2
         capacity = max(slots, min(capacity, self.limit))
+        self.graphs.clear()  # captured over the tensors about to be replaced
         for table in (self.keys, self.values):
             for i, old in enumerate(table):
                 new = self._empty(capacity)

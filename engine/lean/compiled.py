@@ -96,14 +96,14 @@ class Steps:
         runners = self.ready.get(size) if size is not None else None
         # The packages were exported for windows of two slots or more.
         if runners is None or start + size < 2:
-            return self._eager, n
+            return self.eager, n
         # Straight into a package's C++ runner with a flat list of tensors (its Python
         # wrapper would flatten and check the arguments' structure on every call).
         runs = [r.loader.boxed_run for r in runners]
         kind_of, flat = self.kind_of, self.flat
         return (lambda i, *args: runs[kind_of[i]]([*args, *flat[i]])[0]), size
 
-    def _eager(self, i: int, *args) -> torch.Tensor:
+    def eager(self, i: int, *args) -> torch.Tensor:
         x, cos, sin, mask, keys, values, slots = args
         return self.layer(x, self.weights[i], cos, sin, mask, keys, values, slots)
 

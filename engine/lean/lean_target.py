@@ -10,18 +10,23 @@ layers see only positions within their window.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from engine import quant
 from engine.lean import compiled as compiling
+from engine.lean import graphs
 from engine.lean.cache import LeanCache
 from engine.lean.layer import make_layer
 from engine.lean.rope import RopeTable
 from engine.lean.spec import LeanSpec, spec_for
 from engine.lean.weights import layer_weights
 from engine.target import Forward, Target
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt tokens per pass: bounds the (heads, n, positions) scores
 
@@ -45,15 +50,28 @@ class LeanTarget(Target):
         self.wide_rows = low[0].wide_rows if low else 0  # steps on bf16 copies, where kept
         self.layer = make_layer(spec, self.wide_rows)
         self.steps = compiling.Steps(self.layer, self.weights)  # layer calls per step size
+        # Steps of up to the largest compiled size run as CUDA graphs (engine/lean/graphs.py):
+        # what compiling means on a GPU.
+        self.graphed = False
+        self.graphs_failed = ""  # why capturing failed, once it has
+        # Finished replies' cache tensors with their graphs: a graphed reply takes them
+        # over, so graphs are captured once per size, not once per reply.
+        self._spare: list[tuple] = []
 
     @property
     def name(self) -> str:
-        return self.steps.state()
+        if self.graphed:
+            return "lean-graphs"
+        return "lean-eager (graphs failed)" if self.graphs_failed else self.steps.state()
 
     def new_cache(self) -> LeanCache:
         s = self.spec
-        return LeanCache(s.layers, s.kv_heads, s.head_dim, self.cache_dtype, self.device,
-                         s.context)
+        spare = self._spare.pop() if self.graphed and self._spare else None
+        cache = LeanCache(s.layers, s.kv_heads, s.head_dim, self.cache_dtype, self.device,
+                          s.context, storage=spare)
+        if self.graphed:  # its tensors come back here once the reply lets go of it
+            weakref.finalize(cache, self._spare.append, cache.storage)
+        return cache
 
     def forward(self, cache, tokens, start, depths=None, tree_mask=None, states=False,
                 last_only=False) -> Forward:
@@ -82,7 +100,13 @@ class LeanTarget(Target):
     def compile(self, build: bool = True, background: bool = True,
                 on_ready: Callable[[], None] | None = None) -> None:
         """Load or build the compiled layer at every step size (engine/lean/compiled.py),
-        exported on this model's first layer and a scratch cache."""
+        exported on this model's first layer and a scratch cache. On CUDA, steps are
+        captured as graphs instead, per reply and size as they first run: nothing to build."""
+        if self.device.type == "cuda":
+            self.graphed = True
+            if on_ready is not None:
+                on_ready()
+            return
         def example(size: int) -> tuple:
             # Ordinary tensors, not inference ones: compiling runs the graph outside
             # inference_mode (the cache is written in place).
@@ -135,33 +159,70 @@ class LeanTarget(Target):
     def _run(self, x, layers, cache, start, depths, tree_mask, keep) -> list[torch.Tensor]:
         n = x.shape[0]
         call, size = self.steps.for_size(n, start)
+        graphed = self.graphed and compiling.size_for(n) is not None
+        if graphed:
+            call, size = self.steps.eager, compiling.size_for(n)
         depths = list(range(n)) if depths is None else list(depths)
         cache.reserve(start + size)
         positions = torch.tensor(depths + [depths[-1]] * (size - n), device=self.device) + start
         slots = torch.arange(start, start + size, device=self.device)
         cos, sin = self.rope.rows(positions, start + max(depths))
-        masks = {w: step_mask(start, depths, tree_mask, size, w, self.device)
-                 for w in {self.spec.windows[i] for i in layers}}
+        # A graph's shapes never change: its masks span the cache's whole capacity.
+        width = cache.capacity if graphed else start + size
+        windows = sorted({self.spec.windows[i] for i in layers}, key=str)
+        masks = [step_mask(start, depths, tree_mask, size, w, self.device, width)
+                 for w in windows]
         if size > n:
             x = torch.cat([x, x[-1:].expand(size - n, -1)])
-        kept = [x[:n]] if keep else []
-        for i in layers:
-            x = call(i, x, cos, sin, masks[self.spec.windows[i]], cache.keys[i],
-                     cache.values[i], slots)
-            if keep:
-                kept.append(x[:n])
-        return kept if keep else [x[:n]]
+
+        # A graph keeps its body: it holds the cache's tables, not the cache (whose end
+        # hands the tables back to new_cache).
+        key_tables, value_tables = cache.keys, cache.values
+        layer_windows = self.spec.windows
+
+        def body(x, cos, sin, slots, *masks) -> list[torch.Tensor]:
+            by_window = dict(zip(windows, masks, strict=True))
+            kept = [x] if keep else []
+            for i in layers:
+                x = call(i, x, cos, sin, by_window[layer_windows[i]], key_tables[i],
+                         value_tables[i], slots)
+                if keep:
+                    kept.append(x)
+            return kept if keep else [x]
+
+        values = [x, cos, sin, slots, *masks]
+        out = self._replay(cache, (size, layers.start, layers.stop, keep), body, values) \
+            if graphed else None
+        if out is None:
+            out = body(*values)
+        return [state[:n] for state in out]
+
+    def _replay(self, cache, key, body, values) -> list[torch.Tensor] | None:
+        """The step as a graph; None (and eager steps from now on, said once) where
+        capturing it fails: an operation that cannot be captured, or out of memory."""
+        try:
+            return graphs.replay(cache.graphs, key, body, values)
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self.graphed, self.graphs_failed = False, f"{type(exc).__name__}: {first}"[:300]
+            cache.graphs.clear()
+            log.warning("capturing the decode step failed, decoding eagerly: %s",
+                        self.graphs_failed)
+            return None
 
 
 def step_mask(start: int, depths: list[int], tree_mask: torch.Tensor | None, size: int,
-              window: int | None, device: torch.device) -> torch.Tensor:
-    """(size, start + size) additive float mask for n = len(depths) real queries (rows past
-    n pad the step to `size`: they see slot 0 only, and no real query sees them).
+              window: int | None, device: torch.device, width: int | None = None
+              ) -> torch.Tensor:
+    """(size, width) additive float mask (width: start + size unless given) for
+    n = len(depths) real queries (rows past n pad the step to `size`: they see slot 0 only,
+    and no real query sees them; no query sees the slots past start + size).
 
     A query sees the slots before `start` and its ancestors among this step's (tree_mask
     (n, n) bool, or causal for a chain); within `window` positions where one is set."""
     n = len(depths)
-    allowed = torch.zeros(size, start + size, dtype=torch.bool, device=device)
+    width = start + size if width is None else width
+    allowed = torch.zeros(size, width, dtype=torch.bool, device=device)
     allowed[:n, :start] = True
     own = (torch.ones(n, n, dtype=torch.bool, device=device).tril() if tree_mask is None
            else tree_mask.to(device))
@@ -169,7 +230,7 @@ def step_mask(start: int, depths: list[int], tree_mask: torch.Tensor | None, siz
     if window is not None:
         at = torch.tensor(depths, device=device) + start  # query positions
         keys = torch.cat([torch.arange(start, device=device), at,
-                          torch.full((size - n,), -1, device=device)])
+                          torch.full((width - start - n,), -1, device=device)])
         allowed[:n] &= keys[None, :] > at[:, None] - window
     allowed[n:, 0] = True
     mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)

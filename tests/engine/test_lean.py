@@ -1,7 +1,8 @@
 """The lean decode step (engine/lean/) against transformers' own forward: every covered
 family decodes the same tokens and states in fp32, long prompts and long replies included;
 the compiled step equals the eager one, is kept on disk and loaded on the next start, and a
-failure to compile leaves the eager step decoding."""
+failure to compile leaves the eager step decoding; steps over static buffers (CUDA graphs)
+decode as the eager step does."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from engine import kernels, quant
 from engine.config import ModelSpec, SamplingParams
 from engine.drafters.lookup import LookupDrafter
 from engine.generate import run
-from engine.lean import compiled
+from engine.lean import compiled, graphs
 from engine.lean.lean_target import LeanTarget
 from engine.loading import make_target, wrap_model
 from engine.target import TransformersTarget
+from tests.engine.test_family_matrix import make_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,6 +101,10 @@ def test_long_prompts_and_replies_past_the_first_allocation(bundled_tokenizer):
     assert run(lm, short, params)[1] == run(ref, short, params)[1]
 
 
+# On CUDA compiling means capturing graphs (test_graphed_steps_decode_as_the_eager_step).
+cpu_packages = pytest.mark.skipif(DEVICE.type == "cuda", reason="AOTInductor packages: CPU")
+
+
 @pytest.fixture
 def small_sizes(monkeypatch, tmp_path):
     """Two compiled sizes instead of five (compiling is slow), and their packages in the
@@ -108,6 +114,7 @@ def small_sizes(monkeypatch, tmp_path):
     return tmp_path / "cache"
 
 
+@cpu_packages
 def test_the_compiled_step_equals_the_eager_one_and_is_kept(bundled_tokenizer, small_sizes,
                                                             monkeypatch):
     lm = family_lm("llama", bundled_tokenizer)
@@ -129,6 +136,7 @@ def test_the_compiled_step_equals_the_eager_one_and_is_kept(bundled_tokenizer, s
     assert run(again, ids, params, LookupDrafter())[1] == want
 
 
+@cpu_packages
 def test_the_compiled_int8_step_equals_the_eager_one(bundled_tokenizer, small_sizes):
     """int8 weights: the compiled package calls the same kernel as the eager step (on a CPU
     Quickdraft's own, an operator of its library inside the package). Its other operations
@@ -163,6 +171,7 @@ def _no_compiling(*_args, **_kwargs):
     raise RuntimeError("no C++ compiler found")
 
 
+@cpu_packages
 def test_a_failure_to_compile_leaves_the_eager_step(bundled_tokenizer, small_sizes, monkeypatch,
                                                     caplog):
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiling)
@@ -176,8 +185,59 @@ def test_a_failure_to_compile_leaves_the_eager_step(bundled_tokenizer, small_siz
     assert got == want and stats.step == "lean-eager (compiling failed)"
 
 
+@cpu_packages
 def test_building_waits_for_an_explicit_ask(bundled_tokenizer, small_sizes):
     """A one-shot command only loads packages already built: it never starts compiling."""
     lm = family_lm("llama", bundled_tokenizer)
     lm.target.compile(build=False, background=False)
     assert lm.target.name == "lean-eager" and not list(small_sizes.rglob("*.pt2"))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2-softcap"])
+def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeypatch):
+    """Steps over buffers they own (CUDA graphs on a GPU; on a CPU the same buffers run
+    eagerly), attending over the cache's whole capacity: Medusa's trees with the states
+    they read, Kangaroo's split layers and lookup's chains decode the eager step's tokens,
+    also once the cache grows past its first allocation (its graphs are dropped)."""
+    captured = []
+    real = graphs.StaticStep.__init__
+
+    def spy(self, body, values, capture):
+        captured.append(capture)
+        real(self, body, values, capture)
+
+    monkeypatch.setattr(graphs.StaticStep, "__init__", spy)
+    ids = prompt(9, seed=7) * 55  # 495 tokens that repeat: lookup drafts; the reply passes 512
+    params = SamplingParams(max_new_tokens=40)
+    for method in ("medusa+lookup", "kangaroo+lookup"):
+        eager = family_lm(name, bundled_tokenizer, step="eager")
+        want = run(eager, ids, params, make_drafter(eager, method))[1]
+        lm = family_lm(name, bundled_tokenizer)
+        if DEVICE.type == "cuda":
+            lm.target.compile()  # what compiling is on CUDA: nothing to build
+        else:
+            lm.target.graphed = True
+        captured.clear()
+        _text, got, stats = run(lm, ids, params, make_drafter(lm, method))
+        assert got == want and stats.step == "lean-graphs", method
+        assert captured and all(c == (DEVICE.type == "cuda") for c in captured)
+        assert sum(stats.drafted) > 0
+        # the next reply takes over the finished one's cache and the graphs captured on it
+        captured.clear()
+        assert run(lm, ids, params, make_drafter(lm, method))[1] == want
+        assert not captured
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly(bundled_tokenizer, monkeypatch,
+                                                         caplog):
+    def refuse(*_args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs.StaticStep, "__init__", refuse)
+    lm = family_lm("llama", bundled_tokenizer)
+    lm.target.graphed = True
+    params = SamplingParams(max_new_tokens=12)
+    want = run(family_lm("llama", bundled_tokenizer, step="eager"), prompt(8), params)[1]
+    _text, got, stats = run(lm, prompt(8), params)
+    assert got == want and stats.step == "lean-eager (graphs failed)"
+    assert "not permitted when stream is capturing" in caplog.text

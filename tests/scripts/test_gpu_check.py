@@ -19,6 +19,6 @@ def test_the_gpu_check_runs_reduced_on_the_cpu(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0, done.stdout + done.stderr
     assert lines[-1] == "5 passed, 0 failed"
-    assert any(line.startswith("lean step fp32 cpu, eager ") for line in lines)
+    assert any(line.startswith("lean step fp32 cpu, static buffers ") for line in lines)
     assert any(line.startswith("chat fp32 lookup ") and "same tokens as Off" in line
                for line in lines)

@@ -1,0 +1,59 @@
+"""Whole decode steps replayed as CUDA graphs. On a GPU a small or mid-size model's step is
+bound by launching its kernels (some ten per layer, each a few microseconds of Python and
+driver), not by their arithmetic; a captured graph launches them all in one call.
+
+A graph records the addresses it reads and writes, so a step's inputs are copied into
+tensors the graph owns, attention runs over the cache's whole capacity (the mask hides the
+slots not in use: shapes never change between steps), and a graph belongs to one cache's
+tensors. Per reply, the first step of each size and layer range captures (one extra step's
+time); later ones replay. A cache that grows drops its graphs (engine/lean/cache.py).
+
+Without CUDA the same static steps run eagerly over the same buffers (capture False):
+how the suite checks the buffers, the full-capacity masks and the invalidation on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class StaticStep:
+    """One step's body over tensors it owns: `values` are copied in before each run and
+    the outputs handed back as fresh tensors (the graph's own are overwritten next time)."""
+
+    def __init__(self, body: Callable[..., list[torch.Tensor]],
+                 values: list[torch.Tensor], capture: bool):
+        self.body = body
+        self.inputs = [v.clone() for v in values]
+        self.graph = None
+        if capture:
+            # Warm up outside the capture (cuBLAS and the allocator settle there). It
+            # writes the cache slots the first replay writes again with the same values.
+            side = torch.cuda.Stream(device=values[0].device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = body(*self.inputs)
+
+    def __call__(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        for static, value in zip(self.inputs, values, strict=True):
+            static.copy_(value)
+        if self.graph is None:
+            return [out.clone() for out in self.body(*self.inputs)]
+        self.graph.replay()
+        return [out.clone() for out in self.outputs]
+
+
+def replay(graphs: dict, key: tuple, body: Callable[..., list[torch.Tensor]],
+           values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the step `key` names from `graphs` (a cache's), capturing it first where it is
+    new; captured on CUDA, run eagerly over the same buffers elsewhere."""
+    step = graphs.get(key)
+    if step is None:
+        step = graphs[key] = StaticStep(body, values, values[0].device.type == "cuda")
+    return step(values)
