@@ -3,9 +3,10 @@ that torch.compile already needs, and registered as torch operators (`quickdraft
 eager code, torch.export and AOTInductor packages call them like any other operator.
 
 The library is built once per machine into the user cache, under a key of its source, torch
-and the compiler flags; a later start loads it in milliseconds. Where it cannot be built or
-loaded (no compiler, no AVX2, a failed build) `available()` is False and the callers keep
-PyTorch's own kernels; the reason is logged once and kept in `problem`.
+and the compiler flags (VNNI's where the CPU has it); a later start loads it in
+milliseconds. Where it cannot be built or loaded (no compiler, no AVX2, a failed build)
+`available()` is False and the callers keep PyTorch's own kernels; the reason is logged
+once and kept in `problem`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,27 @@ def _registered() -> bool:
         return False
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def vnni_flags() -> tuple[str, ...]:
+    """Compiler flags for the CPU's VNNI dot product, where it has one (lowbit.cpp then
+    uses it; the library's key includes the flags)."""
+    cpu = _cpu_flags()
+    if "avx_vnni" in cpu:
+        return ("-mavxvnni",)
+    if {"avx512_vnni", "avx512vl"} <= cpu:
+        return ("-mavx512vnni", "-mavx512vl")
+    return ()
+
+
 def _library() -> Path:
     """The built library for this source, torch and machine: from the cache, else built."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -66,7 +88,8 @@ def _library() -> Path:
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++)")
     includes, links = _torch_flags()
-    command = [compiler, *FLAGS, *includes, str(SOURCE), *links]  # libraries after the source
+    command = [compiler, *FLAGS, *vnni_flags(), *includes, str(SOURCE),
+               *links]  # libraries after the source
     key = hashlib.sha256(SOURCE.read_bytes() + repr(command).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / key / "quickdraft_lowbit.so"

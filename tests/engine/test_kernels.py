@@ -145,3 +145,14 @@ def test_the_kernels_build_where_a_compiler_and_avx2_are_there():
     if not shutil.which("g++") and not shutil.which("c++"):
         pytest.skip("no C++ compiler here")
     assert kernels.available(), kernels.problem
+
+
+@pytest.mark.parametrize("cpu, flags", [
+    ({"avx2", "avx_vnni", "avx512_vnni", "avx512vl"}, ("-mavxvnni",)),
+    ({"avx2", "avx512_vnni", "avx512vl"}, ("-mavx512vnni", "-mavx512vl")),
+    ({"avx2", "avx512_vnni"}, ()),  # the 256-bit form needs VL
+    ({"avx2"}, ()),
+])
+def test_the_vnni_dot_product_is_built_in_where_the_cpu_has_one(cpu, flags, monkeypatch):
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: cpu)
+    assert kernels.vnni_flags() == flags
