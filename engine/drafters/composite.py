@@ -147,9 +147,13 @@ class Composite(Drafter):
                  lead: str | None = None, pick: str = "",
                  explain: Callable[[Composite, object], str] | None = None):
         self.name = name
-        self.sources = sources  # source name -> drafter, in the order offers are joined
         self.cost = cost or StepCost()  # what verifying n tokens costs here, in plain steps
         self.lead = sources.get(lead) if lead else None  # the trained source it is judged by
+        if self.lead is not None and not self.lead.pays:
+            # It decodes plainly here (its notice says so): in the mix it would only make
+            # every step keep each layer's states for it.
+            sources = {n: s for n, s in sources.items() if s is not self.lead}
+        self.sources = sources  # source name -> drafter, in the order offers are joined
         self.pick = pick  # what it chose among its sources at load, stored with each reply
         self.explain = explain  # (composite, reply stats or None) -> the readout's line
         self.wants_hidden = any(s.wants_hidden for s in sources.values())

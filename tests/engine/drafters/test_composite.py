@@ -132,6 +132,9 @@ def test_medusa_lookup_without_a_tree_drafts_from_lookup_alone(bundled_tokenizer
     lm = md.small_vocab_model(bundled_tokenizer, "llama-gqa", 64)
     prompt, params = repetitive_prompt(64), SamplingParams(max_new_tokens=40)
     drafter = with_lookup(medusa_of(lm, choices=[]), LookupParams())
+    # priced out here: it leaves the mix (no layer states kept for it), its verdict stays
+    assert list(drafter.sources) == ["lookup"] and not drafter.wants_hidden
+    assert not drafter.pays
     _t, ids, stats = run(lm, prompt, params, drafter)
     assert ids == run(lm, prompt, params)[1]
     kinds = stats.step_kinds
@@ -205,3 +208,4 @@ def test_kangaroo_lookup_sampling_is_lossless_and_catches_a_broken_rule(
     assert d.steps["copy"] > 0 and d.steps["kangaroo"] > 0
     break_pointmass(monkeypatch)
     assert chi_square_pvalue(kg._sampled_joint(lm, prompt, d, 800), exact) < 1e-3
+
