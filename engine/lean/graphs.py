@@ -37,7 +37,9 @@ class StaticStep:
                 body(*self.inputs)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: the app's other threads may use CUDA meanwhile (they would
+            # otherwise break the capture)
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.outputs = body(*self.inputs)
 
     def __call__(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
