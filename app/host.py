@@ -115,7 +115,7 @@ def quant_verdict(lm: LoadedModel) -> str:
 
 STEP_WORDS = {
     "lean-compiled": "compiled (the lean step, built once for this model and machine)",
-    "lean-graphs": "CUDA graphs (the lean step, captured once per reply and step size)",
+    "lean-graphs": "CUDA graphs (the lean step, captured once per step size)",
     "lean-compiling": "eager while the compiled step is being built (first start only)",
     "lean-eager": "the lean step, eager",
     "lean-eager (compiling failed)": "the lean step, eager: compiling it failed here",

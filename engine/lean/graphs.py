@@ -5,8 +5,9 @@ driver), not by their arithmetic; a captured graph launches them all in one call
 A graph records the addresses it reads and writes, so a step's inputs are copied into
 tensors the graph owns, attention runs over the cache's whole capacity (the mask hides the
 slots not in use: shapes never change between steps), and a graph belongs to one cache's
-tensors. Per reply, the first step of each size and layer range captures (one extra step's
-time); later ones replay. A cache that grows drops its graphs (engine/lean/cache.py).
+tensors, which a finished reply hands to the next (LeanTarget.new_cache). The first step of
+each size and layer range on those tensors captures (one extra step's time); later ones,
+in later replies too, replay. A cache that grows drops its graphs (engine/lean/cache.py).
 
 Without CUDA the same static steps run eagerly over the same buffers (capture False):
 how the suite checks the buffers, the full-capacity masks and the invalidation on a CPU.

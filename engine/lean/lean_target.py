@@ -101,7 +101,7 @@ class LeanTarget(Target):
                 on_ready: Callable[[], None] | None = None) -> None:
         """Load or build the compiled layer at every step size (engine/lean/compiled.py),
         exported on this model's first layer and a scratch cache. On CUDA, steps are
-        captured as graphs instead, per reply and size as they first run: nothing to build."""
+        captured as graphs instead, per size as they first run: nothing to build."""
         if self.device.type == "cuda":
             self.graphed = True
             if on_ready is not None:
