@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from transformers import DynamicCache
 
-from engine import kv_cache
+from engine import kv_cache, quant
 from engine import split as layers
 from engine.accelerators import check_format, measured_speedup
 from engine.drafters.base import Draft, Drafter, Offer, Session
@@ -86,7 +86,8 @@ class KangarooDrafter(Drafter):
                  vocab: torch.Tensor | None = None, metrics: dict | None = None):
         layers.check_supported(lm.model)
         settings.check(layers.num_layers(lm.model))
-        vocab_size = lm.model.get_output_embeddings().weight.shape[0]
+        head = lm.model.get_output_embeddings()
+        vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         if vocab is not None and not _fits(vocab, vocab_size):
             raise AcceleratorError("the Kangaroo draft vocabulary does not fit this model's")
         self.lm = lm
@@ -94,7 +95,10 @@ class KangarooDrafter(Drafter):
         # A copy: the caller's adapter (e.g. one being trained in float32) stays as it is.
         self.adapter = copy.deepcopy(adapter).to(lm.device, lm.dtype).eval().requires_grad_(False)
         self.vocab = None if vocab is None else vocab.to(lm.device, torch.long)
-        self.head = draft_head(lm.model, self.vocab).to(lm.dtype)  # (Vd, H)
+        # (Vd, H) LM-head rows the drafts are scored on; None: the model's low-bit head
+        # itself (its dense rows would be a full-precision copy of the whole head).
+        self.head = (None if self.vocab is None and isinstance(head, quant.LowBitLinear)
+                     else draft_head(lm.model, self.vocab).to(lm.dtype))
         self.vocab_size = vocab_size
         self.metrics = metrics or {}
         self.speedup = measured_speedup(self.metrics)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine import quant
 from engine.accelerators import check_format, measured_speedup
 from engine.drafters.base import Draft, Drafter, Offer, Session
 from engine.drafters.payoff import (
@@ -107,15 +108,17 @@ class MedusaHeads(nn.Module):
             init = self.project(vocab_init.detach().float())
             self.vocab = nn.Parameter(init.unsqueeze(0).repeat(k, 1, 1))
 
-    def transform(self, hidden: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+    def transform(self, hidden: torch.Tensor, pending: torch.Tensor | None,
+                  count: int | None = None) -> torch.Tensor:
         """(..., H) final hidden states and (..., H) pending_inputs (None for heads that
-        do not read them) -> (..., K, H) per-head states h + SiLU(W_k h + A_k B e + b_k)."""
-        z = torch.einsum("...i,koi->...ko", hidden, self.weight) + self.bias
+        do not read them) -> (..., K, H) per-head states h + SiLU(W_k h + A_k B e + b_k)
+        (of the first `count` heads only, where given)."""
+        z = torch.einsum("...i,koi->...ko", hidden, self.weight[:count]) + self.bias[:count]
         if self.token_up is not None:
             if pending is None:
                 raise AcceleratorError("these Medusa heads read the pending token's embedding")
             low = pending.to(z.dtype) @ self.token_down.T  # (..., r)
-            z = z + torch.einsum("...r,kor->...ko", low, self.token_up)
+            z = z + torch.einsum("...r,kor->...ko", low, self.token_up[:count])
         return hidden.unsqueeze(-2) + nn.functional.silu(z)
 
     def project(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -123,14 +126,18 @@ class MedusaHeads(nn.Module):
         return lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
 
     def logits(self, hidden: torch.Tensor, pending: torch.Tensor | None,
-               projection: torch.Tensor) -> torch.Tensor:
+               projection: torch.Tensor | None, count: int | None = None,
+               head: nn.Module | None = None) -> torch.Tensor:
         """(..., H) states and pending_inputs -> (..., K, V') logits over the heads'
-        vocabulary, all heads in one batched matmul. projection: (V', H) shared LM-head
-        rows (see project)."""
-        states = self.transform(hidden.to(self.weight.dtype), pending)
+        vocabulary (of the first `count` heads only, where given), the heads in one
+        batched matmul: over projection, (V', H) shared LM-head rows (see project), or
+        through the LM-head module `head` itself."""
+        states = self.transform(hidden.to(self.weight.dtype), pending, count)
+        if head is not None:
+            return head(states)
         if self.vocab is None:
             return states.to(projection.dtype) @ projection.T
-        return torch.einsum("...kh,kvh->...kv", states, self.vocab)
+        return torch.einsum("...kh,kvh->...kv", states, self.vocab[:count])
 
     def tokens(self, columns: torch.Tensor) -> torch.Tensor:
         """Columns of logits() -> token ids."""
@@ -192,8 +199,15 @@ class MedusaDrafter(Drafter):
                 f"{heads.settings.num_heads}"
             )
         self.heads = heads.to(lm.device, lm.dtype).eval().requires_grad_(False)
-        # (V', H) LM-head rows the heads read: a small copy for a draft vocabulary.
-        self._projection = heads.project(lm.model.get_output_embeddings().weight.detach())
+        head = lm.model.get_output_embeddings()
+        # A low-bit LM head scores the heads' states itself where they read all of it: its
+        # dense rows would be a full-precision copy of the head (56 MB on the bundled
+        # model), and its kernel takes the K rows at once.
+        self._head = (head if isinstance(head, quant.LowBitLinear) and heads.vocab is None
+                      and heads.vocab_ids is None else None)
+        # (V', H) LM-head rows the heads read otherwise: a small copy for a draft vocabulary.
+        self._projection = (None if self._head is not None
+                            else heads.project(head.weight.detach()))
         # The input embeddings the pending token is looked up in (the model's own module).
         self._embedding = (lm.model.get_input_embeddings()
                            if heads.settings.pending_rank else None)
@@ -263,7 +277,10 @@ class MedusaDrafter(Drafter):
             return Draft.chain(root, [])
         pending = None if self._embedding is None else pending_inputs(
             self._embedding, torch.tensor(root, device=self._slots[0].device))
-        logits = self.heads.logits(state.hidden, pending, self._projection)  # (K, V')
+        # Only the heads the tree reaches: each head's logits cost a row of the LM head,
+        # a fifth of the bundled model's weights.
+        logits = self.heads.logits(state.hidden, pending, self._projection, t.depth,
+                                   self._head)  # (depth, V')
         if state.room < t.depth:
             return Draft.chain(root, self.heads.tokens(logits[:state.room].argmax(-1)).tolist())
         top = torch.topk(logits, t.top_k, dim=-1).indices  # (K, top_k) columns

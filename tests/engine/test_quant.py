@@ -83,6 +83,18 @@ def test_greedy_with_every_drafter_equals_plain_on_the_same_weights(name, kind, 
             assert divergence is None or divergence.near_tie, (method, key, divergence)
 
 
+def test_drafters_score_with_the_low_bit_head_itself(bundled_tokenizer):
+    """No drafter keeps dense rows of a low-bit LM head (a full-precision copy of it):
+    Medusa's heads and Kangaroo's adapter are scored by the head module, in its bits."""
+    lm = quantized(fm.family_model(FAMILIES[0], bundled_tokenizer), "int4", wide_rows=0)
+    head = lm.model.get_output_embeddings()
+    medusa, kangaroo = fm.make_drafter(lm, "medusa"), fm.make_drafter(lm, "kangaroo")
+    assert medusa._head is head and medusa._projection is None
+    assert kangaroo.head is None
+    states = torch.randn(3, head.in_features)
+    torch.testing.assert_close(kangaroo.guesses(states)[0], head(states).float())
+
+
 def test_tied_embeddings_read_the_heads_codes(bundled_tokenizer):
     """A tied table whose head went to 8 bits is read from the head's codes: the same
     values the head multiplies by, and no bf16 table of its own. A family's own embedding
