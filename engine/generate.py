@@ -76,6 +76,7 @@ def generate(
             stats.elapsed_s = elapsed
             stats.step = lm.target.name
             session.finish(stats)
+            lm.target.release(state.cache)
             text += stream.flush()
             yield StepEvent(text, new, _last(stats), stats.tokens, elapsed, True, stats,
                             stream.emitted, notices)

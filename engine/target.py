@@ -60,6 +60,10 @@ class Target:
                   layers: range | None = None) -> None:
         raise NotImplementedError
 
+    def release(self, cache) -> None:
+        """A reply is done with `cache`: its memory may serve the next reply (nothing to do
+        here)."""
+
     def rollback(self, cache, n: int) -> None:
         raise NotImplementedError
 

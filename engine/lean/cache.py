@@ -26,6 +26,7 @@ class LeanCache:
         self.shape = (kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.limit = limit  # positions the model supports: never allocated beyond
+        self.finalizer = None  # hands the tables back to the target that lends them
         if storage is not None:  # an earlier reply's tensors, and graphs captured over them
             self.keys, self.values, self.graphs = storage
             return

@@ -69,9 +69,15 @@ class LeanTarget(Target):
         spare = self._spare.pop() if self.graphed and self._spare else None
         cache = LeanCache(s.layers, s.kv_heads, s.head_dim, self.cache_dtype, self.device,
                           s.context, storage=spare)
-        if self.graphed:  # its tensors come back here once the reply lets go of it
-            weakref.finalize(cache, self._spare.append, cache.storage)
+        if self.graphed:  # its tensors come back here once released, or collected
+            cache.finalizer = weakref.finalize(cache, self._spare.append, cache.storage)
         return cache
+
+    def release(self, cache) -> None:
+        """Hand the cache's tables and graphs to the next reply now (once), rather than
+        whenever the garbage collector finds the reply's objects."""
+        if cache.finalizer is not None:
+            cache.finalizer()
 
     def forward(self, cache, tokens, start, depths=None, tree_mask=None, states=False,
                 last_only=False) -> Forward:

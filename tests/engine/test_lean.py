@@ -218,13 +218,15 @@ def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeyp
         else:
             lm.target.graphed = True
         captured.clear()
-        _text, got, stats = run(lm, ids, params, make_drafter(lm, method))
+        drafter = make_drafter(lm, method)
+        _text, got, stats = run(lm, ids, params, drafter)
         assert got == want and stats.step == "lean-graphs", method
         assert captured and all(c == (DEVICE.type == "cuda") for c in captured)
         assert sum(stats.drafted) > 0
-        # the next reply takes over the finished one's cache and the graphs captured on it
+        # the next reply (the same drafter: the same steps) takes over the finished one's
+        # cache and the graphs captured on it
         captured.clear()
-        assert run(lm, ids, params, make_drafter(lm, method))[1] == want
+        assert run(lm, ids, params, drafter)[1] == want
         assert not captured
 
 
