@@ -212,7 +212,8 @@ def lowbit_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
             return torch.ops.quickdraft.q8_linear(x, packed, scales)
         if x.device.type == "cpu" and packed.shape[1] % 16:
             # PyTorch's CPU kernel crashes (segfault) on such widths for 2 rows or more on
-            # CPUs with AMX (torch 2.13): the same product, dequantized.
+            # some CPUs (a Xeon with AVX-512 and AMX, torch 2.13): the same product,
+            # dequantized.
             return ((x.float() @ packed.float().T) * scales.float()).to(x.dtype)
         return torch._weight_int8pack_mm(x, packed, scales)
     if scales.dtype == torch.float16:
