@@ -22,7 +22,9 @@ import torch
 
 class StaticStep:
     """One step's body over tensors it owns: `values` are copied in before each run and
-    the outputs handed back as fresh tensors (the graph's own are overwritten next time)."""
+    the outputs (same-shaped states) handed back as fresh tensors (the graph's own are
+    overwritten next time), stacked inside the step so that one copy brings them all out:
+    a step that keeps every layer's states would otherwise launch a copy per layer."""
 
     def __init__(self, body: Callable[..., list[torch.Tensor]],
                  values: list[torch.Tensor], capture: bool):
@@ -41,15 +43,15 @@ class StaticStep:
             # thread_local: the app's other threads may use CUDA meanwhile (they would
             # otherwise break the capture)
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.outputs = body(*self.inputs)
+                self.output = torch.stack(body(*self.inputs))
 
     def __call__(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         for static, value in zip(self.inputs, values, strict=True):
             static.copy_(value)
         if self.graph is None:
-            return [out.clone() for out in self.body(*self.inputs)]
+            return list(torch.stack(self.body(*self.inputs)).unbind(0))
         self.graph.replay()
-        return [out.clone() for out in self.outputs]
+        return list(self.output.clone().unbind(0))
 
 
 def replay(graphs: dict, key: tuple, body: Callable[..., list[torch.Tensor]],

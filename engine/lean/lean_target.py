@@ -70,8 +70,12 @@ class LeanTarget(Target):
         cache = LeanCache(s.layers, s.kv_heads, s.head_dim, self.cache_dtype, self.device,
                           s.context, storage=spare)
         if self.graphed:  # its tensors come back here once released, or collected
-            cache.finalizer = weakref.finalize(cache, self._spare.append, cache.storage)
+            cache.finalizer = weakref.finalize(cache, self._take_back, cache.storage)
         return cache
+
+    def _take_back(self, storage: tuple) -> None:
+        if self.graphed:  # eager steps (capturing failed) take fresh caches
+            self._spare.append(storage)
 
     def release(self, cache) -> None:
         """Hand the cache's tables and graphs to the next reply now (once), rather than
@@ -212,6 +216,7 @@ class LeanTarget(Target):
             first = str(exc).splitlines()[0] if str(exc) else ""
             self.graphed, self.graphs_failed = False, f"{type(exc).__name__}: {first}"[:300]
             cache.graphs.clear()
+            self._spare.clear()
             log.warning("capturing the decode step failed, decoding eagerly: %s",
                         self.graphs_failed)
             return None
