@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from torch._inductor import codecache
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import kernels, quant
@@ -116,14 +117,20 @@ def small_sizes(monkeypatch, tmp_path):
 
 @cpu_packages
 def test_the_compiled_step_equals_the_eager_one_and_is_kept(bundled_tokenizer, small_sizes,
-                                                            monkeypatch):
+                                                            monkeypatch, tmp_path):
     lm = family_lm("llama", bundled_tokenizer)
     eager = family_lm("llama", bundled_tokenizer, step="eager")
     ids = prompt(9, seed=7) * 3  # repeats: lookup drafts, steps of 2..4 tokens are padded
     params = SamplingParams(max_new_tokens=30)
     want = run(eager, ids, params, LookupDrafter())[1]
+    # inductor's precompiled headers would go to a global folder under /tmp, not the cache
+    headers = tmp_path / "precompiled_headers"
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(headers))
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(headers / "locks"))
+    codecache._precompile_header.cache_clear()
     lm.target.compile(background=False)
     assert lm.target.name == "lean-compiled", lm.target.steps.failed
+    assert not headers.exists()
     _text, got, stats = run(lm, ids, params, LookupDrafter())
     assert got == want and stats.step == "lean-compiled"
     assert sum(stats.drafted) > 0
