@@ -75,9 +75,43 @@ def test_a_row_gives_the_same_bits_in_a_step_of_any_size():
     four = quant.LowBitLinear(quant.Codes.of(torch.randn(200, 576, generator=g), "int4"), None,
                               torch.device("cpu"))
     whole4 = four(x)
-    for i in range(13):
-        assert torch.equal(whole[i], torch.ops.quickdraft.q8_linear(x[i:i + 1], codes, scale)[0])
-        assert torch.equal(whole4[i], four(x[i:i + 1])[0])
+    for size in (1, 2, 3, 5):  # steps of one and two rows take another path through the kernel
+        for i in range(0, 13 - size + 1, size):
+            part = x[i:i + size]
+            assert torch.equal(whole[i:i + size],
+                               torch.ops.quickdraft.q8_linear(part, codes, scale))
+            assert torch.equal(whole4[i:i + size], four(part))
+
+
+NO_VNNI = '''
+import sys, torch
+from engine import kernels, quant
+kernels._cpu_flags = lambda: {"avx2"}
+assert kernels.vnni_flags() == () and kernels.available(), kernels.problem
+x, codes, scale, weight = torch.load(sys.argv[1])
+four = quant.LowBitLinear(quant.Codes.of(weight, "int4"), None, torch.device("cpu"))
+torch.save((torch.ops.quickdraft.q8_linear(x, codes, scale), four(x)), sys.argv[1])
+'''
+
+
+@built
+def test_the_kernels_without_vnni_give_the_same_bits(tmp_path):
+    """A CPU without VNNI takes other instructions to the same integers (a machine's
+    answers must not depend on which of the two it has)."""
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 576, generator=g).to(torch.bfloat16)
+    codes = torch.randint(-127, 128, (45, 576), dtype=torch.int8, generator=g)
+    scale, weight = torch.rand(45, generator=g), torch.randn(45, 576, generator=g)
+    path = tmp_path / "tensors.pt"
+    torch.save((x, codes, scale, weight), path)
+    subprocess.run([sys.executable, "-c", NO_VNNI, str(path)], check=True, timeout=600)
+    want8, want4 = torch.load(path)
+    four = quant.LowBitLinear(quant.Codes.of(weight, "int4"), None, torch.device("cpu"))
+    assert torch.equal(torch.ops.quickdraft.q8_linear(x, codes, scale), want8)
+    assert torch.equal(four(x), want4)
 
 
 @built
