@@ -20,7 +20,7 @@ from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
 from engine.errors import PromptError
 from engine.loading import LoadedModel
-from engine.sampling import logits_to_probs, make_generator, next_token
+from engine.sampling import greedy_ids, logits_to_probs, make_generator, next_token
 from engine.stats import GenerationStats
 from engine.textstream import TextStream
 
@@ -136,11 +136,11 @@ def accept(
     mode = params.acceptance_mode
     if draft.size == 1:  # nothing drafted: the model's own choice
         return [], next_token(logits[0], params, generator)
+    if mode == "greedy":
+        return verify.accept_greedy(draft.children, draft.tokens, greedy_ids(logits).tolist())
     # float32 (no copy when it already is): the rules reduce over the vocabulary per node,
     # which CPUs do several times slower in bf16.
     logits = logits.float()
-    if mode == "greedy":
-        return verify.accept_greedy(draft.children, draft.tokens, logits.argmax(-1).tolist())
     probs = logits_to_probs(logits, params)
     if mode == "typical":
         return verify.accept_typical(

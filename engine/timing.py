@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling import greedy_ids
+
 SIZES = (1, 2, 4, 8, 16, 32)  # tokens per timed step (the pending token included)
 ROUNDS = 3  # rounds of every size in turn, after a warm-up one; the median of each is kept
 
@@ -66,7 +68,7 @@ class StepTimer:
         # work and the host sync of a verification step whose drafts were all rejected.
         tail = self.ids[-1:] * tokens
         out = self.lm.target.forward(self.cache, tail, self.position)
-        out.logits.argmax(-1).tolist()  # a step reads its tokens back to the host
+        greedy_ids(out.logits).tolist()  # a step reads its tokens back to the host
         self.lm.target.rollback(self.cache, tokens)
 
 

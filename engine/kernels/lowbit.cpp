@@ -9,8 +9,9 @@
 // CPUs without AVX-512.
 //
 // Outputs are computed kCols at a time, one per 32-bit lane: a block's 4-byte groups of
-// kCols weight rows are transposed into one register each (once per block, for every
-// activation row), and each activation row's group is broadcast against it. A block then
+// kCols weight rows sit side by side in one register each (4-bit weights are stored in
+// that order; int8 ones, whose rows the token table also reads, are transposed once per
+// block for every activation row), and each activation row's group is broadcast against it. A block then
 // costs an activation row one dot product per 4-byte group and one scaling for all kCols
 // outputs, with no horizontal sums: per output, that per-row work is a quarter of a
 // kernel that takes weight rows one at a time, and it is what bounds steps of several
@@ -140,31 +141,6 @@ inline void words8x4(const uint8_t* const* rows, int64_t offset, __m256i out[4])
   out[3] = _mm256_unpackhi_epi64(u1, u3);
 }
 
-// out[b * 8 + c] = the half-precision value rows[c][b] as a float, b < nb.
-void halves8(const uint16_t* const* rows, int64_t nb, float* out) {
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {  // an 8x8 transposition of 16-bit values
-    __m128i r[8], a[8], w[8];
-    for (int c = 0; c < 8; ++c) r[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c] + b));
-    for (int c = 0; c < 8; c += 2) {
-      a[c] = _mm_unpacklo_epi16(r[c], r[c + 1]);
-      a[c + 1] = _mm_unpackhi_epi16(r[c], r[c + 1]);
-    }
-    for (int c = 0; c < 8; c += 4)
-      for (int h = 0; h < 2; ++h) {
-        w[c + 2 * h] = _mm_unpacklo_epi32(a[c + h], a[c + h + 2]);
-        w[c + 2 * h + 1] = _mm_unpackhi_epi32(a[c + h], a[c + h + 2]);
-      }
-    for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(out + (b + 2 * i) * 8, _mm256_cvtph_ps(_mm_unpacklo_epi64(w[i], w[i + 4])));
-      _mm256_storeu_ps(out + (b + 2 * i + 1) * 8,
-                       _mm256_cvtph_ps(_mm_unpackhi_epi64(w[i], w[i + 4])));
-    }
-  }
-  for (; b < nb; ++b)
-    for (int c = 0; c < 8; ++c) out[b * 8 + c] = _cvtsh_ss(rows[c][b]);
-}
-
 // Under this many rows a block's dot products are split into two dependency chains (a
 // chain of 8 waits on each product's latency; more rows interleave their own chains).
 constexpr int kChains = 3;
@@ -257,12 +233,15 @@ void int8_tile_few(const int8_t* const* w, const Quantized& a, int64_t r0, int64
   }
 }
 
-// The same for kCols 4-bit weight rows: codes (k / 2 bytes; byte i of a block holds element
-// i in its low nibble and i + 16 in its high one); scales and lows of each block for the
-// kCols rows (scales[b * 8 + c]); the lows' term is low * d * (the block's sum of a).
+// The same for a group of kCols 4-bit weight rows in the kernel's order (engine/quant.py
+// `_own_int4`): per block, its 4-byte words of the kCols rows side by side (word g of row
+// c at codes[b * 128 + 32 * g + 4 * c]; byte i of a row's block holds element i in its low
+// nibble and i + 16 in its high one), and the block's kCols scales then kCols lows as
+// halves (scales[b * 16 + c], scales[b * 16 + 8 + c]); the lows' term is
+// low * d * (the block's sum of a). Nothing to transpose: the rows were laid out so.
 template <int R>
-void int4_tile(const uint8_t* const* codes, const float* scales, const float* lows,
-               const Quantized& a, int64_t r0, int64_t k, __m256 acc[R]) {
+void int4_tile(const uint8_t* codes, const uint16_t* scales, const Quantized& a, int64_t r0,
+               int64_t k, __m256 acc[R]) {
   const int64_t nb = k / kBlock;
   const int8_t* q = a.q.data() + r0 * k;
   const float* d = a.d.data() + r0 * nb;
@@ -270,25 +249,28 @@ void int4_tile(const uint8_t* const* codes, const float* scales, const float* lo
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_next(codes[0], k / 2, b, 16);
-    __m256i words[4];
-    words8x4(codes, b * 16, words);
+    prefetch_next(codes, k / 2, b, 16);
+    if ((b & 1) == 0) prefetch_next(scales, 2 * nb * 2, b, 2 * 2);  // 32 bytes a block
+    const uint8_t* block = codes + b * kCols * 16;
     __m256i sum[R], second[R];
     for (int r = 0; r < R; ++r) sum[r] = second[r] = _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {
-      const __m256i low = _mm256_and_si256(words[g], nibble);  // elements 4g..4g+3
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(words[g], 4), nibble);  // +16
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * g));
+      const __m256i low = _mm256_and_si256(words, nibble);  // elements 4g..4g+3
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble);  // +16
       for (int r = 0; r < R; ++r) {
-        const int8_t* block = q + r * k + b * kBlock;
-        sum[r] = dpbusd(sum[r], low, broadcast4(block + 4 * g));
-        if (R < kChains) second[r] = dpbusd(second[r], high, broadcast4(block + 16 + 4 * g));
-        else sum[r] = dpbusd(sum[r], high, broadcast4(block + 16 + 4 * g));
+        const int8_t* row = q + r * k + b * kBlock;
+        sum[r] = dpbusd(sum[r], low, broadcast4(row + 4 * g));
+        if (R < kChains) second[r] = dpbusd(second[r], high, broadcast4(row + 16 + 4 * g));
+        else sum[r] = dpbusd(sum[r], high, broadcast4(row + 16 + 4 * g));
       }
     }
     if (R < kChains)
       for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], second[r]);
-    const __m256 scale = _mm256_loadu_ps(scales + b * kCols);
-    const __m256 low = _mm256_loadu_ps(lows + b * kCols);
+    const __m256 scale = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 2 * kCols)));
+    const __m256 low = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 2 * kCols + kCols)));
     for (int r = 0; r < R; ++r) {
       const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(d[r * nb + b]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), sd, acc[r]);
@@ -369,33 +351,25 @@ struct Int8Group {
   __m256 finish(__m256 acc) const { return _mm256_mul_ps(acc, _mm256_load_ps(scale)); }
 };
 
+// A group of kCols 4-bit weight rows (N is a multiple of kCols: engine/quant.py keeps
+// other shapes on PyTorch's kernel).
 struct Int4Group {
   const uint8_t* w;
   const uint16_t* s;
   int64_t k, nb;
-  std::vector<uint8_t> zeros;
-  std::vector<float> scales, lows;
-  const uint8_t* rows[kCols];
+  const uint8_t* codes = nullptr;
+  const uint16_t* scales = nullptr;
 
-  void start(int64_t j0, int64_t cols) {
-    const uint16_t* scale_rows[kCols];
-    const uint16_t* low_rows[kCols];
-    const uint16_t* none = reinterpret_cast<const uint16_t*>(zeros.data());
-    for (int64_t c = 0; c < kCols; ++c) {
-      const bool real = c < cols;
-      rows[c] = real ? w + (j0 + c) * (k / 2) : zeros.data();
-      scale_rows[c] = real ? s + (j0 + c) * 2 * nb : none;
-      low_rows[c] = real ? s + (j0 + c) * 2 * nb + nb : none;
-    }
-    halves8(scale_rows, nb, scales.data());
-    halves8(low_rows, nb, lows.data());
+  void start(int64_t j0, int64_t) {
+    codes = w + j0 * (k / 2);
+    scales = s + j0 * 2 * nb;
   }
   void run(const Quantized& a, int64_t r0, int64_t count, __m256* acc) {
     switch (count) {
-      case 1: int4_tile<1>(rows, scales.data(), lows.data(), a, r0, k, acc); break;
-      case 2: int4_tile<2>(rows, scales.data(), lows.data(), a, r0, k, acc); break;
-      case 3: int4_tile<3>(rows, scales.data(), lows.data(), a, r0, k, acc); break;
-      case 4: int4_tile<4>(rows, scales.data(), lows.data(), a, r0, k, acc); break;
+      case 1: int4_tile<1>(codes, scales, a, r0, k, acc); break;
+      case 2: int4_tile<2>(codes, scales, a, r0, k, acc); break;
+      case 3: int4_tile<3>(codes, scales, a, r0, k, acc); break;
+      case 4: int4_tile<4>(codes, scales, a, r0, k, acc); break;
     }
   }
   __m256 finish(__m256 acc) const { return acc; }
@@ -426,14 +400,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   scales.dim() == 3 && scales.size(0) == n && scales.size(1) == 2 &&
                   scales.size(2) == nb,
               "q4_linear: uint8 codes (N, K/2) and float16 scales (N, 2, K/32)");
+  TORCH_CHECK(n % kCols == 0, "q4_linear: N must be a multiple of 8");
   const at::Tensor wc = codes.contiguous(), sc = scales.contiguous();
   const uint8_t* w = wc.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
-  return each_group("q4_linear", x, n, [&] {
-    // zeros: a whole row of codes or of half-precision scales for outputs past N
-    return Int4Group{w, s, k, nb, std::vector<uint8_t>(std::max(k / 2, 2 * nb)),
-                     std::vector<float>(nb * kCols), std::vector<float>(nb * kCols)};
-  });
+  return each_group("q4_linear", x, n, [&] { return Int4Group{w, s, k, nb}; });
 }
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&) {
