@@ -51,6 +51,11 @@ class Target:
     def check_draftable(self, cache) -> None:
         """Raise AcceleratorError when drafted tokens could not be dropped from `cache`."""
 
+    def padded_sizes(self) -> tuple[int, ...]:
+        """The step sizes a step of fewer tokens runs at, padded (empty: none; every step
+        runs at its own size)."""
+        return ()
+
     def forward(self, cache, tokens: Sequence[int], start: int,
                 depths: Sequence[int] | None = None, tree_mask: torch.Tensor | None = None,
                 states: bool = False, last_only: bool = False) -> Forward:

@@ -19,6 +19,7 @@ from engine.sampling import greedy_ids
 
 SIZES = (1, 2, 4, 8, 16, 32)  # tokens per timed step (the pending token included)
 ROUNDS = 3  # rounds of every size in turn, after a warm-up one; the median of each is kept
+ALTERNATE = 4  # steps of up to this many tokens are timed in turn (see step_seconds)
 
 
 def sync(device: torch.device | None = None) -> None:
@@ -74,16 +75,24 @@ class StepTimer:
 
 def step_seconds(lm, sizes: tuple[int, ...] = SIZES, rounds: int = ROUNDS) -> dict[int, float]:
     """{n: median seconds of a step verifying n tokens} on `lm`, after a prompt of up to 192
-    made-up tokens; sizes alternate round by round so load on the machine hits all. Sizes
+    made-up tokens. Steps of up to ALTERNATE tokens alternate round by round, so load on
+    the machine hits all; larger ones are timed after them, smallest first: a large step
+    leaves a CPU slower for the next few steps (measured on a 2-core Xeon: a plain step
+    4.5 ms among small ones, 7.7 just after a 32-token step and 6.8 two steps later), which
+    would make plain steps look dearer, and drafts cheaper, than decoding finds them. Sizes
     past the model's window are left out."""
     fit = tuple(n for n in sizes if n < lm.context_len // 2) or sizes[:1]
     timer = StepTimer(lm, room=max(fit))
-    for n in fit:
+    for n in sorted(fit, reverse=True):
         timer.once(n)  # warm every size (a compiled step loads its kernels on first use)
     times: dict[int, list[float]] = {n: [] for n in fit}
+    small = [n for n in fit if n <= ALTERNATE]
     for _ in range(rounds):
-        for n in fit:
+        for n in small:
             times[n].append(timer.once(n))
+    for n in sorted(set(fit) - set(small)):
+        timer.once(n)
+        times[n] = [timer.once(n) for _ in range(rounds)]
     return {n: statistics.median(t) for n, t in times.items()}
 
 
@@ -97,6 +106,9 @@ class StepCost:
 
     points: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.3))  # a bf16 CPU's
     plain_s: float = 0.0  # seconds of one plain step where measured (0: assumed)
+    # sizes a step runs at, padded (a compiled step: 3 tokens cost what 4 do, 5 what 8 do;
+    # interpolating between them would price 5-7-token drafts at a third less than they cost)
+    pads: tuple[int, ...] = ()
 
     @classmethod
     def linear(cls, per_token: float) -> StepCost:
@@ -104,15 +116,16 @@ class StepCost:
         return cls(((1, 1.0), (2, 1.0 + per_token)))
 
     @classmethod
-    def measured(cls, step_s: dict[int, float]) -> StepCost:
+    def measured(cls, step_s: dict[int, float], pads: tuple[int, ...] = ()) -> StepCost:
         """From step_seconds' figures: each size as a multiple of the one-token step."""
         plain, points, top = step_s[min(step_s)], [], 1.0
         for n, s in sorted(step_s.items()):  # more tokens never cost less: timing noise
             top = max(top, s / plain)
             points.append((n, top))
-        return cls(tuple(points), plain)
+        return cls(tuple(points), plain, pads)
 
     def __call__(self, tokens: int) -> float:
+        tokens = next((p for p in sorted(self.pads) if p >= tokens), tokens)
         points = self.points if self.points[0][0] == 1 else ((1, 1.0), *self.points)
         for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
             if tokens <= n1 or (n1, c1) == points[-1]:
@@ -125,7 +138,7 @@ def step_cost(lm) -> StepCost:
     loaded model per target step (a compiled step that becomes ready is timed afresh)."""
     key = lm.target.name
     if key not in lm.step_costs:
-        lm.step_costs[key] = StepCost.measured(step_seconds(lm))
+        lm.step_costs[key] = StepCost.measured(step_seconds(lm), lm.target.padded_sizes())
     return lm.step_costs[key]
 
 

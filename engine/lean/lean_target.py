@@ -64,6 +64,9 @@ class LeanTarget(Target):
             return "lean-graphs"
         return "lean-eager (graphs failed)" if self.graphs_failed else self.steps.state()
 
+    def padded_sizes(self) -> tuple[int, ...]:
+        return compiling.SIZES if self.graphed or self.steps.ready else ()
+
     def new_cache(self) -> LeanCache:
         s = self.spec
         spare = self._spare.pop() if self.graphed and self._spare else None
