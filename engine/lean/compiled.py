@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -162,6 +163,11 @@ class Steps:
     def _build(self, kind: Kind, args: tuple, path: Path) -> None:
         """Export the layer over `args` (window and capacity symbolic) and compile it."""
         from torch.export import Dim
+
+        # Inductor's own files (generated code, objects) in the user cache beside the
+        # packages, not a global folder under /tmp: set before exporting, whose first use of
+        # inductor's folder would fix it there (a folder the user set is kept)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
         layer = self.layer
 

@@ -128,9 +128,10 @@ def test_the_compiled_step_equals_the_eager_one_and_is_kept(bundled_tokenizer, s
     monkeypatch.setattr(codecache, "_HEADER_DIR", str(headers))
     monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(headers / "locks"))
     codecache._precompile_header.cache_clear()
-    lm.target.compile(background=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # as in the app: inductor's files go
+    lm.target.compile(background=False)  # to the cache folder, beside the packages
     assert lm.target.name == "lean-compiled", lm.target.steps.failed
-    assert not headers.exists()
+    assert not headers.exists() and list((small_sizes / "inductor").rglob("*.so"))
     _text, got, stats = run(lm, ids, params, LookupDrafter())
     assert got == want and stats.step == "lean-compiled"
     assert sum(stats.drafted) > 0
