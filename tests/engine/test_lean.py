@@ -207,7 +207,7 @@ def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeyp
     eagerly), attending over the cache's whole capacity: Medusa's trees with the states
     they read, Kangaroo's split layers and lookup's chains decode the eager step's tokens,
     also once the cache grows past its first allocation (its graphs are dropped)."""
-    captured, made, reused = [], [], []
+    captured, calls = [], []  # calls: (a cache's table of steps, key, already there)
     real, real_replay = graphs.StaticStep.__init__, graphs.replay
 
     def spy(self, body, values, capture):
@@ -215,7 +215,7 @@ def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeyp
         real(self, body, values, capture)
 
     def replay(table, key, body, values):
-        (reused if key in table else made).append(key)
+        calls.append((table, key, key in table))
         return real_replay(table, key, body, values)
 
     monkeypatch.setattr(graphs.StaticStep, "__init__", spy)
@@ -231,20 +231,22 @@ def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeyp
         else:
             lm.target.graphed = True
         captured.clear()
-        made.clear()
+        calls.clear()
         drafter = make_drafter(lm, method)
         _text, got, stats = run(lm, ids, params, drafter)
         assert got == want and stats.step == "lean-graphs", method
         assert captured and all(c == (DEVICE.type == "cuda") for c in captured)
         assert sum(stats.drafted) > 0
-        # the next reply takes over the finished one's cache and the graphs captured on it:
-        # no step the first reply captured is captured again (the drafter may choose other
-        # sizes this time, as its measured payoff says: those are new)
-        first = set(made)
-        made.clear()
-        reused.clear()
+        # the next reply takes over the finished one's cache and the steps captured on it
+        # (those on its tables at the end: the cache grew once, dropping the earlier ones):
+        # none is captured again (the drafter may choose other sizes this time, as its
+        # measured payoff says: those are new)
+        last = calls[-1][0]
+        first = {key for table, key, _ in calls if table is last}
+        calls.clear()
         assert run(lm, ids, params, drafter)[1] == want
-        assert not first & set(made) and first & set(reused)
+        assert not first & {key for _, key, there in calls if not there}
+        assert first & {key for _, key, there in calls if there}
 
 
 def test_a_step_that_cannot_be_captured_decodes_eagerly(bundled_tokenizer, monkeypatch,
