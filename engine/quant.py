@@ -26,13 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import kernels
+from engine import int4_layout, kernels
 from engine.errors import ModelLoadError
 from engine.quant_wide import measured_wide_rows
 
 LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
-GROUP_SIZE = 32  # int4: input features sharing one scale and zero point (as Q4_1)
-ROWS_TOGETHER = 8  # Quickdraft's int4 kernel computes this many outputs at once (lowbit.cpp)
+GROUP_SIZE = int4_layout.BLOCK  # int4: inputs sharing one scale and zero point (as Q4_1)
 CUDA_INNER_K_TILES = (8, 4, 2)  # tinygemm's packings, fastest first: K % (16 * tiles) == 0
 # The LM head's kind per choice: 8-bit under int4, as llama.cpp's Q4 files keep their
 # token table in Q8_0/Q6_K (the head is where 4 bits cost the most perplexity).
@@ -104,38 +103,6 @@ def _inner_tiles(k: int) -> int:
     return next((t for t in CUDA_INNER_K_TILES if k % (16 * t) == 0), 0)
 
 
-def _own_int4(codes: Codes) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quickdraft's int4 kernel's layout (CPU), llama.cpp's Q4_1 blocks (a byte of a block
-    holds value i in its low nibble and i + 16 in its high one; float16 scale and low per
-    block: 0.625 bytes per weight in all) in the order the kernel reads them: per group of
-    ROWS_TOGETHER rows, block by block, each block's 4-byte words of the rows side by side
-    (word g of row c at [group, block, g, c]), then the group's scales and lows per block
-    (scale of row c at [group, block, 0, c], low at [group, block, 1, c]). Shapes stay
-    (N, K/2) bytes and (N, 2, K/group) halves, so layers stack and slice by whole groups."""
-    n, k = codes.shape
-    blocks = k // GROUP_SIZE
-    values = codes.values.reshape(n, blocks, GROUP_SIZE).to(torch.uint8)
-    half = GROUP_SIZE // 2
-    packed = (values[..., :half] | values[..., half:] << 4)  # (N, blocks, 16)
-    packed = packed.reshape(n // ROWS_TOGETHER, ROWS_TOGETHER, blocks, 4, 4)
-    packed = packed.permute(0, 2, 3, 1, 4).reshape(n, k // 2).contiguous()
-    scales = torch.stack([codes.scale.half(), codes.low.half()], 1)  # (N, 2, blocks)
-    scales = scales.reshape(n // ROWS_TOGETHER, ROWS_TOGETHER, 2, blocks)
-    return packed, scales.permute(0, 3, 2, 1).reshape(n, 2, blocks).contiguous()
-
-
-def _own_int4_dense(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(N, K) float32 weights from `_own_int4`'s layout."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    blocks = k // GROUP_SIZE
-    words = packed.reshape(n // ROWS_TOGETHER, blocks, 4, ROWS_TOGETHER, 4)
-    pairs = words.permute(0, 3, 1, 2, 4).reshape(n, blocks, GROUP_SIZE // 2)
-    values = torch.cat([pairs & 15, pairs >> 4], -1).float()
-    grouped = scales.reshape(n // ROWS_TOGETHER, blocks, 2, ROWS_TOGETHER)
-    scale, low = grouped.permute(0, 3, 2, 1).reshape(n, 2, blocks).float().unbind(1)
-    return (values * scale[..., None] + low[..., None]).reshape(n, k)
-
-
 def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # tinygemm wants two codes per byte, high nibble first
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
@@ -160,8 +127,8 @@ class LowBitLinear(nn.Module):
         # float32 (int8) and float16 (int4) scales select Quickdraft's kernels (`lowbit_mm`)
         ours = (device.type == "cpu" and self.in_features % GROUP_SIZE == 0
                 and kernels.available())
-        if codes.kind == "int4" and ours and self.out_features % ROWS_TOGETHER == 0:
-            packed, scales = _own_int4(codes)
+        if codes.kind == "int4" and ours and self.out_features % int4_layout.ROWS == 0:
+            packed, scales = int4_layout.pack(codes.values, codes.scale, codes.low)
             self.register_buffer("packed", packed)
             self.register_buffer("scales", scales)
         elif codes.kind == "int4":
@@ -191,7 +158,7 @@ class LowBitLinear(nn.Module):
         if self.kind == "int8w":
             return (self.packed.float() * self.scales.float()[:, None]).to(torch.bfloat16)
         if self.scales.dtype == torch.float16:  # Quickdraft's int4 layout
-            return _own_int4_dense(self.packed, self.scales).to(torch.bfloat16)
+            return int4_layout.dense(self.packed, self.scales).to(torch.bfloat16)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
         return self.low_bit(eye).t().contiguous()  # (K, N) rows of W^T, exactly the kernel's
 
@@ -298,7 +265,7 @@ def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:
         return True
     if device.type == "cuda":
         return _inner_tiles(k) > 0 and n % 8 == 0 and k % GROUP_SIZE == 0
-    rows = ROWS_TOGETHER if kernels.available() else 16  # PyTorch's CPU packing: N % 16
+    rows = int4_layout.ROWS if kernels.available() else 16  # PyTorch's CPU packing: N % 16
     return k % GROUP_SIZE == 0 and n % rows == 0
 
 
