@@ -177,8 +177,8 @@ void int8_tile(const int8_t* const* w, const Quantized& a, int64_t r0, int64_t k
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     prefetch_next(w[0], k, b, kBlock);
-    __m256i sum[R], second[R];
-    for (int r = 0; r < R; ++r) sum[r] = second[r] = _mm256_setzero_si256();
+    __m256i sum[R];  // 3 or 4 rows (fewer take int8_tile_few): their chains interleave
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
     for (int half = 0; half < 2; ++half) {  // 4-byte groups 0..3, then 4..7
       __m256i words[4];
       words8x4(reinterpret_cast<const uint8_t* const*>(w), b * kBlock + 16 * half, words);
@@ -186,13 +186,12 @@ void int8_tile(const int8_t* const* w, const Quantized& a, int64_t r0, int64_t k
         const __m256i u = unsigned_weights(words[g]);
         for (int r = 0; r < R; ++r) {
           const __m256i av = broadcast4(q + r * k + b * kBlock + 16 * half + 4 * g);
-          if (R < kChains && (g & 1)) second[r] = times(second[r], u, words[g], av);
-          else sum[r] = times(sum[r], u, words[g], av);
+          sum[r] = times(sum[r], u, words[g], av);
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      acc[r] = add_block(_mm256_add_epi32(sum[r], second[r]), a, (r0 + r) * nb + b, acc[r]);
+      acc[r] = add_block(sum[r], a, (r0 + r) * nb + b, acc[r]);
   }
 }
 
