@@ -14,6 +14,7 @@ ACCEPTANCE_CHOICES = ("auto", "greedy", "lossless", "typical")
 # auto: the lean step where the family is covered (compiled once the app starts compiling),
 # else transformers; eager: the lean step, never compiled; transformers: the model's own
 STEP_CHOICES = ("auto", "eager", "transformers")
+MAX_TOP_LOGPROBS = 20  # alternatives a reply may report per token (OpenAI's cap)
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,25 @@ class SamplingParams:
     acceptance: str = "auto"  # drafters only: see ACCEPTANCE_CHOICES and engine.verify
     typical_eps: float = 0.09  # typical acceptance: hard probability floor (Medusa paper)
     typical_delta: float = 0.3  # typical acceptance: entropy-scaled floor (Medusa paper)
+    # OpenAI's penalties, over the reply's own tokens: a token's logit loses presence_penalty
+    # once it occurs and frequency_penalty per occurrence (each in [-2, 2])
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    logprobs: int | None = None  # None: none reported; k: each token's and the k likeliest
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise QuickdraftError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise QuickdraftError("top-p must be in (0, 1]")
+        if not 0 <= self.top_p <= 1:
+            raise QuickdraftError("top-p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise QuickdraftError(f"{name.replace('_', ' ')} must be in [-2, 2]")
+        if any(not -100 <= b <= 100 for _t, b in self.logit_bias):
+            raise QuickdraftError("a logit bias must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise QuickdraftError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_k < 0:
             raise QuickdraftError("top-k must be >= 0")
         if self.max_new_tokens < 1:
@@ -86,6 +100,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a bias or a penalty changes the model's logits before the choice."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     @property
     def acceptance_mode(self) -> str:
