@@ -88,7 +88,8 @@ class Matcher:
 
     def __init__(self, lm, grammar: Grammar):
         llg = _llg()
-        self._m = llg.LLMatcher(tokenizer_of(lm), grammar.text, log_level=0)
+        self._tok = tokenizer_of(lm)
+        self._m = llg.LLMatcher(self._tok, grammar.text, log_level=0)
         if self._m.is_error():
             raise GrammarError(f"{grammar.label} cannot be used: {self._m.get_error()}")
         self.vocab = vocab_width(lm)
@@ -107,16 +108,30 @@ class Matcher:
         return self._m.consume_token(token)
 
     def advance(self, tokens: list[int]) -> None:
-        """Take the reply's new tokens (each allowed by construction)."""
-        if not self._m.consume_tokens(tokens):
-            raise GrammarError(f"the grammar refused the reply: {self._m.get_error()}")
+        """Take the reply's new tokens (each allowed by construction; once the grammar is
+        complete only the end of the reply follows, which it does not consume)."""
+        for token in tokens:
+            if self._m.is_stopped():
+                return
+            if not self._m.consume_token(token):
+                raise GrammarError(f"the grammar refused the reply: {self._m.get_error()}")
 
     def rollback(self, n: int) -> None:
         self._m.rollback(n)
 
     def forced(self) -> list[int]:
-        """The tokens the grammar forces from here (none where it allows a choice)."""
-        return list(self._m.compute_ff_tokens()) if not self._m.is_stopped() else []
+        """Tokens for the text the grammar forces from here ([] where it allows a choice):
+        the tokens it forces outright, then the canonical tokens of the forced text they
+        leave out (its last piece, which the next free text could join: the model may
+        spell it otherwise, so these are a guess)."""
+        if self._m.is_stopped():
+            return []
+        tokens = list(self._m.compute_ff_tokens())
+        text, spelled = self._m.compute_ff_bytes(), self._tok.decode_bytes(tokens)
+        if not text.startswith(spelled):  # the tokens re-spell text already taken
+            return tokens
+        rest = text[len(spelled):]
+        return tokens + (list(self._tok.tokenize_bytes(rest)) if rest else [])
 
     def finished(self) -> bool:
         """Whether the grammar is complete (only the end of the reply may follow)."""
