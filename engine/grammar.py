@@ -36,6 +36,10 @@ class Grammar:
     text: str  # llguidance's grammar (JSON schema or Lark, compiled to its own form)
     label: str  # what it is, for errors ("the JSON schema 'person'")
 
+    def start(self, lm) -> Matcher:
+        """A reply's matcher at the grammar's start, for `lm`'s tokenizer."""
+        return Matcher(lm, self)
+
 
 def json_schema(schema: dict, name: str = "") -> Grammar:
     """A reply that is one JSON value valid under `schema` (OpenAI's strict json_schema)."""
@@ -92,10 +96,10 @@ class Matcher:
         self._m = llg.LLMatcher(self._tok, grammar.text, log_level=0)
         if self._m.is_error():
             raise GrammarError(f"{grammar.label} cannot be used: {self._m.get_error()}")
-        self.vocab = vocab_width(lm)
 
     def allowed(self, out: torch.Tensor) -> None:
-        """Write into `out` ((V,) uint8, CPU) 1 for each token that may come next, else 0."""
+        """Write into `out` ((V,) uint8, CPU) 1 for each token that may come next, else 0
+        (V: the model's logits; tokens past the tokenizer's are never allowed)."""
         bias = torch.frombuffer(bytearray(self._m.compute_logit_bias()), dtype=torch.uint8)
         out.zero_()
         width = min(out.shape[0], bias.shape[0])

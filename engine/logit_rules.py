@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import SamplingParams
-from engine.grammar import Grammar, Matcher, vocab_width
+from engine.grammar import Grammar, Matcher
 from engine.sampling import adjust, base_adjustment, mask_logits
 
 
@@ -42,15 +42,14 @@ class LogitRules:
         logits (then the loop runs as it always did)."""
         if grammar is None and not params.shapes_logits:
             return None
-        matcher = Matcher(lm, grammar) if grammar is not None else None
-        return cls(params, vocab_width(lm), lm.device, matcher)
+        matcher = grammar.start(lm) if grammar is not None else None
+        return cls(params, int(lm.model.config.vocab_size), lm.device, matcher)
 
     def shape(self, logits: torch.Tensor, children: Sequence[Sequence[int]],
               tokens: Sequence[int]) -> torch.Tensor:
         """(n, V) logits of a draft's nodes -> the same shaped (float32): row i as plain
         decoding would see it after node i. children/tokens: the draft's tree (node 0 is
         the pending token, already part of the reply)."""
-        logits = logits[:, :self.vocab] if logits.shape[1] > self.vocab else logits
         p = self.params
         if p.shapes_logits:
             base = base_adjustment(self.bias, self.counts, p.presence_penalty,
@@ -77,8 +76,11 @@ class LogitRules:
             self.matcher.advance(tokens)
 
     def forced(self) -> list[int]:
-        """The tokens the grammar forces after the reply so far ([] without a grammar)."""
-        return self.matcher.forced() if self.matcher is not None else []
+        """The tokens the grammar forces after the reply so far ([] without a grammar),
+        up to the first the model cannot produce."""
+        tokens = self.matcher.forced() if self.matcher is not None else []
+        cut = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab), len(tokens))
+        return tokens[:cut]
 
     def _masks(self, children: Sequence[Sequence[int]], tokens: Sequence[int]) -> torch.Tensor:
         """(n, V) bool: the tokens the grammar allows after each node (a node it refuses,

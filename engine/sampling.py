@@ -83,18 +83,6 @@ def base_adjustment(bias: torch.Tensor, counts: torch.Tensor, presence: float,
     return bias - frequency * counts - presence * (counts > 0).float()
 
 
-def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(n, W) int32 words, bit j of word w allowing token 32 * w + j (a grammar engine's
-    token bitmask) -> (n, vocab) bool; tokens past the words' end are not allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(bits.shape[0], -1)
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(bits.shape[0], vocab - allowed.shape[1], dtype=torch.bool,
-                      device=bits.device)
-    return torch.cat([allowed, pad], dim=1)
-
-
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """(n, V) logits with every token `allowed` (n, V bool) does not allow at -inf."""
     return logits.masked_fill(~allowed, float("-inf"))
