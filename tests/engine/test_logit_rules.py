@@ -4,7 +4,6 @@ sampled replies distributed as plain decoding's under the same rules."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -102,8 +101,8 @@ def test_an_invalid_schema_is_refused_in_one_line(bundled_tokenizer):
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "size": {"enum": ["small", "medium", "large"]},
-    "count": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "size", "count"],
-    "additionalProperties": False}
+    "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "size", "count"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
