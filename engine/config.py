@@ -118,8 +118,24 @@ class SamplingParams:
 class ChatMessage:
     """One turn of a conversation."""
 
-    role: str  # "system", "user" or "assistant"
+    role: str  # "system", "user", "assistant" or "tool" (a tool's result)
     content: str
+    # an assistant turn's tool calls, as chat templates read them: {"type": "function",
+    # "function": {"name": str, "arguments": dict}} each
+    tool_calls: tuple[dict, ...] = ()
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None  # a tool turn: the function that answered
+
+    def as_dict(self) -> dict:
+        """The turn as a chat template reads it (only the fields it has)."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 @dataclass(frozen=True)
@@ -128,3 +144,6 @@ class ChatPrompt:
 
     messages: tuple[ChatMessage, ...] = field(default_factory=tuple)
     system: str | None = None  # None = the model template's own default
+    # functions the model may call, as chat templates read them ({"type": "function",
+    # "function": {"name", "description", "parameters"}} each); () = none offered
+    tools: tuple[dict, ...] = ()
