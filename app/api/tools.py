@@ -78,8 +78,7 @@ def call_schema(tool: dict) -> dict:
     params = function.get("parameters") or {"type": "object"}
     return {"type": "object", "properties": {"name": {"const": function["name"]},
                                              "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False,
-            "x-guidance": JSON_OPTIONS}
+            "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def tool_grammar(spec: ToolSpec, alternative: dict | None = None) -> Grammar | None:
@@ -92,6 +91,7 @@ def tool_grammar(spec: ToolSpec, alternative: dict | None = None) -> Grammar | N
              t["function"]["name"] == spec.name]
     schema = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 \
         else call_schema(tools[0])
+    schema["x-guidance"] = JSON_OPTIONS  # read at a schema's root only
     block = f'"{OPEN}\\n" %json{json.dumps(schema)} "\\n{CLOSE}"'
     calls = 'block ("\\n" block)*' if spec.parallel and spec.choice != "function" else "block"
     if spec.choice == "auto":
