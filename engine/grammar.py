@@ -12,7 +12,6 @@ llguidance installs as one 3 MB wheel with no dependencies where xgrammar brings
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -140,14 +139,6 @@ class Matcher:
     def finished(self) -> bool:
         """Whether the grammar is complete (only the end of the reply may follow)."""
         return self._m.is_stopped() or self._m.is_accepting()
-
-
-def parse_json(text: str) -> object:
-    """A grammar-constrained reply's JSON value (json.loads, errors as GrammarError)."""
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise GrammarError(f"the reply is not JSON: {exc}") from exc
 
 
 def _llg():
