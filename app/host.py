@@ -34,6 +34,9 @@ class ModelHost:
         self.step = "auto"  # how decode steps run for every model loaded (engine/config.py)
         # Called under the lock when the model changes: drop what was built for the old one.
         self.on_swap: list[Callable[[], None]] = []
+        # The compiled step's build for the loaded model, while a builder process works on
+        # it (its latest report; None otherwise): the page's header shows it.
+        self.compiling: Progress | None = None
 
     @property
     def lm(self) -> LoadedModel:
@@ -76,9 +79,11 @@ class ModelHost:
             for forget in self.on_swap:
                 forget()
         del old
-        # The compiled step loads at once where it was built before; else it is built in
-        # the background, and the accelerators are re-timed on it once it is ready.
-        start_compiling(lm, on_ready=lambda: self._retime(lm))
+        # The compiled step loads at once where it was built before; else a builder process
+        # builds it, and the accelerators are re-timed on it once it is ready.
+        self.compiling = None
+        start_compiling(lm, "watch", on_ready=lambda: self._retime(lm),
+                        report=lambda progress: self._compiling(lm, progress))
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -86,6 +91,10 @@ class ModelHost:
         report(Progress("done", 1, 1, f"loaded {lm.model_id} as {lm.quant} on {lm.device}"))
         return lm
 
+
+    def _compiling(self, lm: LoadedModel, progress: Progress) -> None:
+        if self._lm is lm:
+            self.compiling = progress
 
     def _retime(self, lm: LoadedModel) -> None:
         """The decode step got faster (compiled): what was built on the old step's

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from engine import devices
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,7 @@ def _registered() -> bool:
 
 
 def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return devices.cpu_flags()
 
 
 def vnni_flags() -> tuple[str, ...]:
