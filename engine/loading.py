@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, lowbit_folder, quant_auto
+from engine import devices, gguf, kernels, lowbit_folder, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
@@ -66,6 +66,11 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     start = time.perf_counter()
     folder, model_id = resolve_folder(spec, report)
     device = devices.pick_device(spec.device)
+    low_bit = spec.quant in ("auto", *LOW_BIT) or lowbit_folder.is_lowbit(folder)
+    if device.type == "cpu" and low_bit and kernels.needs_building():
+        (report or log.info)("building Quickdraft's CPU kernels for this machine (first time "
+                             "only, about half a minute)")
+        kernels.available()
     if lowbit_folder.is_lowbit(folder):
         return _load_lowbit(folder, spec, model_id, device, start, report)
     quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))

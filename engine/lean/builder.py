@@ -175,6 +175,7 @@ def build(folder: Path, request: dict) -> Status:
             if not (folder / name).is_file()]
     if any(lin.scales is not None for k in kinds for lin in _linears(k.example)):
         kernels.available()  # Quickdraft's operators, which the low-bit layers call
+    compiled.eager_arithmetic()
     for done, (size, kind, path) in enumerate(todo):
         args = tuple(rebuild(d) for d in request["examples"][str(size)])
         compiled.build_package(layer, kinds[kind], args, path)

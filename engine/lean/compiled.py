@@ -37,7 +37,8 @@ SIZES = (1, 2, 4, 8, 16)  # tokens per compiled step; a draft is padded to the n
 # meanwhile; "wait": start it and wait (timings then measure the compiled step); "detach":
 # start it for the next start and stay eager (a process about to end)
 MODES = ("load", "watch", "wait", "detach")
-LAYOUT = 1  # bumped when the layer function changes: packages of another layout are rebuilt
+# bumped when the layer function or its arithmetic changes: other layouts' packages are rebuilt
+LAYOUT = 2
 
 
 def size_for(n: int) -> int | None:
@@ -99,12 +100,16 @@ class Steps:
         return "lean-compiling" if self.compiling else "lean-eager"
 
     def for_size(self, n: int, start: int) -> tuple[Callable, int]:
-        """(layer call, padded size) for a step of n tokens after `start` cached slots."""
+        """(layer call, padded size) for a step of n tokens after `start` cached slots. A
+        step of up to the largest size runs padded to the next one, compiled or eager
+        alike: the same rows through the same kernels, so switching from the eager step to
+        the compiled one changes no logit (see build_package)."""
         size = size_for(n)
-        runners = self.ready.get(size) if size is not None else None
-        # The packages were exported for windows of two slots or more.
-        if runners is None or start + size < 2:
+        if size is None or start + size < 2:  # packages take windows of two slots or more
             return self.eager, n
+        runners = self.ready.get(size)
+        if runners is None:
+            return self.eager, size
         # Straight into a package's C++ runner with a flat list of tensors (its Python
         # wrapper would flatten and check the arguments' structure on every call).
         runs = [r.loader.boxed_run for r in runners]
@@ -186,9 +191,32 @@ class Steps:
         return folder / f"layer-{size}-{digest}.pt2"
 
 
+# Operations whose result depends on the order of a reduction or on how a function is
+# approximated (the norms' means, softmax, the MLP's activations, soft-capping) run ATen's
+# own kernels inside a package, as the eager step runs them, instead of inductor's fused
+# ones; the rest, fused, rounds to bf16 where eager rounds (emulate_precision_casts), and
+# fp32 arithmetic is not contracted (inductor's default). With both steps padded to the
+# same sizes the compiled step's logits are the eager step's, bit for bit.
+EAGER_OPS = ("mean", "sum", "amax", "softmax", "_softmax", "exp", "sigmoid", "tanh", "silu",
+             "gelu")
+
+
+def eager_arithmetic() -> None:
+    """Make inductor, in this process, run EAGER_OPS as ATen's kernels (the builder calls
+    this once: it changes inductor's tables for the whole process)."""
+    from torch._inductor import decomposition, lowering
+
+    for name in EAGER_OPS:
+        op = getattr(torch.ops.aten, name)
+        for overload in op.overloads():
+            decomposition.decompositions.pop(getattr(op, overload), None)
+        lowering.make_fallback(op, warn=False, override_decomp=True)
+
+
 def build_package(layer: Callable, kind: Kind, args: tuple, path: Path) -> None:
     """Export `layer` for layers of `kind` over a step's `args` (window and capacity
-    symbolic) and compile it into the package at `path` (engine/lean/builder.py runs this)."""
+    symbolic) and compile it into the package at `path` (engine/lean/builder.py runs this,
+    after `eager_arithmetic`)."""
     from torch.export import Dim
 
     # Inductor's own files (generated code, objects) in the user cache beside the
@@ -213,7 +241,8 @@ def build_package(layer: Callable, kind: Kind, args: tuple, path: Path) -> None:
     # compiler version, outside the cache folder it is given); measured here they did
     # not make building faster (52 s with, 53 s without, bundled model), so none are.
     with torch._inductor.config.patch({"aot_inductor.precompile_headers": False,
-                                       "cpp_cache_precompile_headers": False}):
+                                       "cpp_cache_precompile_headers": False,
+                                       "emulate_precision_casts": True}):
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
     partial.replace(path)  # a package appears whole or not at all
 

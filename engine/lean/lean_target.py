@@ -66,7 +66,7 @@ class LeanTarget(Target):
         return "lean-eager (graphs failed)" if self.graphs_failed else self.steps.state()
 
     def padded_sizes(self) -> tuple[int, ...]:
-        return compiling.SIZES if self.graphed or self.steps.ready else ()
+        return compiling.SIZES  # eager, compiled and graphed steps alike
 
     def new_cache(self) -> LeanCache:
         s = self.spec

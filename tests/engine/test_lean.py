@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import kernels, quant
 from engine.config import ModelSpec, SamplingParams
 from engine.drafters.lookup import LookupDrafter
-from engine.generate import run
+from engine.generate import generate, run
 from engine.lean import builder, compiled, graphs
 from engine.lean.lean_target import LeanTarget
 from engine.loading import make_target, wrap_model
@@ -155,13 +155,13 @@ def test_packages_are_kept_per_cpu_feature_set(monkeypatch):
 
 
 @cpu_packages
-def test_the_compiled_int8_step_equals_the_eager_one(bundled_tokenizer, small_sizes):
-    """int8 weights: the compiled package calls the same kernel as the eager step (on a CPU
-    Quickdraft's own, an operator of its library inside the package). Its other operations
-    keep fp32 between bf16 roundings where eager rounds each, and int8 activations turn a
-    rounding apart into a step of the quantization: logits agree to that, not bit for bit
-    (on this random model PyTorch's int8 kernel differs by 2.6% of the largest logit, this
-    one by 4%)."""
+def test_the_compiled_int8_step_gives_the_eager_steps_logits_and_replies(bundled_tokenizer,
+                                                                        small_sizes):
+    """int8 weights and bf16 activations: the compiled package calls the same kernel as the
+    eager step (on a CPU Quickdraft's own, an operator of its library inside the package),
+    rounds where eager rounds and runs eager's own norms, softmax and activation: the same
+    logits bit for bit, at every step size (padded alike). A reply that starts eager and
+    goes on compiled (the build finished mid-reply) is the eager reply, drafts and all."""
     def int8(step):
         lm = family_lm("llama", bundled_tokenizer, step=step)
         model = quant.quantize_model(lm.model, "int8w", wide_rows=0)
@@ -177,12 +177,29 @@ def test_the_compiled_int8_step_equals_the_eager_one(bundled_tokenizer, small_si
     with torch.inference_mode():
         for t, cache in zip((lm, eager), caches, strict=True):
             t.target.forward(cache, ids, 0, last_only=True)
-        for start, step in ((12, ids[:1]), (13, ids[1:5])):  # a plain step and a 4-token one
-            got, want = (t.target.forward(c, step, start).logits.float()
+        # a plain step, a 4-token one, a 3-token one padded to 4, and a 2-token tree
+        tree = torch.tensor([[True, False], [False, True]])
+        for start, step, mask in ((12, ids[:1], None), (13, ids[1:5], None),
+                                  (17, ids[5:8], None), (20, ids[8:10], tree)):
+            depths = [0, 0] if mask is not None else None
+            got, want = (t.target.forward(c, step, start, depths, mask).logits
                          for t, c in zip((lm, eager), caches, strict=True))
-            scale = want.abs().max()
-            assert (got - want).abs().max() <= 0.06 * scale
-            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+            assert torch.equal(got, want), (start, (got - want).abs().max())
+    # across the switch: the reply's first steps eager, the rest compiled
+    ready = lm.target.steps.ready
+    replay = int8("auto")
+    params = SamplingParams(max_new_tokens=40)
+    events = generate(replay, ids * 3, params, LookupDrafter())
+    got = []
+    for i, event in enumerate(events):
+        got += event.token_ids
+        if i == 3:
+            assert replay.target.name == "lean-eager"
+            replay.target.steps.ready = ready  # the build lands mid-reply
+        if event.done:
+            assert event.stats.step == "lean-compiled" and sum(event.stats.drafted) > 0
+    assert got == run(eager, ids * 3, params, LookupDrafter())[1]
+    assert got == run(lm, ids * 3, params, LookupDrafter())[1]
 
 
 def _no_builder(*_args, **_kwargs):
