@@ -247,8 +247,9 @@ def measure(model, tokenizer, wrap: Callable, window: int, eos: tuple[int, ...],
         built[c.name] = c.built if c.built is not None else c.make(model)
     run.start = time.perf_counter()  # the budget is the measuring's (copies are made once)
     checked, right, same = _answers(built, reference, run)
-    ppl = _perplexities(built, run) if checked else {}
-    order = admitted(right, ppl, reference) if checked else [default or reference]
+    ppl = _perplexities(built, run)  # with the answers' unused time where none fit
+    # no question answered in the budget: perplexity alone admits, where it was measured
+    order = admitted(right, ppl, reference) if checked or ppl else [default or reference]
     measured = list(built)
     if default is not None:
         best = default if default in order else reference
@@ -261,7 +262,8 @@ def measure(model, tokenizer, wrap: Callable, window: int, eos: tuple[int, ...],
         right[name], same[name], round(ppl.get(name, 0.0), 3),
         round(statistics.median(r[name] for r in rounds) * 1e3, 2) if name in built and rounds
         else 0.0, name in order)) for name in measured}
-    why = "" if checked else f"no question could be answered in {budget_s:.0f} s here; "
+    why = "" if checked else (f"no question could be answered in {budget_s:.0f} s here, "
+                              f"{'perplexity alone' if ppl else 'nothing'} measured; ")
     reason = (f"{best}: {why}the smallest weights answering as well as {reference} that are "
               f"clearly faster ({'; '.join(said) or 'nothing else admitted'}; "
               f"{len(rounds)} rounds, {checked} questions)")

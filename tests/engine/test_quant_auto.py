@@ -182,13 +182,14 @@ def test_a_model_too_slow_for_the_budget_keeps_the_reference_without_answering(
     no question is asked, the reference stays, and the reason and the progress say so."""
     monkeypatch.setattr(quant_auto, "_probe", lambda *_a: (90.0, 4.0))
     monkeypatch.setattr(quant_answers, "answer", _no_answers)
+    monkeypatch.setattr(quant_auto, "_perplexities", lambda *_a: {})  # too slow as well
     lm = make_tiny_model("llama-gqa", bundled_tokenizer)
     said = []
     choice = quant_auto.measure(lm.model.to(torch.bfloat16), lm.tokenizer,
                                 lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q),
                                 lm.context_len, lm.eos_ids, said.append)
     assert choice.quant == "bf16" and choice.questions == 0
-    assert "no question could be answered in 60 s here" in choice.reason
+    assert "no question could be answered in 60 s here, nothing measured" in choice.reason
     assert [n for n, r in choice.records.items() if r["admitted"]] == ["bf16"]
     assert said and all("of at most ~60 s" in m for m in said)
 
@@ -225,3 +226,22 @@ def test_a_candidate_that_follows_the_reference_is_not_asked_again(bundled_token
                                      reference)
     assert sum(generated) == same.count(False) > 0
     assert got == real(other.model, lm.tokenizer, prompts, answers, eos)  # its own replies
+
+
+def test_where_no_question_fits_perplexity_alone_admits(bundled_tokenizer, monkeypatch):
+    """A model whose replies overrun the budget but whose held-out text fits: the choice
+    goes by perplexity and speed, and says so."""
+    monkeypatch.setattr(quant_auto, "_probe", lambda *_a: (90.0, 4.0))
+    monkeypatch.setattr(quant_answers, "answer", _no_answers)
+    monkeypatch.setattr(quant_auto, "MAX_ROUNDS", 2)
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+    choice = quant_auto.measure(lm.model.to(torch.bfloat16), lm.tokenizer,
+                                lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q),
+                                lm.context_len, lm.eos_ids)
+    assert choice.questions == 0 and "perplexity alone measured" in choice.reason
+    assert all(r["perplexity"] > 0 for r in choice.records.values())
+    admitted = [n for n, r in choice.records.items() if r["admitted"]]
+    assert admitted == quant_auto.admitted(dict.fromkeys(choice.records, 0),
+                                           {n: r["perplexity"] for n, r in
+                                            choice.records.items()})
+    assert choice.line().count("ms/step") == len(admitted) > 1  # timed
