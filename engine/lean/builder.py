@@ -23,11 +23,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 
-from engine.paths import atomic_write
+from engine.lean.layer import LayerWeights, Lin
+from engine.paths import atomic_write, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +147,6 @@ def describe(value):
 
 def rebuild(desc):
     """What `describe` described, with zeros for every tensor (on the CPU)."""
-    from engine.lean.layer import LayerWeights, Lin
-
     if desc is None:
         return None
     if isinstance(desc, list):
@@ -160,25 +161,106 @@ def rebuild(desc):
 # --- the builder process -----------------------------------------------------------------
 
 
+class Kind:
+    """Layers whose weights have one layout (which tensors, their shapes and dtypes): one
+    compiled package per step size serves them all. A GGUF file that stores some layers in
+    other types (Q4_K_M's 6-bit ones) has a few kinds."""
+
+    def __init__(self, weights: LayerWeights):
+        leaves, self.structure = pytree.tree_flatten(weights)
+        self.present = [i for i, t in enumerate(leaves) if t is not None]
+        self.key = (str(self.structure),
+                    tuple((tuple(t.shape), str(t.dtype)) for t in leaves if t is not None))
+        self.example = weights  # the first layer of this kind (what packages are built on)
+
+    def flat(self, weights: LayerWeights) -> list[torch.Tensor]:
+        """A layer's tensors in the order its kind's packages take them (absent ones out)."""
+        leaves = pytree.tree_flatten(weights)[0]
+        return [leaves[i] for i in self.present]
+
+    def unflatten(self, flat) -> LayerWeights:
+        leaves = [None] * self.structure.num_leaves
+        for i, tensor in zip(self.present, flat, strict=True):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, self.structure)
+
+
+# Operations whose result depends on the order of a reduction or on how a function is
+# approximated (the norms' means, softmax, the MLP's activations, soft-capping) run ATen's
+# own kernels inside a package, as the eager step runs them, instead of inductor's fused
+# ones; the rest, fused, rounds to bf16 where eager rounds (emulate_precision_casts), and
+# fp32 arithmetic is not contracted (inductor's default). With both steps padded to the
+# same sizes the compiled step's logits are the eager step's, bit for bit.
+EAGER_OPS = ("mean", "sum", "amax", "softmax", "_softmax", "exp", "sigmoid", "tanh", "silu",
+             "gelu")
+
+
+def eager_arithmetic() -> None:
+    """Make inductor, in this process, run EAGER_OPS as ATen's kernels (the builder calls
+    this once: it changes inductor's tables for the whole process)."""
+    from torch._inductor import decomposition, lowering
+
+    for name in EAGER_OPS:
+        op = getattr(torch.ops.aten, name)
+        for overload in op.overloads():
+            decomposition.decompositions.pop(getattr(op, overload), None)
+        lowering.make_fallback(op, warn=False, override_decomp=True)
+
+
+def build_package(layer: Callable, kind: Kind, args: tuple, path: Path) -> None:
+    """Export `layer` for layers of `kind` over a step's `args` (window and capacity
+    symbolic) and compile it into the package at `path` (engine/lean/builder.py runs this,
+    after `eager_arithmetic`)."""
+    from torch.export import Dim
+
+    # Inductor's own files (generated code, objects) in the user cache beside the
+    # packages, not a global folder under /tmp: set before exporting, whose first use of
+    # inductor's folder would fix it there (a folder the user set is kept)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, cos, sin, mask, keys, values, slots, *flat):
+            return layer(x, kind.unflatten(flat), cos, sin, mask, keys, values, slots)
+
+    weights = kind.flat(kind.example)
+    window, capacity = Dim("window", min=2), Dim("capacity", min=2)
+    shapes = (None, None, None, {1: window}, {1: capacity}, {1: capacity}, None,
+              tuple(None for _ in weights))
+    with torch.inference_mode():
+        program = torch.export.export(Layer(), (*args, *weights), dynamic_shapes=shapes,
+                                      strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
+    # Inductor would precompile its headers into a global folder under /tmp (~280 MB a
+    # compiler version, outside the cache folder it is given); measured here they did
+    # not make building faster (52 s with, 53 s without, bundled model), so none are.
+    with torch._inductor.config.patch({"aot_inductor.precompile_headers": False,
+                                       "cpp_cache_precompile_headers": False,
+                                       "emulate_precision_casts": True}):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+    partial.replace(path)  # a package appears whole or not at all
+
+
+
+
 def build(folder: Path, request: dict) -> Status:
     """Build every package `request` lists that `folder` lacks, saying how far it got."""
     from engine import kernels
-    from engine.lean import compiled
     from engine.lean.layer import make_layer
     from engine.lean.spec import LeanSpec
 
     begin = time.perf_counter()
     spec = LeanSpec(**{**request["spec"], "windows": tuple(request["spec"]["windows"])})
     layer = make_layer(spec, request["wide_rows"])
-    kinds = [compiled.Kind(rebuild(desc)) for desc in request["kinds"]]
+    kinds = [Kind(rebuild(desc)) for desc in request["kinds"]]
     todo = [(size, kind, folder / name) for size, kind, name in request["packages"]
             if not (folder / name).is_file()]
     if any(lin.scales is not None for k in kinds for lin in _linears(k.example)):
         kernels.available()  # Quickdraft's operators, which the low-bit layers call
-    compiled.eager_arithmetic()
+    eager_arithmetic()
     for done, (size, kind, path) in enumerate(todo):
         args = tuple(rebuild(d) for d in request["examples"][str(size)])
-        compiled.build_package(layer, kinds[kind], args, path)
+        build_package(layer, kinds[kind], args, path)
         elapsed = time.perf_counter() - begin
         left = elapsed / (done + 1) * (len(todo) - done - 1)
         _write(folder, Status("building", done + 1, len(todo), elapsed, left, pid=os.getpid()))

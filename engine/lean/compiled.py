@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 
 from engine import devices
 from engine.lean import builder
+from engine.lean.builder import Kind
 from engine.lean.layer import LayerWeights
 from engine.paths import cache_dir
 
@@ -44,30 +43,6 @@ LAYOUT = 2
 def size_for(n: int) -> int | None:
     """The compiled size a step of n tokens is padded to (None: larger than any)."""
     return next((s for s in SIZES if s >= n), None)
-
-
-class Kind:
-    """Layers whose weights have one layout (which tensors, their shapes and dtypes): one
-    compiled package per step size serves them all. A GGUF file that stores some layers in
-    other types (Q4_K_M's 6-bit ones) has a few kinds."""
-
-    def __init__(self, weights: LayerWeights):
-        leaves, self.structure = pytree.tree_flatten(weights)
-        self.present = [i for i, t in enumerate(leaves) if t is not None]
-        self.key = (str(self.structure),
-                    tuple((tuple(t.shape), str(t.dtype)) for t in leaves if t is not None))
-        self.example = weights  # the first layer of this kind (what packages are built on)
-
-    def flat(self, weights: LayerWeights) -> list[torch.Tensor]:
-        """A layer's tensors in the order its kind's packages take them (absent ones out)."""
-        leaves = pytree.tree_flatten(weights)[0]
-        return [leaves[i] for i in self.present]
-
-    def unflatten(self, flat) -> LayerWeights:
-        leaves = [None] * self.structure.num_leaves
-        for i, tensor in zip(self.present, flat, strict=True):
-            leaves[i] = tensor
-        return pytree.tree_unflatten(leaves, self.structure)
 
 
 class Steps:
@@ -90,6 +65,7 @@ class Steps:
         self.failed = ""  # why compiling failed, once it has
         self.compiling = False
         self.seconds: float | None = None  # how long loading or compiling every size took
+        self.builder = None  # the builder process this one started (subprocess.Popen)
 
     def state(self) -> str:
         """Which step runs: what the Models tab and a reply's stats show."""
@@ -140,6 +116,7 @@ class Steps:
         if mode == "load":
             return
         proc = builder.start(folder, self._request(example, layout, folder))
+        self.builder = proc or self.builder
         if mode == "detach":  # built for the next start; this process stays eager
             return
         self.compiling = True
@@ -189,62 +166,6 @@ class Steps:
     def _path(self, folder: Path, size: int, kind: int) -> Path:
         digest = hashlib.sha256(repr(self.kinds[kind].key).encode()).hexdigest()[:8]
         return folder / f"layer-{size}-{digest}.pt2"
-
-
-# Operations whose result depends on the order of a reduction or on how a function is
-# approximated (the norms' means, softmax, the MLP's activations, soft-capping) run ATen's
-# own kernels inside a package, as the eager step runs them, instead of inductor's fused
-# ones; the rest, fused, rounds to bf16 where eager rounds (emulate_precision_casts), and
-# fp32 arithmetic is not contracted (inductor's default). With both steps padded to the
-# same sizes the compiled step's logits are the eager step's, bit for bit.
-EAGER_OPS = ("mean", "sum", "amax", "softmax", "_softmax", "exp", "sigmoid", "tanh", "silu",
-             "gelu")
-
-
-def eager_arithmetic() -> None:
-    """Make inductor, in this process, run EAGER_OPS as ATen's kernels (the builder calls
-    this once: it changes inductor's tables for the whole process)."""
-    from torch._inductor import decomposition, lowering
-
-    for name in EAGER_OPS:
-        op = getattr(torch.ops.aten, name)
-        for overload in op.overloads():
-            decomposition.decompositions.pop(getattr(op, overload), None)
-        lowering.make_fallback(op, warn=False, override_decomp=True)
-
-
-def build_package(layer: Callable, kind: Kind, args: tuple, path: Path) -> None:
-    """Export `layer` for layers of `kind` over a step's `args` (window and capacity
-    symbolic) and compile it into the package at `path` (engine/lean/builder.py runs this,
-    after `eager_arithmetic`)."""
-    from torch.export import Dim
-
-    # Inductor's own files (generated code, objects) in the user cache beside the
-    # packages, not a global folder under /tmp: set before exporting, whose first use of
-    # inductor's folder would fix it there (a folder the user set is kept)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-
-    class Layer(torch.nn.Module):
-        def forward(self, x, cos, sin, mask, keys, values, slots, *flat):
-            return layer(x, kind.unflatten(flat), cos, sin, mask, keys, values, slots)
-
-    weights = kind.flat(kind.example)
-    window, capacity = Dim("window", min=2), Dim("capacity", min=2)
-    shapes = (None, None, None, {1: window}, {1: capacity}, {1: capacity}, None,
-              tuple(None for _ in weights))
-    with torch.inference_mode():
-        program = torch.export.export(Layer(), (*args, *weights), dynamic_shapes=shapes,
-                                      strict=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
-    # Inductor would precompile its headers into a global folder under /tmp (~280 MB a
-    # compiler version, outside the cache folder it is given); measured here they did
-    # not make building faster (52 s with, 53 s without, bundled model), so none are.
-    with torch._inductor.config.patch({"aot_inductor.precompile_headers": False,
-                                       "cpp_cache_precompile_headers": False,
-                                       "emulate_precision_casts": True}):
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-    partial.replace(path)  # a package appears whole or not at all
 
 
 def package_folder(key: str) -> Path:
