@@ -213,11 +213,6 @@ def build_package(layer: Callable, kind: Kind, args: tuple, path: Path) -> None:
     after `eager_arithmetic`)."""
     from torch.export import Dim
 
-    # Inductor's own files (generated code, objects) in the user cache beside the
-    # packages, not a global folder under /tmp: set before exporting, whose first use of
-    # inductor's folder would fix it there (a folder the user set is kept)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-
     class Layer(torch.nn.Module):
         def forward(self, x, cos, sin, mask, keys, values, slots, *flat):
             return layer(x, kind.unflatten(flat), cos, sin, mask, keys, values, slots)
@@ -249,6 +244,10 @@ def build(folder: Path, request: dict) -> Status:
     from engine.lean.layer import make_layer
     from engine.lean.spec import LeanSpec
 
+    # Inductor's own files (generated code, objects) in the user cache beside the
+    # packages, not a global folder under /tmp: set before anything reads inductor's
+    # folder, which fixes it for the process (a folder the user set is kept)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     begin = time.perf_counter()
     spec = LeanSpec(**{**request["spec"], "windows": tuple(request["spec"]["windows"])})
     layer = make_layer(spec, request["wide_rows"])
