@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from engine.lean.layer import LayerWeights, Lin
-from engine.paths import atomic_write, cache_dir
+from engine.paths import atomic_write, use_inductor_cache
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +244,7 @@ def build(folder: Path, request: dict) -> Status:
     from engine.lean.layer import make_layer
     from engine.lean.spec import LeanSpec
 
-    # Inductor's own files (generated code, objects) in the user cache beside the
-    # packages, not a global folder under /tmp: set before anything reads inductor's
-    # folder, which fixes it for the process (a folder the user set is kept)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    use_inductor_cache()
     begin = time.perf_counter()
     spec = LeanSpec(**{**request["spec"], "windows": tuple(request["spec"]["windows"])})
     layer = make_layer(spec, request["wide_rows"])

@@ -26,7 +26,7 @@ from engine import devices
 from engine.lean import builder
 from engine.lean.builder import Kind
 from engine.lean.layer import LayerWeights
-from engine.paths import cache_dir
+from engine.paths import cache_dir, use_inductor_cache
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class Steps:
             raise ValueError(f"unknown compile mode {mode!r}: one of {', '.join(MODES)}")
         if self.compiling or self.ready or self.failed:
             return
+        use_inductor_cache()  # loading a package compiles helpers there
         folder = package_folder(key)
         if all(self._path(folder, size, k).is_file() for size in SIZES
                for k in range(len(self.kinds))):
