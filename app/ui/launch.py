@@ -146,11 +146,11 @@ def launch(options: LaunchOptions, block: bool = True):
 
 def _terminal_line():
     """A ProgressFn printing what the start-up load and the compiled step's build are doing
-    to the terminal: a line per stage and every few seconds (the page's header shows the
-    same)."""
+    to the terminal: a line per stage or step, and every half minute meanwhile (the page's
+    header shows the same as it goes)."""
     from app.commands.progress_line import ProgressLine
 
-    return ProgressLine(sys.stderr, tty=False)
+    return ProgressLine(sys.stderr, every_s=30.0, tty=False)
 
 
 def page_style() -> dict:

@@ -254,6 +254,7 @@ def build(folder: Path, request: dict) -> Status:
     if any(lin.scales is not None for k in kinds for lin in _linears(k.example)):
         kernels.available()  # Quickdraft's operators, which the low-bit layers call
     eager_arithmetic()
+    _write(folder, Status("building", 0, len(todo), 0.0, pid=os.getpid()))
     for done, (size, kind, path) in enumerate(todo):
         args = tuple(rebuild(d) for d in request["examples"][str(size)])
         build_package(layer, kinds[kind], args, path)
