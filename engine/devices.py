@@ -25,6 +25,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere): what code compiled for
+    this machine (-march=native) may use."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
 def pick_device(requested: str) -> torch.device:
     """'auto' -> CUDA when present, else CPU; 'cuda' without a GPU is an error."""
     if requested == "cuda" and not torch.cuda.is_available():
