@@ -78,6 +78,11 @@ def start(folder: Path, request: dict) -> subprocess.Popen | None:
         proc = subprocess.Popen([sys.executable, "-m", "engine.lean.builder", str(folder)],
                                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 **detached)
+    # Its pid at once, so that a process waiting on the folder sees it alive before it
+    # writes its own status (it imports torch first).
+    found = read(folder)
+    if found is not None and found.state == "building" and found.pid == 0:
+        _write(folder, Status("building", pid=proc.pid))
     return proc
 
 
