@@ -60,6 +60,20 @@ class Teacher:
     logits: torch.Tensor  # (T, k) float32, same order
 
 
+def teacher_of(lm, feats: Features, k: int, progress: ProgressFn = ignore) -> Teacher:
+    """The top-k next-token logits at every position of `feats`: as the data stage recorded
+    them where it did, the rest through the frozen LM head."""
+    final = int(lm.model.config.num_hidden_layers)
+    recorded = feats.recorded
+    if recorded is None or feats.top_ids.shape[1] < k:
+        return teacher_topk(lm, feats.states[final], k, progress)
+    ids, logits = feats.top_ids[:, :k].long(), feats.top_logits[:, :k].float()
+    if not bool(recorded.all()):
+        rest = teacher_topk(lm, feats.states[final][~recorded], k, progress)
+        ids[~recorded], logits[~recorded] = rest.ids, rest.logits
+    return Teacher(ids, logits)
+
+
 def teacher_topk(lm, states: torch.Tensor, k: int, progress: ProgressFn = ignore) -> Teacher:
     """Top-k of the frozen LM head over (T, H) final states, in chunks."""
     head = lm.model.get_output_embeddings()
@@ -187,6 +201,11 @@ def reserve_s(options) -> float:
     return options.calibration_seconds
 
 
+def feature_layers(lm, options) -> tuple[int, ...]:
+    """The hidden-state layers the heads learn from (the final normed state)."""
+    return (int(lm.model.config.num_hidden_layers),)
+
+
 def prep_seconds_per_token(lm, options) -> float:
     """Seconds the stages between data and training (features, teacher) spend per stored
     conversation token on this machine: a timed feature forward plus a timed teacher chunk."""
@@ -212,8 +231,8 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     heldout = features_for(lm, heldout_convs, [final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
     mark = time.perf_counter()
-    t_teacher = teacher_topk(lm, train.states[final], config.teacher_topk, progress)
-    h_teacher = teacher_topk(lm, heldout.states[final], config.teacher_topk)
+    t_teacher = teacher_of(lm, train, config.teacher_topk, progress)
+    h_teacher = teacher_of(lm, heldout, config.teacher_topk)
     times["teacher_s"] = round(time.perf_counter() - mark, 1)
     heads = new_heads(lm, config, train, t_teacher)
     # Retrain: the stored heads, if they fit; shared-LM-head heads keep the new vocabulary
