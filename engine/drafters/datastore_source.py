@@ -67,8 +67,10 @@ def tree_draft(root: int, found: Continuations, cache: dict) -> Draft:
     if tree is None:
         tree = cache[key] = build_tree(choices, max(len(c) for c in choices))
     token_of = dict(zip(choices, found.tokens, strict=True))
+    chance_of = dict(zip(choices, found.expected, strict=True))
     tokens = [root, *(token_of[c] for c in tree.choices[1:])]
-    return Draft(tokens, tree.children, tree.depths, tree.mask)
+    return Draft(tokens, tree.children, tree.depths, tree.mask,
+                 chances=[1.0, *(chance_of[c] for c in tree.choices[1:])])
 
 
 class StoreDrafter(Drafter):
@@ -116,8 +118,7 @@ class StoreSession(Session):
         if not found.tokens:
             return None
         root, trees = state.ids[-1], self.drafter.trees
-        return Offer("datastore", len(found.tokens),
-                     lambda k: tree_draft(root, found.top(k), trees),
+        return Offer("datastore", lambda k: tree_draft(root, found.top(k), trees),
                      chances=tuple(sorted(found.expected, reverse=True)))
 
     def propose(self, state) -> Draft:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lean.layer import make_layer
+from engine import kernels
+from engine.lean.layer import BatchLengths, make_layer
 from engine.lean.lean_target import LeanTarget
 
 
@@ -95,7 +96,11 @@ class BatchRows:
         top = int(self.lengths.max())
         if top >= self.capacity:
             raise ValueError("a row is full: reserve room before the step")
-        masks = {w: self._mask(positions, top + 1, w) for w in set(t.spec.windows)}
+        if t.device.type == "cpu" and t.cache_dtype == torch.float32 and kernels.available():
+            # each row reads only its own positions (engine/kernels/attention.cpp)
+            masks = {w: BatchLengths(positions + 1, w) for w in set(t.spec.windows)}
+        else:
+            masks = {w: self._mask(positions, top + 1, w) for w in set(t.spec.windows)}
         with torch.inference_mode():
             x = t.embedding(tokens.to(t.device)).to(t.act_dtype)
             cos, sin = t.rope.rows(positions, top)

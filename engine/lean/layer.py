@@ -76,6 +76,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
+class BatchLengths(NamedTuple):
+    """A batched step's attention span per row, for Quickdraft's decode-attention kernel
+    (in place of a mask): row r attends to its slots 0..lengths[r]-1 (the last one its
+    own), only the last `window` of them where the layer has a sliding window."""
+
+    lengths: torch.Tensor  # (n,) long
+    window: int | None
+
+
 def make_layer(spec: LeanSpec, wide_rows: int = 0, batched: bool = False) -> Callable:
     """The layer function for `spec`:
 
@@ -86,7 +95,8 @@ def make_layer(spec: LeanSpec, wide_rows: int = 0, batched: bool = False) -> Cal
     wide_rows: steps of this many rows or more use the bf16 copies low-bit weights keep.
     batched: the n rows are n independent sequences, one token each (engine/lean/batch.py):
       keys, values are then (n, kv_heads, C, D), one cache row per sequence, and row r
-      writes its slot slots[r] and attends to its own row under mask[r].
+      writes its slot slots[r] and attends to its own row under mask[r] (or over the span
+      a BatchLengths gives, through Quickdraft's kernel).
     """
     heads, kv, d, groups = spec.heads, spec.kv_heads, spec.head_dim, spec.groups
     mlp_act = ACT2FN[spec.act]
@@ -134,6 +144,11 @@ def make_layer(spec: LeanSpec, wide_rows: int = 0, batched: bool = False) -> Cal
         rows = torch.arange(n, device=x.device)
         keys[rows, :, slots] = k.transpose(0, 1).to(keys.dtype)  # (n, kv, D) at each row's slot
         values[rows, :, slots] = v.transpose(0, 1).to(values.dtype)
+        if isinstance(mask, BatchLengths):  # Quickdraft's kernel reads each row's own length
+            out = torch.ops.quickdraft.decode_attention(
+                q.transpose(0, 1).contiguous().to(keys.dtype), keys, values, mask.lengths,
+                spec.scaling, spec.attn_softcap or 0.0, mask.window or 0)
+            return linear(w.o, out.reshape(n, heads * d).to(x.dtype), wide_rows)
         window = mask.shape[-1]
         grouped = q.transpose(0, 1).reshape(n, kv, groups, d).to(keys.dtype)  # (n, kv, g, D)
         probs = attend(grouped @ keys[:, :, :window].transpose(2, 3), mask[:, None, None])
