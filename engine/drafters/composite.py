@@ -20,6 +20,7 @@ past.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,17 +104,21 @@ def added_tokens(chances: list[float], extra: list[float], where: list[int]) -> 
 
 class TreeJoin:
     """Grafts one draft onto another as one tree (engine.tree.join_trees); the structures
-    are kept per shape, so a repeated shape costs no new mask."""
+    are kept per shape, so a repeated shape costs no new mask. It keeps what a join takes
+    (an average over the latest ones), so a join must pay for itself too."""
 
     MAX_SHAPES = 512  # shapes kept before the cache starts over
+    AVERAGE = 0.1  # weight of the latest join in the running average of its seconds
 
     def __init__(self) -> None:
         self._shapes: dict[tuple[int, ...], TreeShape] = {}
+        self.seconds = 0.0  # what a join takes here, on average
 
     def __call__(self, a: Draft, b: Draft) -> tuple[Draft, list[int]]:
         """(the joined draft, the joined nodes of b's non-root nodes)."""
         if b.size == 1:
             return a, []
+        start = time.perf_counter()
         tokens, parents, where = join_trees(a.tokens, a.children, b.tokens, b.children)
         key = tuple(parents)
         shape = self._shapes.get(key)
@@ -121,7 +126,13 @@ class TreeJoin:
             if len(self._shapes) >= self.MAX_SHAPES:
                 self._shapes.clear()
             shape = self._shapes[key] = shape_of(parents)
+        took = time.perf_counter() - start
+        self.seconds += self.AVERAGE * (took - self.seconds) if self.seconds else took
         return Draft(tokens, shape.children, shape.depths, shape.mask), where[1:]
+
+    def steps(self, cost: StepCost) -> float:
+        """A join's time in plain steps (0 where the plain step was not measured)."""
+        return self.seconds / cost.plain_s if cost.plain_s > 0 else 0.0
 
 
 @dataclass
@@ -159,7 +170,7 @@ def plan(offers: list[Offer | None], root: int, cost: StepCost, join: TreeJoin,
         joined, where = join(step.draft, extra)
         grown = list(chances)
         added = added_tokens(grown, node_chances(extra, offer, k), where)
-        spent = overhead + offer.overhead
+        spent = overhead + offer.overhead + join.steps(cost)
         if (tokens + added) / (cost(joined.size) + spent) > \
                 tokens / (cost(step.draft.size) + overhead):
             joined.chances, chances = grown, grown
@@ -228,11 +239,14 @@ class CompositeSession(Session):
         self.kept: Counter = Counter()  # draft tokens accepted per kind in this reply
         self._plan: Plan | None = None
         self._layers: tuple[torch.Tensor, ...] | None = None  # a whole-model round's states
+        self.planning_s = 0.0  # seconds spent choosing this reply's steps (drafts included)
 
     def propose(self, state) -> Draft:
+        start = time.perf_counter()
         offers = [s.offer(state) for s in self.sessions]
         c = self.composite
         self._plan = plan(offers, state.ids[-1], c.cost, c.join, self.verifies)
+        self.planning_s += time.perf_counter() - start
         return self._plan.draft
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -257,5 +271,6 @@ class CompositeSession(Session):
         """Put the reply's mix in its stats."""
         if stats is not None:
             stats.step_kinds, stats.kind_accepted = dict(self.steps), dict(self.kept)
+            stats.planning_s = self.planning_s
         for session in self.sessions:
             session.finish(stats)

@@ -129,9 +129,12 @@ class KangarooDrafter(Drafter):
                 "run: python launcher.py train --method kangaroo"
             ) from exc
         drafter = cls(lm, adapter, settings, ckpt.tensors.get("draft_vocab"), ckpt.metrics)
-        if not drafter.off and not drafter.pays:
+        if drafter.off:  # calibration found nothing faster than plain decoding
+            drafter.notice = drafter.verdict()
+        elif not drafter.pays:
             drafter.off, drafter.wants_hidden = True, False
             drafter.notice = not_paying_notice("Kangaroo", lm, drafter.speedup or 0.0)
+        if drafter.notice:
             log.warning("%s", drafter.notice)
         return drafter
 
@@ -180,13 +183,17 @@ class KangarooDrafter(Drafter):
         return self.tokens_per_round is None or (self.speedup or 0.0) > 1.0
 
     def verdict(self) -> str:
-        """One line on whether Kangaroo is estimated faster than plain decoding here."""
+        """One line on whether Kangaroo drafts here: calibration found no setting faster than
+        plain decoding, or its estimate here."""
+        measured = self.metrics.get("speedup")
+        if self.settings.gamma == 0 and isinstance(measured, (int, float)):
+            return (f"Kangaroo was measured slower than plain decoding on this machine "
+                    f"({measured:.2f}x): acceleration Off is faster")
         speedup = self.speedup
         if speedup is None:
             return "Kangaroo"
         if not self.pays:
-            return (f"Kangaroo is estimated at {speedup:.2f}x plain decoding on this machine: "
-                    "acceleration Off is faster")
+            return not_paying_notice("Kangaroo", self.lm, speedup)
         return f"Kangaroo: estimated {speedup:.2f}x plain decoding here"
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -38,9 +38,7 @@ def _options(**overrides) -> TrainOptions:
         data=DataBudget(max_conversations=12, batch_size=6, max_new_tokens=8),
         medusa=MedusaTrainConfig(negatives=64, batch_positions=32, eval_positions=64),
         train=TrainConfig(epochs=2),
-        calibration=CalibrationConfig(
-            budgets=(2, 4), finalists=1, prompts=1, max_new_tokens=6, step_repeats=1
-        ),
+        calibration=CalibrationConfig(nodes=6, positions=64, prompts=1, max_new_tokens=6),
     )
     return TrainOptions(**{**small, **overrides})
 
@@ -187,5 +185,6 @@ def test_every_trained_method_offers_what_the_pipeline_and_the_train_command_cal
 
     for name in TRAINED:
         trainer = importlib.import_module(method(name).trainer)
-        for call in ("check", "prep_seconds_per_token", "reserve_s", "train", "summary_lines"):
+        for call in ("check", "feature_layers", "prep_seconds_per_token", "reserve_s", "train",
+                     "summary_lines"):
             assert callable(getattr(trainer, call, None)), (name, call)

@@ -108,13 +108,21 @@ def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], inputs, teach
     drafter = drafter_of(lm, heads, found)
     params = SamplingParams(max_new_tokens=answer_room(lm, config.max_new_tokens))
     drafters: dict[str, Drafter] = {PLAIN: Drafter(), "medusa": drafter}
-    count = config.prompts
-    if seconds is not None:  # a reply priced at plain decoding's steps, for both drafters
-        reply_s = 2 * params.max_new_tokens * plain_step_seconds(lm)
-        count = max(1, min(count, int(seconds // max(reply_s, 1e-9))))
+    count = prompts_that_fit(seconds, plain_step_seconds(lm), len(drafters), config)
     measured = measure(lm, drafters, prompts[:count], params, progress, cancel)
     pays = measured.get("medusa", {}).get("speedup", 0.0) > 1.0
     return TreeChoice(found, pays, "medusa" if pays else PLAIN, measured)
+
+
+def prompts_that_fit(seconds: float | None, plain_s: float, candidates: int,
+                     config: CalibrationConfig) -> int:
+    """Prompts each candidate (plain decoding included) can decode in `seconds`, at most
+    config.prompts and at least one; a reply is priced at plain decoding's step time (drafts
+    are faster, prefills add a little: the two roughly cancel)."""
+    if seconds is None:
+        return config.prompts
+    per_prompt = candidates * config.max_new_tokens * plain_s
+    return max(1, min(config.prompts, int(seconds // max(per_prompt, 1e-9))))
 
 
 def drafter_of(lm, heads: MedusaHeads, found: list[list]) -> MedusaDrafter:
