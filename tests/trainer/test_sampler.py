@@ -10,7 +10,7 @@ from collections import deque
 import pytest
 import torch
 from stats_util import chi_square_pvalue
-from test_family_matrix import family_model
+from tests.engine.test_family_matrix import family_model
 
 from trainer.sampler import AnswerJob, Record, SamplerConfig, answers, supports_rows
 
