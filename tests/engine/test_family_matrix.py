@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from engine.config import ModelSpec, SamplingParams
 from engine.datastore_memory import Datastore
 from engine.drafters.datastore_source import StoreDrafter
+from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.registry import compose
 from engine.errors import AcceleratorError
@@ -73,6 +74,7 @@ def make_drafter(lm, method: str):
     rounds is the most involved (it reads the states of their tokens at its next round)."""
     built = {
         "lookup": LookupDrafter,
+        "grammar": GrammarDrafter,
         "datastore": lambda: StoreDrafter(family_store(lm)),
         "medusa": lambda: medusa_of(lm, chance=0.3),
         "kangaroo": lambda: kangaroo_of(lm, 2, 4, tokens=1.5),
@@ -108,9 +110,9 @@ def capture_state(monkeypatch) -> list:
     states, prefill = [], generate._prefill
 
     def recording(*args):
-        state, session = prefill(*args)
+        state, *rest = prefill(*args)
         states.append(state)
-        return state, session
+        return state, *rest
 
     monkeypatch.setattr(generate, "_prefill", recording)
     return states
