@@ -19,7 +19,7 @@ from engine.datastore_load import open_store
 from engine.datastore_match import Continuations
 from engine.datastore_memory import Datastore
 from engine.drafters.base import Draft, Drafter, Offer, Session
-from engine.drafters.composite import alone
+from engine.drafters.composite import pick
 from engine.paths import data_dir
 from engine.timing import StepCost, step_cost
 from engine.tree import build_tree
@@ -125,7 +125,10 @@ class StoreSession(Session):
         offer = self.offer(state)
         if offer is None:
             return Draft.chain(state.ids[-1], [])
-        draft = offer.build(alone(offer, self.drafter.cost)[0])
+        chosen = pick([offer], self.drafter.cost)  # None: no cut beats a plain step
+        if chosen is None:
+            return Draft.chain(state.ids[-1], [])
+        draft = offer.build(chosen[1])
         self._mine = list(range(1, draft.size))
         return draft
 

@@ -296,7 +296,9 @@ class MedusaDrafter(Drafter):
     @property
     def pays(self) -> bool:
         """Whether some cut of the tree is estimated faster than plain decoding here (a
-        drafter never measured drafts its whole tree alone, as asked)."""
+        drafter never measured drafts its whole tree alone, as asked; an empty tree never)."""
+        if self.tree.size <= 1:
+            return False
         return self.chances is None or (self.speedup or 0.0) > 1.0
 
     def start(self, state, prefill) -> MedusaSession:

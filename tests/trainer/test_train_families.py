@@ -62,8 +62,7 @@ def medusa_options() -> TrainOptions:
         data=DATA,
         medusa=MedusaTrainConfig(negatives=64, batch_positions=32, eval_positions=64),
         train=TrainConfig(epochs=1),
-        calibration=CalibrationConfig(budgets=(2, 4), finalists=1, prompts=1,
-                                      max_new_tokens=96, step_repeats=1),
+        calibration=CalibrationConfig(nodes=6, positions=64, prompts=1, max_new_tokens=96),
     )
 
 

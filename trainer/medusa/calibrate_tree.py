@@ -22,7 +22,7 @@ import torch
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
-from engine.progress import ProgressFn, ignore
+from engine.progress import Progress, ProgressFn, ignore
 from engine.timing import plain_step_seconds
 from engine.tree import build_tree, greedy_tree, marginal_accuracies
 from trainer.context import answer_room
@@ -102,6 +102,7 @@ def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], inputs, teach
               ) -> TreeChoice:
     """The candidate tree with its chances, and the heads' speed decoding held-out prompts
     against plain decoding here (as many prompts as fit in `seconds`, at least one)."""
+    progress(Progress("calibrate", 0, 0, "counting which tree nodes the heads get right"))
     found = candidates(lm, heads, topk_acc, inputs, teacher, pos, valid, config)
     if not found:
         return TreeChoice([], False)
