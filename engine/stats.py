@@ -27,6 +27,9 @@ class GenerationStats:
     step_kinds: dict[str, int] = field(default_factory=dict)
     kind_accepted: dict[str, int] = field(default_factory=dict)
     step: str = ""  # how the decode steps ran (engine/target.py: lean-compiled, ...)
+    # seconds a composite spent choosing its steps (offers, the rule, joining trees): part of
+    # elapsed_s, reported so that its share of the reply can be seen
+    planning_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,4 +75,5 @@ class GenerationStats:
             "step_kinds": dict(self.step_kinds),
             "kind_accepted": dict(self.kind_accepted),
             "step": self.step,
+            "planning_s": round(self.planning_s, 4),
         }

@@ -1,6 +1,7 @@
-"""How the data stage answers seeds: continuous batching where the model's cache allows
-it (trainer/sampler.py), generate() on fixed batches otherwise. Each conversation is
-appended to the data file when its last turn is answered."""
+"""How the data stage answers seeds: continuous batching on the lean step's batched rows
+where the lean step runs the model (trainer/sampler.py), generate() on fixed batches
+otherwise. Each conversation is appended to the data file when its last turn is answered;
+on the batched rows its features are recorded by the same forwards (trainer/recorded.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import torch
 
 from engine.chat_template import encode
 from engine.config import ChatMessage, ChatPrompt
+from trainer import recorded
 from trainer.context import answer_room, fit_prompt, padded
 from trainer.features import conversation_tokens
-from trainer.sampler import AnswerJob, SamplerConfig, answers, rows_that_fit, supports_refill
+from trainer.sampler import AnswerJob, Record, SamplerConfig, answers, rows_that_fit, supports_rows
 
 if TYPE_CHECKING:
     from trainer.selfdistill import DataBudget, Seed
@@ -36,7 +38,7 @@ TYPICAL_PROMPT = 512
 def answer_seeds(lm, fh, todo: list[Seed], budget: DataBudget, run: Run, report,
                  cancel: threading.Event | None) -> None:
     """Answer `todo` in order until the run's target or time budget, appending to `fh`."""
-    answer = _answer_streamed if supports_refill(lm) else _answer_in_batches
+    answer = _answer_streamed if supports_rows(lm) else _answer_in_batches
     answer(lm, fh, todo, budget, run, report, cancel)
 
 
@@ -78,7 +80,9 @@ def _answer_in_batches(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
 def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
                      report, cancel: threading.Event | None) -> None:
     """Continuous batching (trainer/sampler.py): each conversation's next turn joins the
-    batch as soon as its last answer ends; a conversation is written when it is whole."""
+    batch as soon as its last answer ends; a conversation is written when it is whole, with
+    its features where the budget asks for them (its last turn's prompt holds the earlier
+    turns, so that turn's forwards cover every position)."""
     answer_tokens = answer_room(lm, budget.max_new_tokens)
     seeds, queue, open_convs, closing = iter(todo), deque(), 0, False
     grace = min(GRACE_SHARE * budget.max_seconds, GRACE_MAX_S)
@@ -113,13 +117,17 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
     rows = rows_that_fit(lm, budget.batch_size, min(lm.context_len, TYPICAL_PROMPT + answer_tokens))
     config = SamplerConfig(rows, budget.temperature)
     generator = torch.Generator(device=lm.device).manual_seed(budget.seed * 7919 + run.count)
+    record = Record(budget.record_layers) if budget.record_layers else None
+    writer = recorded.Writer(recorded.folder(lm))
     admit()
-    for done, answer in answers(lm, queue, config, generator, keep_going):
+    for done, answer in answers(lm, queue, config, generator, keep_going, record):
         conv = done.tag
-        conv.answered(lm.tokenizer, answer)
+        conv.answered(lm.tokenizer, answer.ids)
         if conv.turns_left():
             queue.appendleft(job(conv))
             continue
+        if answer.features is not None:
+            writer.add(recorded.digest(conv.messages), _recorded(lm, conv, done, answer))
         _write(fh, conv)
         open_convs -= 1
         now = time.perf_counter()
@@ -127,7 +135,16 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         clock = now
         report()
         admit()
+    writer.flush()
     run.wrote(0, time.perf_counter() - clock, 0)  # the unfinished answers' time counts too
+
+
+def _recorded(lm, conv: _SeedInProgress, job: AnswerJob, answer) -> recorded.Conversation:
+    """The conversation's recorded features: its last turn's prompt and answer."""
+    f = answer.features
+    mask = recorded.answer_mask(lm, conv.messages, len(job.prompt), len(f.ids))
+    return recorded.Conversation(torch.tensor(f.ids), torch.tensor(mask), f.states,
+                                 f.top_ids, f.top_logits)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from engine.chat_template import render
 from engine.errors import QuickdraftError
 from engine.paths import atomic_write, cache_dir
 from engine.progress import Eta, Progress, ProgressFn, ignore
+from trainer import recorded
 from trainer.context import fit_sequence, padded
 
 SHARD_TOKENS = 65536  # tokens per cache shard: the unit of resuming
@@ -38,6 +39,11 @@ class Features:
     mask: torch.Tensor  # (T,) bool: token is part of a model answer
     offsets: torch.Tensor  # (C + 1,) long: conversation c spans offsets[c]:offsets[c + 1]
     states: dict[int, torch.Tensor]  # layer -> (T, H) hidden states, storage dtype
+    # The model's top-k next-token logits where the data stage recorded them (recorded[t]),
+    # (T, k) int32 ids and float16 logits; None when no position was recorded.
+    top_ids: torch.Tensor | None = None
+    top_logits: torch.Tensor | None = None
+    recorded: torch.Tensor | None = None  # (T,) bool
 
     @property
     def tokens(self) -> int:
@@ -217,6 +223,53 @@ def _read_shard(path: Path, layers: list[int]) -> Features:
 
 def features_for(lm, convs: list[list[dict]], layers: list[int], progress: ProgressFn = ignore,
                  cancel: threading.Event | None = None) -> Features:
-    """The conversations' token ids, answer masks and hidden states at `layers`, cached."""
-    ids, masks = encode_conversations(lm, convs)
-    return hidden_states(lm, ids, layers, masks, progress, cancel).load()
+    """The conversations' token ids, answer masks and hidden states at `layers`: as the data
+    stage recorded them where it did (trainer/recorded.py, with the model's top-k logits),
+    else from a frozen forward (cached)."""
+    keys = [recorded.digest(conv) for conv in convs]
+    found = recorded.read(recorded.folder(lm), set(keys), layers)
+    if found:
+        tokens = sum(c.ids.numel() for c in found.values())
+        progress(Progress("features", tokens, tokens,
+                          f"{tokens} tokens recorded while answering", 0.0))
+    if cancel is not None and cancel.is_set():
+        raise QuickdraftError("feature extraction cancelled")
+    rest = [conv for conv, key in zip(convs, keys, strict=True) if key not in found]
+    computed = None
+    if rest:
+        ids, masks = encode_conversations(lm, rest)
+        computed = hidden_states(lm, ids, layers, masks, progress, cancel).load()
+    return _merge(keys, found, computed, layers)
+
+
+def _merge(keys: list[str], found: dict, computed: Features | None,
+           layers: list[int]) -> Features:
+    """One Features in conversation order from the recorded ones and the computed ones."""
+    parts, c = [], 0
+    for key in keys:
+        if key in found:
+            parts.append(found[key])
+            continue
+        a, b = int(computed.offsets[c]), int(computed.offsets[c + 1])
+        c += 1
+        parts.append(recorded.Conversation(computed.ids[a:b], computed.mask[a:b],
+                                           {n: computed.states[n][a:b] for n in layers},
+                                           None, None))
+    if not parts:
+        raise QuickdraftError("no conversations to read features from")
+    lengths = torch.tensor([p.ids.numel() for p in parts])
+    feats = Features(torch.cat([p.ids for p in parts]), torch.cat([p.mask for p in parts]),
+                     torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                     {n: torch.cat([p.states[n] for p in parts]) for n in layers})
+    tops = [p for p in parts if p.top_ids is not None]
+    if tops:  # positions the data stage recorded keep the model's top-k logits
+        k = tops[0].top_ids.shape[1]
+        feats.top_ids = torch.zeros(feats.tokens, k, dtype=torch.int32)
+        feats.top_logits = torch.zeros(feats.tokens, k, dtype=torch.float16)
+        feats.recorded = torch.zeros(feats.tokens, dtype=torch.bool)
+        for p, a, b in zip(parts, feats.offsets[:-1].tolist(), feats.offsets[1:].tolist(),
+                           strict=True):
+            if p.top_ids is not None:
+                feats.top_ids[a:b], feats.top_logits[a:b] = p.top_ids, p.top_logits
+                feats.recorded[a:b] = True
+    return feats

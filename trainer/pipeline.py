@@ -20,6 +20,7 @@ from trainer.kangaroo.train_adapter import KangarooTrainConfig
 from trainer.medusa.calibrate_tree import CalibrationConfig
 from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.resume import Resume, load_resume
+from trainer.sampler import supports_rows
 from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
 from trainer.training_loop import TrainConfig
 
@@ -141,11 +142,16 @@ def train_accelerator(lm, options: TrainOptions, progress: ProgressFn = ignore,
 def _data_budget(lm, trainer, options: TrainOptions, total_s: float) -> DataBudget:
     """The data stage's share, net of the features the chats will cost, with the per-token
     cost of the features it will add (timed here: a model 4x bigger reads its data 4x
-    slower, and a budget that ignored it would leave training no time)."""
+    slower, and a budget that ignored it would leave training no time). Answers written on
+    the lean step's batched rows come with their features (trainer/recorded.py): those
+    cost the features stage nothing."""
     per_token = trainer.prep_seconds_per_token(lm, options)
     chats_s = per_token * sum(conversation_tokens(lm, chat) for chat in options.chats)
     share = max(0.0, total_s * options.prep_share - chats_s)
-    return dataclasses.replace(options.data, max_seconds=share, prep_s_per_token=per_token)
+    records = supports_rows(lm)
+    return dataclasses.replace(options.data, max_seconds=share,
+                               prep_s_per_token=0.0 if records else per_token,
+                               record_layers=trainer.feature_layers(lm, options) if records else ())
 
 
 def _resume(lm, options: TrainOptions, report: ProgressFn) -> Resume | None:

@@ -1,15 +1,19 @@
-"""Batched answer sampling for the data stage, with rows refilled as answers finish.
+"""Batched answer sampling for the data stage, with rows refilled as answers finish, on the
+lean step's batched rows (engine/lean/batch.py).
 
 `generate()` on a batch decodes until its longest answer ends, so rows whose answers are
 done keep costing a row each step, and a new batch waits for the slowest answer of the
-last. Here a finished row is swapped for the next prompt (continuous batching): rows that
-finish are left in place until a quarter of the batch is free, then the new prompts are
-prefilled together and joined to the running rows, all left-padded to a shared width
-that the attention mask hides. Positions are per row, so each answer sees exactly what it
-would see alone.
+last. Here every row has its own cache and length: a finished row takes the next prompt at
+once (continuous batching), prefilled alone into that row while the others wait one
+prefill. Each answer is exactly what the prompt would get alone.
 
-Only models whose cache layers are all plain full attention can have rows swapped like
-this (kv_cache.rows_editable); the data stage answers the others with generate().
+An answer can come with its features: the states of chosen layers and the model's top-k
+next-token logits at every position of prompt + answer, computed by the same forwards that
+wrote it (`Record`), so the trainer never runs the model over its data a second time. An
+answer that ended with the end-of-turn token has it fed once more, so every position,
+that one included, has its states.
+
+Models the lean step does not cover are answered by the data stage with generate().
 """
 
 from __future__ import annotations
@@ -19,18 +23,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from engine import kv_cache
-from trainer.context import padded
+from engine.lean.batch import BatchRows, Step
+from engine.lean.lean_target import LeanTarget
 
-# Positions reserved in the cache beyond the current width, so steps append in place.
-ROOM = 64
 # Share of the free accelerator memory the rows' caches may take (activations, the
 # prefill and the LM head's logits need the rest).
 KV_SHARE = 0.5
-# A prefill group may hold this many padded positions per real one before it is split.
-PAD_SLACK = 1.3
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,37 @@ class SamplerConfig:
 
     batch_size: int  # rows decoded together (the data budget's, memory permitting)
     temperature: float = 0.7  # for rows that sample
-    # Refill once this share of the rows is finished: a prefill costs a few steps, so
-    # refilling after every finished row would spend more than the idle rows waste.
-    refill_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class Record:
+    """What to keep of every position an answer's forwards computed."""
+
+    layers: tuple[int, ...]  # hidden-state layers (0: embeddings; L: final normed state)
+    topk: int = 16  # the model's top-k next-token logits kept per position
+
+
+@dataclass
+class Features:
+    """One answered prompt's features: prompt + answer (+ the end-of-turn token)."""
+
+    ids: list[int]  # every position's token
+    states: dict[int, torch.Tensor]  # layer -> (T, H) bf16
+    top_ids: torch.Tensor  # (T, k) int32: the model's top-k next tokens after each position
+    top_logits: torch.Tensor  # (T, k) float16, same order
+
+
+@dataclass
+class Answer:
+    """A finished answer: its tokens (end-of-turn cut) and, when recorded, its features."""
+
+    ids: list[int]
+    features: Features | None = None
+
+
+def supports_rows(lm) -> bool:
+    """Whether this model's answers can be batched row by row (the lean step runs it)."""
+    return isinstance(lm.target, LeanTarget)
 
 
 def rows_that_fit(lm, wanted: int, positions: int) -> int:
@@ -68,78 +95,103 @@ def rows_that_fit(lm, wanted: int, positions: int) -> int:
     return max(1, min(wanted, int(free * KV_SHARE // per_row)))
 
 
-def supports_refill(lm) -> bool:
-    """Whether this model's cache can have rows swapped (every layer full attention)."""
-    return kv_cache.rows_editable(DynamicCache(config=lm.model.config))
-
-
 @dataclass
-class _Rows:
-    """The running batch: one entry per row, finished rows included until the next refill."""
+class _Row:
+    """One row's answer in progress, with what it records."""
 
-    jobs: list[AnswerJob]
-    answers: list[list[int]]
-    alive: list[bool]
-    cache: DynamicCache
-    mask: torch.Tensor  # (B, width) 1 where a row has a real position
-    pos: torch.Tensor  # (B,) the next position of each row
-    last: torch.Tensor  # (B,) the token each row feeds next
-    finished: list[int] = field(default_factory=list)  # rows that finished this step
+    job: AnswerJob
+    answer: list[int] = field(default_factory=list)
+    ended: bool = False  # its last token is the end of turn
+    closing: bool = False  # its last token is chosen: fed once more for its states, then done
+    states: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    top_ids: list[torch.Tensor] = field(default_factory=list)
+    top_logits: list[torch.Tensor] = field(default_factory=list)
+
+    def keep(self, step: Step, at, record: Record | None) -> None:
+        """Record the step's rows `at` (an index or a slice) for this answer."""
+        if record is None:
+            return
+        for layer in record.layers:
+            self.states.setdefault(layer, []).append(step.states[layer][at].to(torch.bfloat16))
+        top = step.logits[at].topk(record.topk, dim=-1)
+        self.top_ids.append(top.indices.to(torch.int32))
+        self.top_logits.append(top.values.to(torch.float16))
+
+    def result(self, record: Record | None) -> Answer:
+        """The answer (end of turn cut) and, when recorded, the features of every position
+        (the end of turn's included)."""
+        answer = self.answer[:-1] if self.ended else self.answer
+        if record is None:
+            return Answer(answer)
+
+        def joined(parts):
+            return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]).cpu()
+
+        ids = [*self.job.prompt, *self.answer]
+        return Answer(answer, Features(ids, {n: joined(p) for n, p in self.states.items()},
+                                       joined(self.top_ids), joined(self.top_logits)))
 
 
 def answers(lm, queue: deque[AnswerJob], config: SamplerConfig, generator: torch.Generator,
-            keep_going: Callable[[], bool]) -> Iterator[tuple[AnswerJob, list[int]]]:
+            keep_going: Callable[[], bool], record: Record | None = None
+            ) -> Iterator[tuple[AnswerJob, Answer]]:
     """Answer the jobs in `queue` (the caller may push more between answers), yielding
-    (job, answer ids without EOS) as each finishes. Stops when the queue and the batch
-    are empty, or as soon as keep_going() says so (unfinished answers are dropped)."""
-    rows: _Rows | None = None
-    refill_at = max(1, int(config.batch_size * config.refill_fraction))
+    (job, answer) as each finishes. Stops when the queue and the rows are empty, or as
+    soon as keep_going() says so (unfinished answers are dropped)."""
+    longest = max((len(j.prompt) + j.max_new for j in queue), default=1)
+    rows = BatchRows(lm.target, config.batch_size, longest + 2)
+    live: list[_Row | None] = [None] * config.batch_size
+    pending = torch.zeros(config.batch_size, dtype=torch.long)
+    layers = record.layers if record else ()
     while keep_going():
-        live = 0 if rows is None else sum(rows.alive)
-        idle = 0 if rows is None else len(rows.alive) - live
-        if queue and (live == 0 or config.batch_size - live >= refill_at):
-            new = [queue.popleft() for _ in range(min(config.batch_size - live, len(queue)))]
-            rows = _join(lm, rows, new, config, generator)
-        elif live == 0:
+        for r in range(config.batch_size):  # refill: every free row takes the next job
+            while live[r] is None and queue:
+                row = _start(lm, rows, r, queue.popleft(), pending, config, generator, record)
+                if _done(lm, row, int(pending[r]), record):
+                    yield row.job, row.result(record)  # ended at its first token
+                else:
+                    live[r] = row
+        if not any(live):
             return
-        elif not queue and idle >= refill_at:
-            rows = _join(lm, rows, [], config, generator)  # the tail: drop finished rows
-        else:
-            _step(lm, rows, config, generator)
-        for r in rows.finished:
-            yield rows.jobs[r], rows.answers[r]
-        rows.finished = []
+        active = torch.tensor([row is not None for row in live])
+        step = rows.step(pending, active, layers)
+        chosen = _choose(step.logits, _greedy(live, step.logits.device), config.temperature,
+                         generator)
+        pending = chosen.cpu()
+        for r, row in enumerate(live):
+            if row is None:
+                continue
+            row.keep(step, r, record)
+            if row.closing or _done(lm, row, int(pending[r]), record):
+                live[r] = None
+                yield row.job, row.result(record)
 
 
-def _step(lm, rows: _Rows, config: SamplerConfig, generator: torch.Generator) -> None:
-    """One decode step for every row; finished rows decode padding that nobody reads."""
-    rows.mask = torch.cat([rows.mask, rows.mask.new_ones(len(rows.jobs), 1)], dim=1)
-    with torch.inference_mode():
-        out = lm.model(input_ids=rows.last[:, None], attention_mask=rows.mask,
-                       position_ids=rows.pos[:, None], past_key_values=rows.cache,
-                       use_cache=True)
-    # Finished rows keep their position: a model with learned positions must not run
-    # past its table on a row nobody reads.
-    rows.pos = rows.pos + torch.tensor(rows.alive, device=rows.pos.device)
-    _take(lm, rows, out.logits[:, -1], 0, config, generator)
+def _start(lm, rows: BatchRows, r: int, job: AnswerJob, pending: torch.Tensor,
+           config: SamplerConfig, generator: torch.Generator, record: Record | None) -> _Row:
+    """Prefill `job` into row r and choose its first token."""
+    rows.reserve(len(job.prompt) + job.max_new + 2)
+    step = rows.prefill(r, job.prompt, record.layers if record else ())
+    row = _Row(job)
+    row.keep(step, slice(None), record)
+    greedy = torch.tensor([job.greedy], device=step.logits.device)
+    pending[r] = _choose(step.logits[-1:], greedy, config.temperature, generator)[0].cpu()
+    return row
 
 
-def _take(lm, rows: _Rows, logits: torch.Tensor, first: int, config: SamplerConfig,
-          generator: torch.Generator) -> None:
-    """Choose the next token of rows first.. from their logits; mark finished rows."""
-    greedy = torch.tensor([job.greedy for job in rows.jobs[first:]], device=logits.device)
-    tokens = _choose(logits.float(), greedy, config.temperature, generator)
-    rows.last[first:] = tokens
-    for r, token in enumerate(tokens.tolist(), start=first):
-        if not rows.alive[r]:
-            continue
-        if token in lm.eos_ids:
-            rows.alive[r] = False
-        else:
-            rows.answers[r].append(token)
-            rows.alive[r] = len(rows.answers[r]) < rows.jobs[r].max_new
-        if not rows.alive[r]:
-            rows.finished.append(r)
+def _done(lm, row: _Row, token: int, record: Record | None) -> bool:
+    """Add the row's chosen token; True when the answer is done. A recorded answer that
+    just ended closes instead: its last token is fed once more for its states."""
+    row.answer.append(token)
+    row.ended = token in lm.eos_ids
+    if not row.ended and len(row.answer) < row.job.max_new:
+        return False
+    row.closing = record is not None
+    return not row.closing
+
+
+def _greedy(live: list[_Row | None], device) -> torch.Tensor:
+    return torch.tensor([row is None or row.job.greedy for row in live], device=device)
 
 
 def _choose(logits: torch.Tensor, greedy: torch.Tensor, temperature: float,
@@ -158,74 +210,3 @@ def _choose(logits: torch.Tensor, greedy: torch.Tensor, temperature: float,
                    dtype=torch.float64) * cdf[:, -1:]
     drawn = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     return torch.where(greedy, top, drawn)
-
-
-def _join(lm, rows: _Rows | None, new: list[AnswerJob], config: SamplerConfig,
-          generator: torch.Generator) -> _Rows:
-    """The running rows that are still alive followed by the `new` jobs, prefilled."""
-    kept = [] if rows is None else [r for r, alive in enumerate(rows.alive) if alive]
-    parts, masks, pos, last = [], [], [], []
-    width = 0
-    if kept:
-        keep = torch.tensor(kept, device=lm.device)
-        mask = rows.mask[keep]
-        width = mask.shape[1] - int(mask.argmax(-1).min())  # from the oldest real column
-        parts.append((rows.cache, keep))
-        masks.append(mask)
-        pos.append(rows.pos[keep])
-        last.append(rows.last[keep])
-    new = sorted(new, key=lambda job: len(job.prompt))
-    logits = []
-    for group in _length_groups(new):
-        cache, mask, group_logits = _prefill(lm, group)
-        width = max(width, mask.shape[1])
-        parts.append((cache, torch.arange(len(group), device=lm.device)))
-        masks.append(mask)
-        pos.append(mask.sum(-1))  # each prompt's length: its answer's first position
-        last.append(mask.new_zeros(len(group)))
-        logits.append(group_logits)
-    joined = _Rows(
-        jobs=[rows.jobs[r] for r in kept] + new,
-        answers=[rows.answers[r] for r in kept] + [[] for _ in new],
-        alive=[True] * (len(kept) + len(new)),
-        cache=kv_cache.regroup(lm.model, parts, width, ROOM),
-        mask=torch.cat([_left_pad(m, width) for m in masks]),
-        pos=torch.cat(pos),
-        last=torch.cat(last),
-    )
-    if new:
-        _take(lm, joined, torch.cat(logits), len(kept), config, generator)
-    return joined
-
-
-def _length_groups(jobs: list[AnswerJob]) -> list[list[AnswerJob]]:
-    """Length-sorted jobs cut into prefill groups that pad little: a later turn of a long
-    conversation would otherwise pad every short new prompt to its length."""
-    groups: list[list[AnswerJob]] = []
-    for job in jobs:
-        group = groups[-1] if groups else None
-        if group and len(job.prompt) * (len(group) + 1) <= PAD_SLACK * (
-                sum(len(j.prompt) for j in group) + len(job.prompt)):
-            group.append(job)
-        else:
-            groups.append([job])
-    return groups
-
-
-def _prefill(lm, jobs: list[AnswerJob]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-    """Prompts left-padded together through the model: (cache, mask, last logits)."""
-    ids, mask = padded([job.prompt for job in jobs], left=True)
-    ids, mask = ids.to(lm.device), mask.to(lm.device)
-    cache = DynamicCache(config=lm.model.config)
-    with torch.inference_mode():
-        out = lm.model(input_ids=ids, attention_mask=mask,
-                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                       past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache, mask, out.logits[:, -1]
-
-
-def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
-    have = mask.shape[1]
-    if have >= width:
-        return mask[:, have - width:]
-    return torch.cat([mask.new_zeros(mask.shape[0], width - have), mask], dim=1)

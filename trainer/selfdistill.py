@@ -43,6 +43,9 @@ class DataBudget:
     max_new_tokens: int = 256  # cap per answer
     samples_per_seed: int = 8  # passes over the seed set, each with fresh samples
     seed: int = 0  # fixes the seed order and the sampling RNG per batch
+    # hidden-state layers the answering forwards record for training (trainer/recorded.py),
+    # set by the pipeline from the method's trainer; () records nothing
+    record_layers: tuple[int, ...] = ()
 
     def used(self, seconds: float, tokens: int) -> float:
         """The budget a file with `tokens` conversation tokens made in `seconds` has used."""

@@ -25,8 +25,8 @@ COPY = "copy"  # the kind of a step that copies a 3-gram match's continuation al
 
 
 def fastest(sources: dict[str, Drafter]) -> str:
-    """The trained source with the best measured speedup over plain decoding; "off" when
-    none beats it."""
+    """The trained source with the best estimated speedup over plain decoding here; "off"
+    when none beats it."""
     speeds = {n: d.speedup for n, d in sources.items() if d.speedup is not None}
     best = max(speeds, key=speeds.get, default="off")
     return best if speeds.get(best, 0.0) > 1.0 else "off"
@@ -52,7 +52,7 @@ def label(kind: str, labels: dict[str, str]) -> str:
 def _reason(c: Composite, stats, labels: dict[str, str]) -> str:
     """One line for the readout: how Auto drafts, and how the reply `stats` did."""
     trained = c.sources.get(c.pick)
-    gain = f" ({trained.speedup:.2f}x Off when measured)" if trained is not None else ""
+    gain = f" (estimated {trained.speedup:.2f}x Off here)" if trained is not None else ""
     store = ", from the datastore where it is confident" if "datastore" in c.sources else ""
     arm = label(c.pick, labels) if trained is not None else "plain decoding"
     line = (f"Auto copies from the conversation where it can{store}, else drafts with "

@@ -79,13 +79,19 @@ class Draft:
     tree_mask: torch.Tensor | None = None  # (n, n) bool, node i attends to node j; None = chain
     # (n - 1, V) q rows of a sampled chain; None = point mass
     draft_probs: torch.Tensor | None = None
+    # each node's chance of being kept as its source estimates it (the root's 1.0); None
+    # where the source does not say: what a composite counts when drafts join
+    chances: list[float] | None = None
 
     @classmethod
-    def chain(cls, root: int, drafted: list[int], draft_probs: torch.Tensor | None = None) -> Draft:
-        """A linear draft: root -> drafted[0] -> drafted[1] -> ..."""
+    def chain(cls, root: int, drafted: list[int], draft_probs: torch.Tensor | None = None,
+              chances: list[float] | None = None) -> Draft:
+        """A linear draft: root -> drafted[0] -> drafted[1] -> ... (`chances`: the drafted
+        nodes' chances of being kept, in order)."""
         n = len(drafted) + 1
         children = [[i + 1] for i in range(n - 1)] + [[]]
-        return cls([root, *drafted], children, list(range(n)), None, draft_probs)
+        return cls([root, *drafted], children, list(range(n)), None, draft_probs,
+                   None if chances is None else [1.0, *chances])
 
     @property
     def size(self) -> int:
@@ -99,13 +105,23 @@ class Offer:
     expected tokens per unit of the measured step cost (engine.drafters.composite)."""
 
     kind: str  # what a step it drafts counts as ("copy", "medusa", ...)
-    size: int  # draft nodes it offers (the root excluded)
     build: Callable[[int], Draft]  # k -> the draft of its k most likely nodes (k == size: all)
-    # Each node's chance of being kept, most likely first (sources that count what was kept);
-    # empty for a trained source, which states its measured `speedup` instead.
+    # Each node's chance of being kept, most likely first: the k most likely nodes form a
+    # draft (a node is never likelier than its parent). Sources that count what was kept
+    # say it from their counts; trained ones from calibration, corrected by this reply.
     chances: tuple[float, ...] = ()
-    speedup: float | None = None  # measured speed over plain decoding when drafted alone
+    # plain steps of the source's own work when it drafts (a trained source's heads), timed
+    # here against the plain step; verifying the draft costs the step-cost curve on top
+    overhead: float = 0.0
+    # plain steps a whole round costs, timed here, for a source that verifies its own
+    # drafts (Kangaroo runs the layers above its exit): it drafts all or nothing
+    round_cost: float | None = None
     joins: bool = True  # False: verified alone (a copy in progress, a round of own layers)
+
+    @property
+    def size(self) -> int:
+        """Draft nodes it offers (the root excluded)."""
+        return len(self.chances)
 
 
 class Session:

@@ -1,11 +1,13 @@
 """Drafting sources composed into one drafter by one rule.
 
-Every step each source's session offers, from the past only, a draft and its expected kept
-tokens (engine.drafters.base.Offer): node chances from counts (lookup, the datastore), or a
-measured speedup (a trained source). The step takes the offer with the most expected
-tokens per unit of the step's measured cost, cut to its most likely nodes where that pays,
-plain decoding when none beats it; then every other offer that may join is grafted on (one
-tree, engine.tree.join_trees) where the added tokens pay for the longer verification.
+Every step each source's session offers, from the past only, a draft and each node's chance
+of being kept (engine.drafters.base.Offer): from counts (lookup, the datastore), or from a
+trained source's calibration corrected by what this reply kept, with the source's own work
+timed here. The step takes the offer with the most expected tokens per unit of the step's
+measured cost, cut to its most likely nodes where that pays, plain decoding when none
+beats it; then every other offer that may join is grafted on (one tree,
+engine.tree.join_trees) where the added tokens pay for the longer verification, a node two
+sources both offer counted once.
 
 A step drafted by one source that verifies its own drafts (Kangaroo: only the layers above
 its early exit) goes to that session; otherwise the composite runs the whole model once,
@@ -18,6 +20,7 @@ past.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,9 +33,9 @@ from engine.tree import TreeShape, join_trees, shape_of
 
 
 def best_size(chances: list[float], value: Callable[[int, float], float]) -> int:
-    """How many of the most likely nodes to draft: the k that maximizes value(k, their
-    summed chances), 0 where no node improves on value(0, 0)."""
-    best_k, best, gain = 0, value(0, 0.0), 0.0
+    """How many of the most likely nodes to draft: the k >= 1 that maximizes value(k, their
+    summed chances); 0 without nodes."""
+    best_k, best, gain = 0, float("-inf"), 0.0
     for k, p in enumerate(sorted(chances, reverse=True), 1):
         gain += p
         if (v := value(k, gain)) > best:
@@ -40,20 +43,20 @@ def best_size(chances: list[float], value: Callable[[int, float], float]) -> int
     return best_k
 
 
-def gain(offer: Offer, k: int, cost: StepCost) -> float:
-    """Expected kept tokens of `offer` cut to k nodes (its speedup, for a trained source,
-    converted through the cost of verifying k + 1 tokens)."""
-    if offer.speedup is not None:
-        return offer.speedup * cost(k + 1) - 1.0
-    return sum(offer.chances[:k])
+def price(offer: Offer, k: int, cost: StepCost) -> float:
+    """Plain steps of a step drafting `offer`'s k most likely nodes alone: its own round
+    where it verifies itself, else verifying k + 1 tokens plus its own work."""
+    return offer.round_cost if offer.round_cost is not None else cost(k + 1) + offer.overhead
 
 
 def alone(offer: Offer, cost: StepCost) -> tuple[int, float]:
-    """(nodes, expected tokens per unit of step cost) of `offer` drafted as the whole step,
-    cut to the nodes that pay."""
-    k = offer.size if offer.speedup is not None else best_size(
-        list(offer.chances), lambda k, g: (1.0 + g) / cost(k + 1))
-    return k, (1.0 + gain(offer, k, cost)) / cost(k + 1)
+    """(nodes, expected tokens per plain step of cost) of `offer` drafted as the whole
+    step, cut to the nodes that pay (a source with its own round drafts all of it)."""
+    if offer.round_cost is not None:
+        k = offer.size
+    else:
+        k = best_size(list(offer.chances), lambda k, g: (1.0 + g) / price(offer, k, cost))
+    return k, (1.0 + sum(sorted(offer.chances, reverse=True)[:k])) / price(offer, k, cost)
 
 
 def pick(offers: list[Offer | None], cost: StepCost) -> tuple[int, int] | None:
@@ -69,27 +72,53 @@ def pick(offers: list[Offer | None], cost: StepCost) -> tuple[int, int] | None:
     return best
 
 
-def join_size(offer: Offer, tokens: float, base: int, cost: StepCost) -> int:
-    """How many of `offer`'s nodes to graft onto a `base`-node draft expected to add
-    `tokens` tokens: the count that maximizes tokens per step cost."""
-    if offer.speedup is not None:
-        return offer.size
-    return best_size(list(offer.chances), lambda k, g: (tokens + g) / cost(base + k))
+def join_size(offer: Offer, tokens: float, base: int, overhead: float, cost: StepCost) -> int:
+    """How many of `offer`'s nodes to graft onto a `base`-node draft expected to keep
+    `tokens` tokens whose sources' own work costs `overhead`: the count that maximizes
+    tokens per step cost."""
+    spent = overhead + offer.overhead
+    return best_size(list(offer.chances), lambda k, g: (tokens + g) / (cost(base + k) + spent))
+
+
+def node_chances(draft: Draft, offer: Offer, k: int) -> list[float]:
+    """Each node's chance of being kept in `draft`, `offer`'s draft of its k most likely
+    nodes (the root's 1.0): as the source says, else its chances in node order."""
+    if draft.chances is not None:
+        return list(draft.chances)
+    return [1.0, *sorted(offer.chances, reverse=True)[:k]]
+
+
+def added_tokens(chances: list[float], extra: list[float], where: list[int]) -> float:
+    """Expected tokens a grafted draft adds: a node it merged into an existing one is the
+    same event, counted once (at the likelier estimate). Updates `chances` (the joined
+    draft's, new nodes appended as zeros first) in place."""
+    added = 0.0
+    for node, into in enumerate(where, start=1):
+        while into >= len(chances):
+            chances.append(0.0)
+        gain = max(0.0, extra[node] - chances[into])
+        chances[into] += gain
+        added += gain
+    return added
 
 
 class TreeJoin:
     """Grafts one draft onto another as one tree (engine.tree.join_trees); the structures
-    are kept per shape, so a repeated shape costs no new mask."""
+    are kept per shape, so a repeated shape costs no new mask. It keeps what a join takes
+    (an average over the latest ones), so a join must pay for itself too."""
 
     MAX_SHAPES = 512  # shapes kept before the cache starts over
+    AVERAGE = 0.1  # weight of the latest join in the running average of its seconds
 
     def __init__(self) -> None:
         self._shapes: dict[tuple[int, ...], TreeShape] = {}
+        self.seconds = 0.0  # what a join takes here, on average
 
     def __call__(self, a: Draft, b: Draft) -> tuple[Draft, list[int]]:
         """(the joined draft, the joined nodes of b's non-root nodes)."""
         if b.size == 1:
             return a, []
+        start = time.perf_counter()
         tokens, parents, where = join_trees(a.tokens, a.children, b.tokens, b.children)
         key = tuple(parents)
         shape = self._shapes.get(key)
@@ -97,7 +126,13 @@ class TreeJoin:
             if len(self._shapes) >= self.MAX_SHAPES:
                 self._shapes.clear()
             shape = self._shapes[key] = shape_of(parents)
+        took = time.perf_counter() - start
+        self.seconds += self.AVERAGE * (took - self.seconds) if self.seconds else took
         return Draft(tokens, shape.children, shape.depths, shape.mask), where[1:]
+
+    def steps(self, cost: StepCost) -> float:
+        """A join's time in plain steps (0 where the plain step was not measured)."""
+        return self.seconds / cost.plain_s if cost.plain_s > 0 else 0.0
 
 
 @dataclass
@@ -123,18 +158,24 @@ def plan(offers: list[Offer | None], root: int, cost: StepCost, join: TreeJoin,
                 first if verifies[first] else None)
     if not base.joins:
         return step
-    tokens = 1.0 + gain(base, k, cost)
+    chances = node_chances(draft, base, k)
+    tokens, overhead = sum(chances), base.overhead
     for i, offer in enumerate(offers):
         if i == first or offer is None or not offer.joins or offer.size == 0:
             continue
-        k = join_size(offer, tokens, step.draft.size, cost)
+        k = join_size(offer, tokens, step.draft.size, overhead, cost)
         if k == 0:
             continue
-        added = gain(offer, k, cost)
-        joined, where = join(step.draft, offer.build(k))
-        if (tokens + added) / cost(joined.size) > tokens / cost(step.draft.size):
+        extra = offer.build(k)
+        joined, where = join(step.draft, extra)
+        grown = list(chances)
+        added = added_tokens(grown, node_chances(extra, offer, k), where)
+        spent = overhead + offer.overhead + join.steps(cost)
+        if (tokens + added) / (cost(joined.size) + spent) > \
+                tokens / (cost(step.draft.size) + overhead):
+            joined.chances, chances = grown, grown
             step.draft, step.kind, step.mine[i] = joined, f"{step.kind}+{offer.kind}", where
-            tokens += added
+            tokens, overhead = tokens + added, spent
     return step
 
 
@@ -198,11 +239,14 @@ class CompositeSession(Session):
         self.kept: Counter = Counter()  # draft tokens accepted per kind in this reply
         self._plan: Plan | None = None
         self._layers: tuple[torch.Tensor, ...] | None = None  # a whole-model round's states
+        self.planning_s = 0.0  # seconds spent choosing this reply's steps (drafts included)
 
     def propose(self, state) -> Draft:
+        start = time.perf_counter()
         offers = [s.offer(state) for s in self.sessions]
         c = self.composite
         self._plan = plan(offers, state.ids[-1], c.cost, c.join, self.verifies)
+        self.planning_s += time.perf_counter() - start
         return self._plan.draft
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -227,5 +271,6 @@ class CompositeSession(Session):
         """Put the reply's mix in its stats."""
         if stats is not None:
             stats.step_kinds, stats.kind_accepted = dict(self.steps), dict(self.kept)
+            stats.planning_s = self.planning_s
         for session in self.sessions:
             session.finish(stats)

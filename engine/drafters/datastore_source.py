@@ -19,7 +19,7 @@ from engine.datastore_load import open_store
 from engine.datastore_match import Continuations
 from engine.datastore_memory import Datastore
 from engine.drafters.base import Draft, Drafter, Offer, Session
-from engine.drafters.composite import alone
+from engine.drafters.composite import pick
 from engine.paths import data_dir
 from engine.timing import StepCost, step_cost
 from engine.tree import build_tree
@@ -67,8 +67,10 @@ def tree_draft(root: int, found: Continuations, cache: dict) -> Draft:
     if tree is None:
         tree = cache[key] = build_tree(choices, max(len(c) for c in choices))
     token_of = dict(zip(choices, found.tokens, strict=True))
+    chance_of = dict(zip(choices, found.expected, strict=True))
     tokens = [root, *(token_of[c] for c in tree.choices[1:])]
-    return Draft(tokens, tree.children, tree.depths, tree.mask)
+    return Draft(tokens, tree.children, tree.depths, tree.mask,
+                 chances=[1.0, *(chance_of[c] for c in tree.choices[1:])])
 
 
 class StoreDrafter(Drafter):
@@ -116,15 +118,17 @@ class StoreSession(Session):
         if not found.tokens:
             return None
         root, trees = state.ids[-1], self.drafter.trees
-        return Offer("datastore", len(found.tokens),
-                     lambda k: tree_draft(root, found.top(k), trees),
+        return Offer("datastore", lambda k: tree_draft(root, found.top(k), trees),
                      chances=tuple(sorted(found.expected, reverse=True)))
 
     def propose(self, state) -> Draft:
         offer = self.offer(state)
         if offer is None:
             return Draft.chain(state.ids[-1], [])
-        draft = offer.build(alone(offer, self.drafter.cost)[0])
+        chosen = pick([offer], self.drafter.cost)  # None: no cut beats a plain step
+        if chosen is None:
+            return Draft.chain(state.ids[-1], [])
+        draft = offer.build(chosen[1])
         self._mine = list(range(1, draft.size))
         return draft
 

@@ -52,7 +52,7 @@ class GrammarSession(Session):
         if not tokens:
             return None
         p = self.chance()
-        return Offer("grammar", len(tokens), lambda k: Draft.chain(root, tokens[:k]),
+        return Offer("grammar", lambda k: Draft.chain(root, tokens[:k]),
                      chances=tuple(p ** i for i in range(1, len(tokens) + 1)))
 
     def observe(self, state, layers, path: list[int], mine: list[int]) -> None:

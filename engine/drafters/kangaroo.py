@@ -20,22 +20,17 @@ from transformers import DynamicCache
 
 from engine import kv_cache, quant
 from engine import split as layers
-from engine.accelerators import check_format, measured_speedup
+from engine.accelerators import check_format
 from engine.drafters.base import Draft, Drafter, Offer, Session
 from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
-from engine.drafters.payoff import (
-    PAY_MARGIN,
-    Payoff,
-    not_paying_notice,
-    round_seconds,
-    timed_elsewhere,
-)
+from engine.drafters.payoff import not_paying_notice, round_ratio
 from engine.errors import AcceleratorError
 from engine.sampling import logits_to_probs, sample_from
-from engine.timing import plain_step_seconds
 
 log = logging.getLogger(__name__)
 
+# How many rounds' worth calibration's tokens per round count for against a reply's own.
+PRIOR_ROUNDS = 4.0
 # Checkpoint layout of the adapter: 2 = one decoder layer of the model's class + final norm
 # (1 was a hand-built attention block). Other layouts are refused at load.
 FORMAT = 2
@@ -83,7 +78,10 @@ class KangarooDrafter(Drafter):
     verifies = True  # runs only the layers above the early exit over its drafts
 
     def __init__(self, lm, adapter: Adapter, settings: KangarooSettings,
-                 vocab: torch.Tensor | None = None, metrics: dict | None = None):
+                 vocab: torch.Tensor | None = None, metrics: dict | None = None,
+                 round_cost: float | None = None):
+        """metrics: calibration's (its "mean_accepted" tokens per round); round_cost: plain
+        steps a round costs where known, else timed here at first use (round_cost())."""
         layers.check_supported(lm.model)
         settings.check(layers.num_layers(lm.model))
         head = lm.model.get_output_embeddings()
@@ -101,14 +99,21 @@ class KangarooDrafter(Drafter):
                      else draft_head(lm.model, self.vocab).to(lm.dtype))
         self.vocab_size = vocab_size
         self.metrics = metrics or {}
-        self.speedup = measured_speedup(self.metrics)
+        # tokens a round adds (its own included), as calibration measured on held-out
+        # prompts; None: never measured, so it does not draft in a composite
+        tokens = self.metrics.get("mean_accepted")
+        self.tokens_per_round = float(tokens) if isinstance(tokens, (int, float)) else None
+        self._round_cost: dict[str, float] = {}  # plain steps of a round, by step kind
+        self._fixed_round_cost = round_cost
         # gamma 0: calibration found no setting faster than plain decoding, so decode plainly.
         self.off = settings.gamma == 0
         self.wants_hidden = not self.off
 
     @classmethod
     def from_checkpoint(cls, lm, ckpt) -> KangarooDrafter:
-        """Rebuild the drafter stored in `ckpt` (engine.accelerators.Checkpoint) for `lm`."""
+        """Rebuild the drafter stored in `ckpt` (engine.accelerators.Checkpoint) for `lm`;
+        its rounds are timed here, and where they would not pay it decodes plainly and
+        says so."""
         layers.check_supported(lm.model)
         stored = ckpt.info.get("settings", {})
         check_format(stored.get("format", 1), FORMAT, "kangaroo", ckpt.folder, "adapter")
@@ -124,27 +129,35 @@ class KangarooDrafter(Drafter):
                 "run: python launcher.py train --method kangaroo"
             ) from exc
         drafter = cls(lm, adapter, settings, ckpt.tensors.get("draft_vocab"), ckpt.metrics)
-        if not drafter.off and timed_elsewhere(ckpt.info.get("settings", {}), lm):
-            drafter.retime()
-        if drafter.metrics.get("pays") is False:
-            log.warning("%s", drafter.verdict())
+        if drafter.off:  # calibration found nothing faster than plain decoding
+            drafter.notice = drafter.verdict()
+        elif not drafter.pays:
+            drafter.off, drafter.wants_hidden = True, False
+            drafter.notice = not_paying_notice("Kangaroo", lm, drafter.speedup or 0.0)
+        if drafter.notice:
+            log.warning("%s", drafter.notice)
         return drafter
 
-    def retime(self) -> None:
-        """Re-estimate the speedup here (calibration timed another dtype or device): the
-        tokens per round calibration measured against a round and a plain step timed now.
-        Where it does not pay, the drafter decodes plainly and says so."""
-        tokens = float(self.metrics.get("mean_accepted") or 1.0)
-        # A round drafts about as many tokens as it keeps, plus the one that failed.
-        drafted = max(1, min(self.settings.gamma, math.ceil(tokens)))
-        # eta 0: the timed rounds draft exactly that many.
-        timed = round_seconds(self.lm, self.with_schedule(eta=0.0, gamma=drafted))
-        payoff = Payoff(tokens, plain_step_seconds(self.lm), timed)
-        self.metrics = {**self.metrics, "speedup": round(payoff.speedup, 3), "pays": payoff.pays}
-        self.retimed_speedup = self.speedup = payoff.speedup
-        if not payoff.pays:
-            self.off, self.wants_hidden = True, False
-            self.notice = not_paying_notice("Kangaroo", self.lm, payoff.speedup)
+    def round_cost(self) -> float:
+        """Plain steps one round costs here (its drafts, the layers above the exit over
+        them), drafting as many tokens as a round keeps on average, timed in turn with the
+        plain step of the step kind running now (once per kind)."""
+        if self._fixed_round_cost is not None:
+            return self._fixed_round_cost
+        kind = self.lm.target.name
+        if kind not in self._round_cost:
+            drafted = max(1, min(self.settings.gamma, math.ceil(self.tokens_per_round or 1.0)))
+            # eta 0: the timed rounds draft exactly that many.
+            self._round_cost[kind] = round_ratio(self.lm, self.with_schedule(0.0, drafted))
+        return self._round_cost[kind]
+
+    @property
+    def speedup(self) -> float | None:
+        """Estimated speed over plain decoding here: calibration's tokens per round over a
+        round's cost timed here (None: never measured, or no round to time)."""
+        if self.tokens_per_round is None or self.settings.gamma == 0:
+            return None
+        return self.tokens_per_round / self.round_cost()
 
     def with_schedule(self, eta: float, gamma: int) -> KangarooDrafter:
         """A drafter sharing these weights with another eta and gamma (calibration)."""
@@ -153,20 +166,35 @@ class KangarooDrafter(Drafter):
         other.settings.check(layers.num_layers(self.lm.model))
         other.off = gamma == 0
         other.wants_hidden = not other.off
+        other._round_cost = {}
         return other
 
     @property
+    def retimed_speedup(self) -> float | None:
+        """The estimate made here at load (see speedup)."""
+        return self.speedup
+
+    @property
     def pays(self) -> bool:
-        """False when calibration measured Kangaroo slower than plain decoding here."""
-        return self.metrics.get("pays", True) is not False
+        """Whether its rounds are estimated faster than plain decoding here (never measured:
+        it drafts alone as asked, and nothing in a composite)."""
+        if self.settings.gamma == 0:
+            return False
+        return self.tokens_per_round is None or (self.speedup or 0.0) > 1.0
 
     def verdict(self) -> str:
-        """One line on whether calibration found this drafter faster than plain decoding."""
-        speedup = self.metrics.get("speedup")
-        if self.metrics.get("pays") is False:
+        """One line on whether Kangaroo drafts here: calibration found no setting faster than
+        plain decoding, or its estimate here."""
+        measured = self.metrics.get("speedup")
+        if self.settings.gamma == 0 and isinstance(measured, (int, float)):
             return (f"Kangaroo was measured slower than plain decoding on this machine "
-                    f"({speedup:.2f}x): acceleration Off is faster")
-        return f"Kangaroo: {speedup:.2f}x plain decoding at calibration" if speedup else "Kangaroo"
+                    f"({measured:.2f}x): acceleration Off is faster")
+        speedup = self.speedup
+        if speedup is None:
+            return "Kangaroo"
+        if not self.pays:
+            return not_paying_notice("Kangaroo", self.lm, speedup)
+        return f"Kangaroo: estimated {speedup:.2f}x plain decoding here"
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors: adapter weights and the reduced vocabulary, if any."""
@@ -217,14 +245,25 @@ class KangarooSession(Session):
         self.drafted: torch.Tensor | None = None  # (1, k, H) layer-l states of root, d1..d(k-1)
         self.scored: torch.Tensor | None = None  # (1, k + 1, H) layer-l states of verified nodes
         self.external = False  # the round's states were not read by the adapter (no room)
+        self.kept = 0.0  # drafted tokens this reply's rounds kept
+        self.rounds = 0  # rounds this reply drafted
+
+    def expected(self) -> float:
+        """Drafted tokens a round is expected to keep: calibration's figure, corrected by
+        this reply's rounds (calibration counting for PRIOR_ROUNDS rounds)."""
+        prior = (self.drafter.tokens_per_round or 1.0) - 1.0
+        return (PRIOR_ROUNDS * prior + self.kept) / (PRIOR_ROUNDS + self.rounds)
 
     def offer(self, state) -> Offer | None:
-        """An adapter round, valued at its measured speedup: verified by this session alone."""
+        """An adapter round at its expected kept tokens and its cost timed here, verified by
+        this session alone (nothing where it was never measured)."""
         gamma = min(self.settings.gamma, state.room)
-        if gamma == 0:
+        if gamma == 0 or self.drafter.tokens_per_round is None:
             return None
-        return Offer("kangaroo", gamma, lambda _k: self.propose(state),
-                     speedup=self.drafter.speedup or PAY_MARGIN, joins=False)
+        # a round drafts all or nothing: only the sum counts, at most every token kept
+        per_token = min(1.0, self.expected() / gamma)
+        return Offer("kangaroo", lambda _k: self.propose(state), (per_token,) * gamma,
+                     round_cost=self.drafter.round_cost(), joins=False)
 
     def propose(self, state) -> Draft:
         """Run the pending token through the shallow layers, then draft until unsure."""
@@ -285,6 +324,8 @@ class KangarooSession(Session):
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
         k, a = draft.size - 1, len(path)
+        if k:
+            self.kept, self.rounds = self.kept + a, self.rounds + 1
         state.target.rollback(state.cache, k - a)  # every layer held start + k + 1
         if self.external:  # the adapter has read none of this round's states
             self.absorb(self.scored[:, :a + 1])

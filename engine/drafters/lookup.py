@@ -137,10 +137,10 @@ class LookupSession(Session):
             return None
         p, root = self.chance(n), state.ids[-1]
         self._copying = self.copying(n)
-        return Offer("copy" if self._copying else "lookup", len(chain),
-                     lambda k: Draft.chain(root, chain[:k]),
-                     chances=tuple(p ** i for i in range(1, len(chain) + 1)),
-                     joins=not self._copying)
+        chances = [p ** i for i in range(1, len(chain) + 1)]
+        return Offer("copy" if self._copying else "lookup",
+                     lambda k: Draft.chain(root, chain[:k], chances=chances[:k]),
+                     chances=tuple(chances), joins=not self._copying)
 
     def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
         if mine:

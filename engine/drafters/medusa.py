@@ -15,22 +15,19 @@ Verification, acceptance and the cache update are the decode loop's shared code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine import quant
-from engine.accelerators import check_format, measured_speedup
+from engine.accelerators import check_format
 from engine.drafters.base import Draft, Drafter, Offer, Session
-from engine.drafters.payoff import (
-    PAY_MARGIN,
-    Payoff,
-    not_paying_notice,
-    round_seconds,
-    timed_elsewhere,
-)
+from engine.drafters.composite import alone
+from engine.drafters.payoff import not_paying_notice, work_ratio
 from engine.errors import AcceleratorError, QuickdraftError
+from engine.timing import StepCost, step_cost
 from engine.tree import (
     TreeBuffers,
     build_tree,
@@ -44,9 +41,12 @@ TOKEN_DOWN, TOKEN_UP = "heads.token_down", "heads.token_up"
 FIX = "run: python launcher.py train --method medusa"
 # Checkpoint layout of the heads (settings["format"]); 2: heads may read the pending token.
 FORMAT = 2
-# Loading in a dtype or on a device calibration did not time (e.g. trained in bf16, loaded
-# in fp32): the tree budgets re-timed at load (engine.drafters.payoff decides what pays).
-RETIME_BUDGETS = (1, 2, 4, 8, 16)
+# Nodes of the candidate tree an older checkpoint (accuracies only) is read into.
+CANDIDATES = 32
+# How many tokens' worth the calibrated chances count for against a reply's own counts.
+PRIOR_TOKENS = 8.0
+# Nodes the heads' cost is timed drafting (their work hardly depends on the count).
+HEADS_TIMED_NODES = 8
 
 
 @dataclass(frozen=True)
@@ -185,19 +185,27 @@ def heads_from_tensors(
 
 
 class MedusaDrafter(Drafter):
-    """Proposes the calibrated tree filled with the heads' top-k tokens."""
+    """Proposes a tree filled with the heads' top-k tokens: each step the candidate tree cut
+    to the nodes that pay, by each node's chance of being kept (measured on held-out answers
+    when the heads were trained, corrected by what this reply kept) against the step costs
+    and the heads' own cost timed here."""
 
     name = "medusa"
     drafts = True
     wants_hidden = True
 
     def __init__(self, lm, heads: MedusaHeads, tree: TreeBuffers,
-                 retimed: Payoff | None = None, speedup: float | None = None):
+                 chances: Sequence[float] | None = None, overhead: float | None = None):
+        """tree: the candidate tree; chances: per non-root node of it (in its order) the
+        chance of being kept, as calibration measured it; None: never measured, so alone it
+        drafts the whole tree every step and in a composite it offers nothing. overhead:
+        plain steps the heads cost per step where known; None: timed here at first use."""
         if tree.depth > heads.settings.num_heads:
             raise AcceleratorError(
                 f"the Medusa tree needs {tree.depth} heads but the checkpoint has "
                 f"{heads.settings.num_heads}"
             )
+        self.lm = lm
         self.heads = heads.to(lm.device, lm.dtype).eval().requires_grad_(False)
         head = lm.model.get_output_embeddings()
         # A low-bit LM head scores the heads' states itself where they read all of it: its
@@ -212,30 +220,26 @@ class MedusaDrafter(Drafter):
         self._embedding = (lm.model.get_input_embeddings()
                            if heads.settings.pending_rank else None)
         self.tree = tree
-        # The best tree's estimate when it was re-timed at load (uncalibrated dtype or
-        # device); None: the calibrated tree, as stored.
-        self.retimed = retimed
-        self.retimed_speedup = None if retimed is None else retimed.speedup
-        # The tree's measured speed over plain decoding (re-timed here, else calibration's).
-        self.speedup = self.retimed_speedup or speedup
-        self.notice = "" if retimed is None or retimed.pays else not_paying_notice(
-            "Medusa", lm, retimed.speedup)
-        # Gather indices live on the heads' device once; only token values change per step.
-        self._slots = (tree.node_heads.to(lm.device), tree.node_ranks.to(lm.device))
+        # The candidate tree's nodes, most likely first, with their chances (their
+        # ancestors are likelier, so any first k of them form a tree).
+        order = [] if chances is None else sorted(range(1, tree.size),
+                                                  key=lambda n: -chances[n - 1])
+        self.ranked = [tree.choices[n] for n in order]
+        self.chances = None if chances is None else [float(chances[n - 1]) for n in order]
+        self._cuts: dict[int, tuple[TreeBuffers, list[float], tuple]] = {}
+        # plain steps of the heads, by step kind (timed once per kind unless given)
+        self._overhead: dict[str, float] = {}
+        self._fixed_overhead = overhead
 
     @classmethod
     def from_checkpoint(cls, lm, ckpt) -> MedusaDrafter:
-        """Build from a validated engine.accelerators.Checkpoint.
-
-        The stored tree was timed in the dtype training ran in; loaded in another (bf16 heads
-        on an fp32 or 4-bit model), the tree is re-timed here from the stored accuracies."""
+        """Build from a validated engine.accelerators.Checkpoint."""
         s = ckpt.info.get("settings", {})
         check_format(s.get("format", 1), FORMAT, "medusa", ckpt.folder, "heads")
         try:
             settings = MedusaSettings(int(s["num_heads"]), bool(s.get("own_vocab", False)),
                                       int(s["pending_rank"]))
-            choices = [tuple(c) for c in s["tree"]]
-            accuracies = [[float(a) for a in row] for row in s.get("accuracies", [])]
+            choices, chances = stored_candidates(s)
             if settings.num_heads < 1:
                 raise ValueError(f"num_heads {settings.num_heads} is not a positive count")
         except (KeyError, TypeError, ValueError) as exc:
@@ -246,93 +250,177 @@ class MedusaDrafter(Drafter):
         heads = heads_from_tensors(
             ckpt.tensors, int(lm.model.config.hidden_size), int(lm_head.weight.shape[0]), settings
         )
-        retimed = None
-        if timed_elsewhere(s, lm) and accuracies:
-            choices, retimed = retimed_tree(lm, heads, accuracies,
-                                            float(s.get("estimate_ratio", 1.0)))
         try:
             tree = build_tree(choices, settings.num_heads)
         except QuickdraftError as exc:
             raise AcceleratorError(
                 f"the Medusa tree in {ckpt.folder} is invalid: {exc}; {FIX}"
             ) from exc
-        return cls(lm, heads, tree, retimed, measured_speedup(ckpt.metrics))
+        chances = [chances[tuple(c)] for c in tree.choices[1:]]
+        drafter = cls(lm, heads, tree, chances)
+        if not drafter.pays:
+            drafter.notice = not_paying_notice("Medusa", lm, drafter.speedup or 0.0)
+        return drafter
+
+    def overhead(self) -> float:
+        """Plain steps the heads cost per drafted step here, timed against the plain step of
+        the step kind running now (once per kind)."""
+        if self._fixed_overhead is not None:
+            return self._fixed_overhead
+        kind = self.lm.target.name
+        if kind not in self._overhead:
+            self._overhead[kind] = work_ratio(self.lm, self._timed_heads)
+        return self._overhead[kind]
+
+    def _timed_heads(self, state) -> None:
+        self.draft(state, min(len(self.ranked), HEADS_TIMED_NODES))
+
+    def value(self, chances: Sequence[float], cost: StepCost) -> tuple[int, float]:
+        """(nodes, expected tokens per plain step of cost) of the best cut of the tree at
+        these node chances (most likely first)."""
+        return alone(Offer("medusa", self.draft, tuple(chances), self.overhead()), cost)
+
+    @property
+    def speedup(self) -> float | None:
+        """Estimated speed over plain decoding here: the best cut of the candidate tree at
+        the chances calibration measured, the step costs and the heads' cost timed here."""
+        if not self.chances:
+            return None
+        return self.value(self.chances, step_cost(self.lm))[1]
+
+    @property
+    def retimed_speedup(self) -> float | None:
+        """The estimate made here at load (see speedup)."""
+        return self.speedup
 
     @property
     def pays(self) -> bool:
-        """False when calibration stored an empty tree: no tree beat plain decoding here."""
-        return self.tree.size > 1
+        """Whether some cut of the tree is estimated faster than plain decoding here (a
+        drafter never measured drafts its whole tree alone, as asked; an empty tree never)."""
+        if self.tree.size <= 1:
+            return False
+        return self.chances is None or (self.speedup or 0.0) > 1.0
 
     def start(self, state, prefill) -> MedusaSession:
         return MedusaSession(self)
 
-    def draft(self, state) -> Draft:
+    def cut(self, k: int) -> tuple[TreeBuffers, list[float], tuple]:
+        """The tree of the k most likely nodes, its nodes' calibrated chances (root 1.0) and
+        the heads' (head, rank) slots per node, built once per k."""
+        if k not in self._cuts:
+            tree = build_tree(self.ranked[:k], self.heads.settings.num_heads)
+            chance_of = dict(zip(self.ranked, self.chances, strict=True))
+            device = self._embedding_device()
+            self._cuts[k] = (tree, [1.0, *(chance_of[c] for c in tree.choices[1:])],
+                             (tree.node_heads.to(device), tree.node_ranks.to(device)))
+        return self._cuts[k]
+
+    def _embedding_device(self) -> torch.device:
+        return self.heads.weight.device
+
+    def draft(self, state, k: int | None = None, scale: float = 1.0) -> Draft:
         """Heads read state.hidden (the state that predicted the pending token) and that
-        token (the root) -> tree.
+        token (the root) -> the tree of the k most likely nodes (None: the whole candidate
+        tree), its chances scaled by `scale` (this reply's correction).
 
         Where fewer tokens than the tree's depth fit the budget or the context (the last
         steps of a reply), the heads' top-1 guesses for the room left, as a chain."""
-        root, t = state.ids[-1], self.tree
-        if t.size == 1:  # calibration found no tree that pays: plain decoding
+        root = state.ids[-1]
+        if k is None or not self.chances:
+            t, chances = self.tree, None
+            slots = (t.node_heads.to(self._embedding_device()),
+                     t.node_ranks.to(self._embedding_device()))
+        else:
+            t, chances, slots = self.cut(k)
+        if t.size == 1:
             return Draft.chain(root, [])
         pending = None if self._embedding is None else pending_inputs(
-            self._embedding, torch.tensor(root, device=self._slots[0].device))
+            self._embedding, torch.tensor(root, device=slots[0].device))
         # Only the heads the tree reaches: each head's logits cost a row of the LM head,
         # a fifth of the bundled model's weights.
         logits = self.heads.logits(state.hidden, pending, self._projection, t.depth,
                                    self._head)  # (depth, V')
         if state.room < t.depth:
-            return Draft.chain(root, self.heads.tokens(logits[:state.room].argmax(-1)).tolist())
+            tokens = self.heads.tokens(logits[:state.room].argmax(-1)).tolist()
+            return Draft.chain(root, tokens, chances=None if chances is None else [
+                min(1.0, scale * c) for c in chances[1:len(tokens) + 1]])
         top = torch.topk(logits, t.top_k, dim=-1).indices  # (K, top_k) columns
-        drafted = self.heads.tokens(top[self._slots]).tolist()  # (n - 1,) node tokens
-        return Draft([root, *drafted], t.children, t.depths, t.mask)
+        drafted = self.heads.tokens(top[slots]).tolist()  # (n - 1,) node tokens
+        scaled = None if chances is None else [1.0, *(min(1.0, scale * c) for c in chances[1:])]
+        return Draft([root, *drafted], t.children, t.depths, t.mask, chances=scaled)
 
 
 class MedusaSession(Session):
-    """A reply drafting with the heads: they read the state the loop keeps (state.hidden),
-    so the session holds nothing of its own."""
+    """A reply drafting with the heads: they read the state the loop keeps (state.hidden);
+    the session counts how many of the heads' nodes this reply kept against the chances it
+    drafted them at, and scales the calibrated chances by that."""
 
     wants_hidden = True
 
     def __init__(self, drafter: MedusaDrafter) -> None:
         self.drafter = drafter
+        self.kept = 0.0  # the heads' nodes kept in this reply
+        self.expected = 0.0  # their summed calibrated chances
+        self._step = 0.0  # the summed chances of this step's draft (0: none built)
+
+    def scale(self) -> float:
+        """This reply's correction of the calibrated chances: kept / expected, starting
+        from the calibration itself (PRIOR_TOKENS tokens' worth)."""
+        return (PRIOR_TOKENS + self.kept) / (PRIOR_TOKENS + self.expected)
+
+    def _build(self, state, k: int | None, scale: float) -> Draft:
+        draft = self.drafter.draft(state, k, scale)
+        # counted in calibration's own chances, so kept / expected is the correction itself
+        self._step = sum(draft.chances[1:]) / scale if draft.chances else 0.0
+        return draft
 
     def propose(self, state) -> Draft:
-        return self.drafter.draft(state)
+        d = self.drafter
+        if not d.chances:
+            return d.draft(state)
+        scale = self.scale()
+        k, value = d.value([min(1.0, scale * c) for c in d.chances], step_cost(d.lm))
+        if k == 0 or value <= 1.0:
+            return Draft.chain(state.ids[-1], [])
+        return self._build(state, k, scale)
+
+    def commit(self, state, draft: Draft, path: list[int]) -> None:
+        super().commit(state, draft, path)
+        self.observe(state, None, path, list(range(1, draft.size)))
 
     def offer(self, state) -> Offer | None:
-        """The calibrated tree, valued at its measured speedup (an accelerator whose speed
-        was never measured is taken to just pay)."""
+        """The candidate tree, each node at this reply's chance of being kept, with the
+        heads' timed cost (nothing where the heads were never measured)."""
         d = self.drafter
-        if d.tree.size == 1:
+        if not d.chances or state.room == 0:
             return None
-        size = d.tree.size - 1 if state.room >= d.tree.depth else state.room
-        return Offer("medusa", size, lambda _k: d.draft(state),
-                     speedup=d.speedup or PAY_MARGIN)
+        scale = self.scale()
+        return Offer("medusa", lambda k: self._build(state, k, scale),
+                     tuple(min(1.0, scale * c) for c in d.chances), d.overhead())
+
+    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
+        """Count the heads' nodes this step kept against the chances they were drafted at."""
+        if self._step and mine:
+            self.kept += sum(node in path for node in mine)
+            self.expected += self._step
+        self._step = 0.0
 
 
-def retimed_tree(lm, heads: MedusaHeads, topk_acc: list[list[float]],
-                 estimate_ratio: float = 1.0, repeats: int = 3) -> tuple[list, Payoff]:
-    """The greedy tree with the best estimated speedup from step times measured now, and
-    that estimate; no tree ([]) when none pays, so a re-timed drafter is never expected to
-    be slower. Expected tokens per step come from the stored held-out accuracies, scaled by
-    `estimate_ratio` (measured / estimated tokens per step of the tree calibration chose:
-    the independence assumption over-counts deep nodes)."""
-    marginal = marginal_accuracies(topk_acc)
-    plain = tree_step_seconds(lm, heads, [], repeats=repeats)
-    best, best_payoff = [], Payoff(1.0, plain, plain)
-    for budget in RETIME_BUDGETS:
-        choices = greedy_tree(marginal, budget)
-        tokens = 1 + (expected_tokens(choices, marginal) - 1) * estimate_ratio
-        payoff = Payoff(tokens, plain, tree_step_seconds(lm, heads, choices, repeats=repeats))
-        if payoff.speedup > best_payoff.speedup:
-            best, best_payoff = choices, payoff
-    return (best, best_payoff) if best_payoff.pays else ([], best_payoff)
-
-
-def tree_step_seconds(lm, heads: MedusaHeads, choices, ids: list[int] | None = None,
-                      repeats: int = 3) -> float:
-    """Median seconds of a decode step drafting the tree `choices` ([]: a plain step, whose
-    heads still run) after the prompt `ids` (engine.drafters.payoff.round_seconds)."""
-    tree = build_tree(choices, heads.settings.num_heads)
-    return round_seconds(lm, MedusaDrafter(lm, heads, tree), ids, repeats)
+def stored_candidates(settings: dict) -> tuple[list[tuple[int, ...]], dict]:
+    """The candidate tree and each node's chance of being kept, from a checkpoint's
+    settings: as calibration measured them on held-out answers ("candidates": [[choice,
+    chance], ...]), or (an older checkpoint) the greedy tree of its per-head accuracies with
+    independent heads, scaled by its measured-to-estimated ratio. Raises ValueError or
+    TypeError on malformed settings."""
+    if "candidates" in settings:
+        pairs = [(tuple(int(r) for r in c), float(p)) for c, p in settings["candidates"]]
+    else:
+        marginal = marginal_accuracies([[float(a) for a in row]
+                                        for row in settings.get("accuracies", [])])
+        ratio = float(settings.get("estimate_ratio", 1.0))
+        pairs = [(c, min(1.0, ratio * (expected_tokens([c], marginal) - 1.0)))
+                 for c in greedy_tree(marginal, CANDIDATES)]
+    for choice, chance in pairs:
+        if not 0.0 <= chance <= 1.0:
+            raise ValueError(f"node {list(choice)} has a chance of {chance}")
+    return [c for c, _p in pairs], dict(pairs)

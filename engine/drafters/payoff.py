@@ -1,19 +1,18 @@
-"""Whether drafting pays here: expected tokens per step against step times measured on
-this machine, in this dtype, on this device (the plain step and the cost curve are
-engine.timing's, timed once per loaded model; a drafter's own round is timed here).
+"""Whether drafting pays here: a trained drafter's own work timed on this machine, in this
+dtype, on this device and step kind, as a multiple of the plain step timed in turn with it
+(so load on the machine hits both alike and the ratio stands); verification is priced by
+engine.timing's step-cost curve.
 
-Calibration times an accelerator where it was trained. Loaded in another dtype (fp32
-instead of bf16, 4-bit), on another device or on another machine (a shipped accelerator),
-a drafted step costs a different multiple of a plain one (on one CPU bf16 verifies 8 tokens
-for ~1.1 plain steps, on another without bf16 arithmetic for ~6), so the drafter re-times its
-steps at load and decodes plainly, saying so, where the estimate does not beat plain
-decoding by PAY_MARGIN.
+A drafted step costs a different multiple of a plain one on every setup (on one CPU bf16
+verifies 8 tokens for ~1.1 plain steps, on another without bf16 arithmetic for ~6), so
+nothing timed where an accelerator was trained is reused: every load times its own, and a
+drafter whose best estimate does not beat plain decoding decodes plainly and says so.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -21,28 +20,6 @@ from engine import devices, kernels, timing
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
 from engine.sampling import make_generator
-
-# An estimate must beat plain decoding by this factor: estimates from held-out acceptance
-# and a few timed steps run a little high, and a drafter that only breaks even costs memory.
-PAY_MARGIN = 1.1
-
-
-@dataclass(frozen=True)
-class Payoff:
-    """A drafted step against a plain one, here."""
-
-    tokens_per_step: float  # expected tokens a drafted step adds (its own token included)
-    plain_s: float  # seconds of one plain decode step, measured here
-    step_s: float  # seconds of one drafted step (propose + verify), measured here
-
-    @property
-    def speedup(self) -> float:
-        """Estimated decoding speed over plain decoding."""
-        return self.tokens_per_step * self.plain_s / self.step_s
-
-    @property
-    def pays(self) -> bool:
-        return self.speedup > PAY_MARGIN
 
 
 def machine(lm) -> str:
@@ -57,41 +34,59 @@ def machine(lm) -> str:
     return f"{where}, torch {torch.__version__}"
 
 
-def timed_elsewhere(settings: dict, lm) -> bool:
-    """True unless calibration timed this accelerator in `lm`'s dtype on this machine
-    (checkpoints that did not record one, shipped ones among them, are taken as timed
-    elsewhere)."""
-    return (settings.get("quant") != lm.quant
-            or settings.get("device", lm.device.type) != lm.device.type
-            or settings.get("machine") != machine(lm))
-
-
 def not_paying_notice(method: str, lm, speedup: float) -> str:
     """What a reply says when a drafter falls back to plain decoding here."""
-    return (f"{method} is estimated at {speedup:.2f}x plain decoding in {lm.quant} on this "
-            f"{lm.device.type.upper()}: decoding plainly (retrain it here to fit this setup)")
+    return (f"{method} is not drafting: estimated at {speedup:.2f}x plain decoding in "
+            f"{lm.quant} on this {lm.device.type.upper()}, so it decodes plainly (retrain it "
+            "here to fit this setup)")
 
 
-def round_seconds(lm, drafter: Drafter, ids: list[int] | None = None,
-                  repeats: int = 3) -> float:
-    """Median seconds of one decode step of `lm` with `drafter` (propose, verify, commit)
-    whose drafts are all rejected, after the prompt `ids` (None: 192 made-up tokens). Only
-    its latest tokens are used where the drafts would otherwise pass the model's window."""
+def prefilled(lm, drafter: Drafter | None = None, ids: list[int] | None = None
+              ) -> tuple[DecodeState, Session | None]:
+    """A decode state after the prompt `ids` (None: 192 made-up tokens, only the latest ones
+    where drafts would otherwise pass the model's window), with `drafter`'s session."""
     if ids is None:
         ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, 193)]
-    n = max(2, min(len(ids), lm.context_len - 16 - repeats))  # drafts stay inside the window
+    n = max(2, min(len(ids), lm.context_len - 32))
     ids = list(ids[-n:])
     cache = lm.target.new_cache()
-    times = []
+    want = drafter is None or drafter.wants_hidden
     with torch.inference_mode():
-        out = lm.target.forward(cache, ids[:-1], 0, states=drafter.wants_hidden,
-                                last_only=True)
-        state = DecodeState(lm, SamplingParams(), cache, list(ids), n - 1,
-                            make_generator(0, lm.device))
-        session = start_session(drafter, state, out.states)
-        for _ in range(repeats + 1):  # the first round warms up
-            times.append(timing.seconds(lm.device, _round, session, state))
-    return statistics.median(times[1:])
+        out = lm.target.forward(cache, ids[:-1], 0, states=want, last_only=True)
+        state = DecodeState(lm, SamplingParams(), cache, ids, n - 1, make_generator(0, lm.device))
+        if out.states is not None:
+            state.hidden = out.states[-1][0, -1]
+        session = None if drafter is None else start_session(drafter, state, out.states)
+    return state, session
+
+
+def work_ratio(lm, work: Callable[[DecodeState], object], rounds: int = 7) -> float:
+    """Plain steps that `work(state)` costs here: a drafter's own work in a step, timed in
+    turn with a plain step of the same model at the same position (so load on the machine
+    hits both alike); the median of the per-round ratios."""
+    state, _session = prefilled(lm)
+    timer = timing.StepTimer(lm)
+    ratios = []
+    with torch.inference_mode():
+        work(state)  # warm
+        for _ in range(rounds):
+            plain = timer.once(1)
+            ratios.append(timing.seconds(lm.device, work, state) / plain)
+    return statistics.median(ratios)
+
+
+def round_ratio(lm, drafter: Drafter, rounds: int = 5) -> float:
+    """Plain steps one decode step with `drafter` costs here (propose, verify, commit, every
+    draft rejected), timed in turn with a plain step (see work_ratio)."""
+    state, session = prefilled(lm, drafter)
+    timer = timing.StepTimer(lm)
+    ratios = []
+    with torch.inference_mode():
+        _round(session, state)  # warm
+        for _ in range(rounds):
+            plain = timer.once(1)
+            ratios.append(timing.seconds(lm.device, _round, session, state) / plain)
+    return statistics.median(ratios)
 
 
 def _round(session: Session, state: DecodeState) -> None:

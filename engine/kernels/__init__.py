@@ -1,4 +1,5 @@
-"""Quickdraft's own CPU kernels (lowbit.cpp), compiled on first use with the C++ compiler
+"""Quickdraft's own CPU kernels (lowbit.cpp: low-bit products; attention.cpp: decode
+attention of many sequences at once), compiled on first use with the C++ compiler
 that torch.compile already needs, and registered as torch operators (`quickdraft::...`), so
 eager code, torch.export and AOTInductor packages call them like any other operator.
 
@@ -26,7 +27,7 @@ from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("lowbit.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("lowbit.cpp", "attention.cpp"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-w", "-shared", "-fPIC")
 BUILD_SECONDS = 300  # a build that takes longer is abandoned (the kernels stay PyTorch's)
 
@@ -94,9 +95,9 @@ def _command_and_path() -> tuple[list[str], Path]:
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++)")
     includes, links = _torch_flags()
-    command = [compiler, *FLAGS, *vnni_flags(), *includes, str(SOURCE),
-               *links]  # libraries after the source
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(command).encode()
+    command = [compiler, *FLAGS, *vnni_flags(), *includes, *map(str, SOURCES),
+               *links]  # libraries after the sources
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr(command).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return command, cache_dir() / "kernels" / key / "quickdraft_lowbit.so"
 
@@ -113,7 +114,7 @@ def _library() -> Path:
         done = subprocess.run([*command, "-o", str(partial)], capture_output=True, text=True,
                               timeout=BUILD_SECONDS)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: "
+            raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed: "
                                f"{(done.stderr or done.stdout).strip()[-300:]}")
         os.replace(partial, path)
     finally:

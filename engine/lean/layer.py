@@ -76,7 +76,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
-def make_layer(spec: LeanSpec, wide_rows: int = 0) -> Callable:
+class BatchLengths(NamedTuple):
+    """A batched step's attention span per row, for Quickdraft's decode-attention kernel
+    (in place of a mask): row r attends to its slots 0..lengths[r]-1 (the last one its
+    own), only the last `window` of them where the layer has a sliding window."""
+
+    lengths: torch.Tensor  # (n,) long
+    window: int | None
+
+
+def make_layer(spec: LeanSpec, wide_rows: int = 0, batched: bool = False) -> Callable:
     """The layer function for `spec`:
 
     layer(x, weights, cos, sin, mask, keys, values, slots) -> x
@@ -84,6 +93,10 @@ def make_layer(spec: LeanSpec, wide_rows: int = 0) -> Callable:
       mask: (n, W) additive float mask over the first W cache slots (this step's included);
       keys, values: (kv_heads, C, D) this layer's cache, written at `slots` (n,) in place.
     wide_rows: steps of this many rows or more use the bf16 copies low-bit weights keep.
+    batched: the n rows are n independent sequences, one token each (engine/lean/batch.py):
+      keys, values are then (n, kv_heads, C, D), one cache row per sequence, and row r
+      writes its slot slots[r] and attends to its own row under mask[r] (or over the span
+      a BatchLengths gives, through Quickdraft's kernel).
     """
     heads, kv, d, groups = spec.heads, spec.kv_heads, spec.head_dim, spec.groups
     mlp_act = ACT2FN[spec.act]
@@ -91,7 +104,8 @@ def make_layer(spec: LeanSpec, wide_rows: int = 0) -> Callable:
     def norm(x, weight):
         return x if weight is None else rms_norm(spec, x, weight)
 
-    def attention(x, w: LayerWeights, cos, sin, mask, keys, values, slots):
+    def project(x, w: LayerWeights, cos, sin):
+        """(n, H) -> rotated q (heads, n, D), k (kv, n, D) and v (kv, n, D)."""
         n = x.shape[0]
         outs = [linear(lin, x, wide_rows) for lin in w.qkv]
         q, k, v = outs if len(outs) == 3 else outs[0].split([heads * d, kv * d, kv * d], -1)
@@ -100,22 +114,48 @@ def make_layer(spec: LeanSpec, wide_rows: int = 0) -> Callable:
         q, k = q.view(n, heads, d), k.view(n, kv, d)
         if spec.qk_norm == "head":
             q, k = norm(q, w.q_norm), norm(k, w.k_norm)
-        q = rotate(q.transpose(0, 1), cos, sin)  # (heads, n, D)
-        k = rotate(k.transpose(0, 1), cos, sin)  # (kv, n, D)
-        v = v.view(n, kv, d).transpose(0, 1)
+        q = rotate(q.transpose(0, 1), cos, sin)
+        k = rotate(k.transpose(0, 1), cos, sin)
+        return q, k, v.view(n, kv, d).transpose(0, 1)
+
+    def attend(scores, mask):
+        """Soft-capped, masked softmax over the last dimension, in float32."""
+        scores = scores.float() * spec.scaling
+        if spec.attn_softcap:
+            scores = torch.tanh(scores / spec.attn_softcap) * spec.attn_softcap
+        return torch.softmax(scores + mask, dim=-1)
+
+    def attention(x, w: LayerWeights, cos, sin, mask, keys, values, slots):
+        n = x.shape[0]
+        q, k, v = project(x, w, cos, sin)
         keys.index_copy_(1, slots, k.to(keys.dtype))
         values.index_copy_(1, slots, v.to(values.dtype))
         window = mask.shape[-1]
         # Grouped-query attention without copying the cache: the queries of a group stack
         # up as rows against their one key/value head, (kv, groups * n, D).
         grouped = q.reshape(kv, groups * n, d).to(keys.dtype)
-        scores = (grouped @ keys[:, :window].transpose(1, 2)).float() * spec.scaling
-        if spec.attn_softcap:
-            scores = torch.tanh(scores / spec.attn_softcap) * spec.attn_softcap
-        scores = scores + mask.repeat(groups, 1)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = (probs @ values[:, :window]).view(heads, n, d).transpose(0, 1)
+        probs = attend(grouped @ keys[:, :window].transpose(1, 2), mask.repeat(groups, 1))
+        out = (probs.to(values.dtype) @ values[:, :window]).view(heads, n, d).transpose(0, 1)
         return linear(w.o, out.reshape(n, heads * d).to(x.dtype), wide_rows)
+
+    def batch_attention(x, w: LayerWeights, cos, sin, mask, keys, values, slots):
+        n = x.shape[0]
+        q, k, v = project(x, w, cos, sin)
+        rows = torch.arange(n, device=x.device)
+        keys[rows, :, slots] = k.transpose(0, 1).to(keys.dtype)  # (n, kv, D) at each row's slot
+        values[rows, :, slots] = v.transpose(0, 1).to(values.dtype)
+        if isinstance(mask, BatchLengths):  # Quickdraft's kernel reads each row's own length
+            out = torch.ops.quickdraft.decode_attention(
+                q.transpose(0, 1).contiguous().to(keys.dtype), keys, values, mask.lengths,
+                spec.scaling, spec.attn_softcap or 0.0, mask.window or 0)
+            return linear(w.o, out.reshape(n, heads * d).to(x.dtype), wide_rows)
+        window = mask.shape[-1]
+        grouped = q.transpose(0, 1).reshape(n, kv, groups, d).to(keys.dtype)  # (n, kv, g, D)
+        probs = attend(grouped @ keys[:, :, :window].transpose(2, 3), mask[:, None, None])
+        out = probs.to(values.dtype) @ values[:, :, :window]  # (n, kv, g, D)
+        return linear(w.o, out.reshape(n, heads * d).to(x.dtype), wide_rows)
+
+    attention_of = batch_attention if batched else attention
 
     def mlp(x, w: LayerWeights):
         outs = [linear(lin, x, wide_rows) for lin in w.gate_up]
@@ -123,7 +163,7 @@ def make_layer(spec: LeanSpec, wide_rows: int = 0) -> Callable:
         return linear(w.down, mlp_act(gate) * up, wide_rows)
 
     def layer(x, w: LayerWeights, cos, sin, mask, keys, values, slots):
-        h = attention(norm(x, w.norm_in), w, cos, sin, mask, keys, values, slots)
+        h = attention_of(norm(x, w.norm_in), w, cos, sin, mask, keys, values, slots)
         x = x + norm(h, w.norm_attn_out)
         h = mlp(norm(x, w.norm_mlp_in), w)
         return x + norm(h, w.norm_mlp_out)

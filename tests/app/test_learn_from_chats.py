@@ -191,8 +191,7 @@ def _options(**overrides) -> TrainOptions:
         data=DataBudget(max_conversations=12, batch_size=6, max_new_tokens=8),
         medusa=MedusaTrainConfig(negatives=64, batch_positions=32, eval_positions=64, epochs=6),
         train=TrainConfig(epochs=2),
-        calibration=CalibrationConfig(budgets=(2, 4), finalists=1, prompts=1, max_new_tokens=6,
-                                      step_repeats=1),
+        calibration=CalibrationConfig(nodes=6, positions=64, prompts=1, max_new_tokens=6),
     )
     return TrainOptions(**{**small, **overrides})
 

@@ -243,14 +243,27 @@ def test_stop_only_ends_the_reply_of_the_session_that_asked(service):
 
 def _untrained_medusa(lm, num_heads: int = 2) -> None:
     """Store Medusa heads as they start training (zero residual: each head repeats the
-    model's own next-token guess): a valid accelerator with modest acceptance."""
+    model's own next-token guess), with the node chances a calibration would store: a
+    valid accelerator with modest acceptance."""
     from engine.accelerators import save_checkpoint
     from engine.drafters.medusa import MedusaHeads, MedusaSettings
 
     heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(num_heads))
     save_checkpoint(lm, "medusa", heads.tensors(),
-                    {**heads.settings.to_json(), "tree": [[0], [1], [0, 0]]},
+                    {**heads.settings.to_json(), "tree": [[0], [1], [0, 0]],
+                     "candidates": [[[0], 0.6], [[0, 0], 0.4], [[1], 0.2]]},
                     {"speedup": 1.25, "pays": True})
+
+
+def _cheap_heads(monkeypatch, lm) -> None:
+    """The heads' own cost and the step costs pinned instead of timed (a tenth of a plain
+    step; a flat CPU curve): whether the heads pay must not depend on what else the machine
+    is doing, nor on a tiny model whose LM head is most of its step."""
+    from engine.drafters import medusa as medusa_mod
+    from engine.timing import StepCost
+
+    monkeypatch.setattr(medusa_mod, "work_ratio", lambda lm, work: 0.1)
+    monkeypatch.setitem(lm.step_costs, lm.target.name, StepCost.linear(0.02))
 
 
 def test_stored_accelerators_are_read_again_only_when_a_checkpoint_changes(service, tiny,
@@ -290,7 +303,8 @@ def test_a_stored_accelerator_that_does_not_pay_says_so(service, tiny):
         shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
 
 
-def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny):
+def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny, monkeypatch):
+    _cheap_heads(monkeypatch, tiny)
     _untrained_medusa(tiny)
     try:
         status = service.accels.status("medusa")
@@ -310,21 +324,25 @@ def test_trained_accelerator_is_ready_and_compare_reports_a_ratio(service, tiny)
         shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
 
 
-def _tree_always_wins(monkeypatch):
-    """Calibration's measured decoding, with the first tree reported twice as fast as plain
-    decoding and any other slower: which branch training takes is decided here, not by
-    the clock (the decoding itself still runs, exactly as measured)."""
+def _tree_always_wins(monkeypatch, lm):
+    """Calibration's counted candidates and measured decoding injected (the heads kept
+    often, decoding twice as fast as plain), and the heads' costs pinned: which branch
+    training takes is decided here, not by the clock or a tiny model's few answers (the
+    decoding itself still runs, exactly as measured)."""
     from trainer.medusa import calibrate_tree as calibrate
 
-    real = calibrate.measure_decoding
+    real = calibrate.measure
 
     def measured(*args, **kwargs):
         figures = real(*args, **kwargs)
         for name, f in figures.items():
-            f["speedup"] = {calibrate.PLAIN: 1.0, "tree-0": 2.0}.get(name, 0.5)
+            f["speedup"] = {calibrate.PLAIN: 1.0, "medusa": 2.0}.get(name, 0.5)
         return figures
 
-    monkeypatch.setattr(calibrate, "measure_decoding", measured)
+    monkeypatch.setattr(calibrate, "candidates",
+                        lambda *args, **kwargs: [[[0], 0.6], [[0, 0], 0.4], [[1], 0.2]])
+    monkeypatch.setattr(calibrate, "measure", measured)
+    _cheap_heads(monkeypatch, lm)
 
 
 def _fast_training(max_conversations: int):
@@ -338,8 +356,7 @@ def _fast_training(max_conversations: int):
         method="medusa", max_minutes=2.0, calibration_seconds=2.0,
         data=DataBudget(max_conversations=max_conversations, batch_size=8, max_new_tokens=12,
                         samples_per_seed=1),
-        calibration=CalibrationConfig(budgets=(1, 2), finalists=1, prompts=1, max_new_tokens=8,
-                                      step_repeats=1),
+        calibration=CalibrationConfig(nodes=6, positions=64, prompts=1, max_new_tokens=8),
     )
 
 
@@ -348,8 +365,8 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     from trainer.selfdistill import data_path
 
     monkeypatch.setenv("QUICKDRAFT_DATA_DIR", str(tmp_path / "data"))
-    _tree_always_wins(monkeypatch)
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, seed=1)
+    _tree_always_wins(monkeypatch, lm)
     service = Service(Store(), lm)
 
     first = service.training.start(_fast_training(24))

@@ -23,16 +23,14 @@ from engine.config import ModelSpec, SamplingParams
 from engine.datastore_memory import Datastore
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.grammar_source import GrammarDrafter
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
-from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.registry import compose
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.loading import wrap_model
 from engine.tree import build_tree
 from tests.cache_util import held
-from tests.engine.drafters.medusa import test_medusa as md
+from tests.engine.drafters.test_composite import kangaroo_of, medusa_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,17 +69,15 @@ def family_model(name: str, tokenizer):
 
 def make_drafter(lm, method: str):
     """The method as the registry composes it over random heads and a random adapter (eta 0:
-    it drafts 4 tokens), the adapter measured fastest: its interplay with other sources'
-    rounds is the most involved (it reads the states of their tokens at its next round).
-    Both just pay, so the store's and lookup's drafts win steps too."""
+    it drafts 4 tokens), both estimated to pay a little (the step costs pinned), so the
+    store's and lookup's drafts win steps too; the adapter's interplay with other sources'
+    rounds is the most involved (it reads the states of their tokens at its next round)."""
     built = {
         "lookup": LookupDrafter,
         "grammar": GrammarDrafter,
         "datastore": lambda: StoreDrafter(family_store(lm)),
-        "medusa": lambda: MedusaDrafter(lm, md.random_heads(lm, seed=1), build_tree(md.TREE, 4),
-                                        speedup=1.1),
-        "kangaroo": lambda: KangarooDrafter(lm, Adapter(lm.model), KangarooSettings(2, 0.0, 4),
-                                            metrics={"speedup": 1.15}),
+        "medusa": lambda: medusa_of(lm, chance=0.3),
+        "kangaroo": lambda: kangaroo_of(lm, 2, 4, tokens=1.5),
     }
     return compose(lm, method, lambda name: built[name]())
 

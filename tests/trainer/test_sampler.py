@@ -1,5 +1,6 @@
-"""The data stage's continuous batching: rows swapped as answers finish must answer each
-prompt exactly as it would be answered alone, on every family whose cache allows it."""
+"""The data stage's continuous batching on the lean step's batched rows: rows refilled as
+answers finish must answer each prompt exactly as it would be answered alone, on every
+family the lean step runs, and the features they record must be the model's own."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from collections import deque
 import pytest
 import torch
 from stats_util import chi_square_pvalue
-from test_family_matrix import family_model
+from tests.engine.test_family_matrix import family_model
 
-from trainer.sampler import AnswerJob, SamplerConfig, answers, supports_refill
+from trainer.sampler import AnswerJob, Record, SamplerConfig, answers, supports_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,17 +39,19 @@ def jobs(n: int, greedy: bool = True) -> list[AnswerJob]:
     return out
 
 
-def run_all(lm, todo: list[AnswerJob], batch: int, temperature: float = 0.7, seed: int = 0):
+def run_all(lm, todo: list[AnswerJob], batch: int, temperature: float = 0.7, seed: int = 0,
+            record: Record | None = None, full: bool = False):
     gen = torch.Generator(device=lm.device).manual_seed(seed)
     config = SamplerConfig(batch_size=batch, temperature=temperature)
-    return {job.tag: answer for job, answer in answers(lm, deque(todo), config, gen,
-                                                       lambda: True)}
+    return {job.tag: answer if full else answer.ids
+            for job, answer in answers(lm, deque(todo), config, gen, lambda: True, record)}
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-untied", "gpt2-absolute", "qwen3-qknorm"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-untied", "qwen3-qknorm",
+                                  "mistral-sliding", "gemma2-alternating"])
 def test_greedy_rows_answer_as_each_prompt_alone(name, bundled_tokenizer):
     lm = family_model(name, bundled_tokenizer)
-    assert supports_refill(lm)
+    assert supports_rows(lm)
     todo = jobs(11)
     got = run_all(lm, todo, batch=4)  # 11 jobs through 4 rows: every refill path runs
     assert sorted(got) == list(range(11))
@@ -68,9 +71,40 @@ def test_rows_end_at_eos_and_the_answer_leaves_it_out(bundled_tokenizer):
         assert got[job.tag] == alone(lm, job.prompt, job.max_new)
 
 
-def test_sliding_window_models_are_answered_another_way(bundled_tokenizer):
-    assert not supports_refill(family_model("mistral-sliding", bundled_tokenizer))
-    assert not supports_refill(family_model("gemma2-alternating", bundled_tokenizer))
+def test_models_the_lean_step_does_not_run_are_answered_another_way(bundled_tokenizer):
+    assert not supports_rows(family_model("gpt2-absolute", bundled_tokenizer))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-sliding"])
+def test_recorded_features_are_the_models_own(name, bundled_tokenizer):
+    """Each answer's recorded states and top-k logits at every position equal one forward
+    of the model over prompt + answer (+ the end of turn), whatever row and step wrote them."""
+    lm = family_model(name, bundled_tokenizer)
+    todo = jobs(7)
+    plain = run_all(lm, todo, batch=3)
+    # an answer's third token becomes the end of turn: that answer ends early
+    tag = next(t for t, a in plain.items() if len(a) > 2 and a[2] not in a[:2])
+    eos = plain[tag][2]
+    lm = dataclasses.replace(lm, eos_ids=(eos,))
+    final = lm.model.config.num_hidden_layers
+    got = run_all(lm, todo, batch=3, record=Record((1, final), topk=4), full=True)
+    assert got[tag].ids == plain[tag][:2]
+    for job in todo:
+        answer = got[job.tag]
+        f = answer.features
+        ended = len(answer.ids) < job.max_new
+        assert f.ids == job.prompt + answer.ids + ([eos] if ended else [])
+        with torch.no_grad():
+            out = lm.model(torch.tensor([f.ids]), output_hidden_states=True)
+        for layer in (1, final):
+            want = out.hidden_states[layer][0]
+            if layer == final:  # transformers' last entry is the final normed state
+                want = out.hidden_states[-1][0]
+            assert f.states[layer].shape == want.shape
+            torch.testing.assert_close(f.states[layer].float(), want, atol=3e-2, rtol=3e-2)
+        top = out.logits[0].topk(4, dim=-1)
+        assert torch.equal(f.top_ids.long(), top.indices), job.tag
+        torch.testing.assert_close(f.top_logits.float(), top.values, atol=2e-2, rtol=2e-3)
 
 
 def test_sampled_rows_draw_from_the_model_distribution(bundled_tokenizer):
@@ -107,7 +141,7 @@ def test_stopping_drops_unfinished_answers(bundled_tokenizer):
 
     gen = torch.Generator().manual_seed(0)
     done = list(answers(lm, deque(jobs(8)), SamplerConfig(batch_size=4), gen, keep_going))
-    assert all(len(a) == job.max_new or a == alone(lm, job.prompt, job.max_new)
+    assert all(len(a.ids) == job.max_new or a.ids == alone(lm, job.prompt, job.max_new)
                for job, a in done)
     assert len(done) < 8
 

@@ -4,16 +4,19 @@ Kangaroo cannot split, and a failure nobody foresaw (one line, never a traceback
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from app.cli import main
 from engine.config import ModelSpec, SamplingParams
-from engine.drafters.medusa import MedusaHeads, MedusaSettings, retimed_tree
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
 from engine.loading import wrap_model
+from engine.tree import build_tree
 from tests.conftest import assert_exact_while_drafting
 from trainer.kangaroo.calibrate_exit import KangarooCalibration
 from trainer.kangaroo.train_adapter import KangarooTrainConfig
@@ -59,8 +62,7 @@ def medusa_options() -> TrainOptions:
         data=DATA,
         medusa=MedusaTrainConfig(negatives=64, batch_positions=32, eval_positions=64),
         train=TrainConfig(epochs=1),
-        calibration=CalibrationConfig(budgets=(2, 4), finalists=1, prompts=1,
-                                      max_new_tokens=96, step_repeats=1),
+        calibration=CalibrationConfig(nodes=6, positions=64, prompts=1, max_new_tokens=96),
     )
 
 
@@ -98,11 +100,14 @@ def test_medusa_builds_on_learned_positions_with_a_short_context(bundled_tokeniz
     greedy_stays_exact(lm, "medusa")
 
 
-def test_a_tree_retimed_at_load_fits_a_short_context(bundled_tokenizer):
+def test_the_heads_are_timed_inside_a_short_context(bundled_tokenizer):
+    """The heads' cost is timed after a made-up prompt of up to 192 tokens: on a model whose
+    window is shorter, that prompt is cut to fit (past it, learned positions raise)."""
     lm = short_gpt2(bundled_tokenizer)
     heads = MedusaHeads(64, MedusaSettings(num_heads=4))
-    tree, _payoff = retimed_tree(lm, heads, [[0.9, 0.95]] * 4, repeats=1)  # 192-token context
-    assert all(len(choice) <= 4 for choice in tree)
+    tree = build_tree([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)], 4)
+    drafter = MedusaDrafter(lm, heads, tree, [0.9, 0.8, 0.7, 0.6])
+    assert math.isfinite(drafter.overhead())
 
 
 def test_kangaroo_keeps_every_position_inside_a_short_context(bundled_tokenizer):
@@ -138,7 +143,8 @@ def test_an_unforeseen_training_failure_is_one_line(bundled_tokenizer, monkeypat
     def crash(*_args, **_kwargs):
         raise RuntimeError("something inside transformers\nwith a second line")
 
-    monkeypatch.setattr(train_command, "load", lambda _args, compiled="load": short_gpt2(bundled_tokenizer))
+    monkeypatch.setattr(train_command, "load",
+                        lambda _args, compiled="load": short_gpt2(bundled_tokenizer))
     monkeypatch.setattr(trainer.pipeline, "train_accelerator", crash)
     assert main(["train", "--method", "medusa", "--max-minutes", "1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

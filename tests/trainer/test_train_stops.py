@@ -45,8 +45,7 @@ def _options(method: str, conversations: int = 10) -> TrainOptions:
                                                                      max_new_tokens=6,
                                                                      repeats=1)),
         train=TrainConfig(epochs=1),
-        calibration=CalibrationConfig(budgets=(2,), finalists=1, prompts=1, max_new_tokens=6,
-                                      step_repeats=1),
+        calibration=CalibrationConfig(nodes=6, positions=64, prompts=1, max_new_tokens=6),
     )
 
 

@@ -4,12 +4,12 @@ Medusa trainer and calibration's choice."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
-from engine.tree import expected_tokens, marginal_accuracies
 from tests.conftest import make_tiny_model
 from trainer import features as features_mod
 from trainer.features import Features, encode_conversations, hidden_states
@@ -282,40 +282,56 @@ def test_training_teaches_heads_the_models_continuations(lm):
 # --- calibration ---------------------------------------------------------------------------
 
 
-def test_candidate_trees_grow_with_the_budget():
-    trees = calibration.candidate_trees([[0.5, 0.6], [0.3, 0.4]], (1, 2, 3, 50))
-    assert [len(t) for t in trees] == sorted(len(t) for t in trees) and trees[0] == [(0,)]
-    assert len(trees[-1]) == 2 + 4  # every node two heads with two ranks can offer
+def test_node_chances_count_whole_paths_on_held_out_positions(lm):
+    """Each candidate's chance is the share of positions where every head on its path guessed
+    the model's greedy token at its rank (counted, not multiplied), over the positions its
+    depth fits: checked against a plain loop over the positions."""
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(40, 64, generator=gen)
+    heads = MedusaHeads(64, MedusaSettings(3, pending_rank=0))
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(heads.weight.shape, generator=gen) * 0.2)
+    lm_head = lm.model.get_output_embeddings()
+    pos = torch.arange(30)
+    with torch.no_grad():
+        top = heads.logits(states[pos], None, lm_head.weight).topk(2, dim=-1).indices
+    # the model's greedy token after each position (head j's target at t is the one after
+    # t + j + 1): random, except where head 1's or 2's guesses are right
+    greedy = torch.randint(0, 50, (40,), generator=gen)
+    for t in range(0, 24, 3):
+        greedy[t + 1] = top[t, 0, 0]  # head 1's top-1 right at every third position
+        if t % 2 == 0:
+            greedy[t + 2] = top[t, 1, 1]  # and head 2's second guess at every sixth
+    teacher = SimpleNamespace(ids=greedy[:, None])
+    valid = torch.ones(30, 3, dtype=torch.bool)
+    valid[25:, 2] = False  # past the conversation's end for the third head
+    inputs = SimpleNamespace(at=lambda p, device: (states[p], None))
+    choices = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    got = calibration.node_chances(lm, heads, inputs, teacher, pos, valid, choices)
+    for choice, chance in zip(choices, got, strict=True):
+        fits = [t for t in range(30) if valid[t, len(choice) - 1]]
+        hits = [t for t in fits if all(int(top[t, j, r]) == int(greedy[t + j + 1])
+                                       for j, r in enumerate(choice))]
+        assert chance == pytest.approx(len(hits) / len(fits), abs=1e-5), choice
+    assert got[2] <= got[0] and got[4] <= got[2]  # a path is never likelier than its prefix
+    assert got[0] > 0 and got[3] > 0  # the test compares hits, not only misses
 
 
-@pytest.mark.parametrize("speedups, want_tree", [((1.3, 0.9), True), ((0.8, 0.95), False)])
-def test_calibration_keeps_the_fastest_measured_option(lm, monkeypatch, speedups, want_tree):
+@pytest.mark.parametrize("speedup", [1.3, 0.9])
+def test_calibration_says_whether_the_heads_paid_when_measured(lm, monkeypatch, speedup):
     heads = MedusaHeads(64, MedusaSettings(2))
+    found = [[[0], 0.6], [[0, 0], 0.3]]
+    monkeypatch.setattr(calibration, "candidates", lambda *a: found)
 
-    def fake_measure(_lm, _heads, trees, _prompts, _config, *_a):
-        out = {"plain": {"tokens_per_s": 10.0, "mean_accepted": 1.0, "speedup": 1.0, "nodes": 0}}
-        for i, s in enumerate(speedups[: len(trees)]):
-            out[f"tree-{i}"] = {
-                "tokens_per_s": 10 * s,
-                "mean_accepted": 1.5,
-                "speedup": s,
-                "nodes": len(trees[i]),
-            }
-        return out
+    def fake_measure(_lm, drafters, _prompts, *_a):
+        assert set(drafters) == {"plain", "medusa"}
+        return {"plain": {"tokens_per_s": 10.0, "mean_accepted": 1.0, "speedup": 1.0},
+                "medusa": {"tokens_per_s": 10 * speedup, "mean_accepted": 1.5,
+                           "speedup": speedup}}
 
-    monkeypatch.setattr(calibration, "measure_decoding", fake_measure)
-    # Injected step times: 10 ms plain, 1 ms more per tree node.
-    monkeypatch.setattr(calibration, "tree_step_seconds",
-                        lambda lm, heads, choices, ids, repeats: 0.010 + 0.001 * len(choices))
-    cfg = calibration.CalibrationConfig(budgets=(1, 2, 4), finalists=2, step_repeats=1)
-    accuracies = [[0.5, 0.6], [0.3, 0.4]]
-    result = calibration.calibrate(lm, heads, accuracies, [[1, 2, 3, 4]], cfg)
-    assert result.pays == want_tree and bool(result.tree) == want_tree
-    assert result.chosen == ("tree-0" if want_tree else "plain")
-    assert len(result.estimates) == 3
-    marginal = marginal_accuracies(accuracies)
-    for e in result.estimates:  # each estimate from the injected times and the accuracies
-        step_s = 0.010 + 0.001 * e["nodes"]
-        assert e["step_ms"] == round(step_s * 1e3, 2) and e["plain_step_ms"] == 10.0
-        tokens = expected_tokens([tuple(c) for c in e["tree"]], marginal)
-        assert e["estimated_speedup"] == round(tokens * 0.010 / step_s, 3)
+    monkeypatch.setattr(calibration, "measure", fake_measure)
+    result = calibration.calibrate(lm, heads, [[0.5], [0.3]], None, None, None, None,
+                                   [[1, 2, 3, 4]], calibration.CalibrationConfig())
+    assert result.candidates == found
+    assert result.pays == (speedup > 1)
+    assert result.chosen == ("medusa" if speedup > 1 else "plain")

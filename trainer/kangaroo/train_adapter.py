@@ -196,6 +196,11 @@ def reserve_s(options) -> float:
     return options.kangaroo.calibration.seconds
 
 
+def feature_layers(lm, options) -> tuple[int, ...]:
+    """The hidden-state layers the adapters learn from: each exit's and the final one."""
+    return (*options.kangaroo.exit_layers, layers.num_layers(lm.model))
+
+
 def prep_seconds_per_token(lm, options) -> float:
     """Seconds the features stage spends per stored conversation token on this machine."""
     return forward_seconds_per_token(lm)

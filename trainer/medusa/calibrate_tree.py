@@ -1,105 +1,124 @@
-"""Calibration on this machine: pick the Medusa tree that decodes fastest here.
+"""Calibration: how likely each node of the heads' candidate tree is to be kept, measured on
+held-out answers, and what the heads then do on this machine.
 
-1. Held-out per-head top-i accuracies -> the paper's greedy sparse tree for several node
-   budgets, each with its expected tokens per step (independent-heads estimate).
-2. Time one real step (heads + tree verification) per budget on a held-out context; the
-   estimate tokens/step / step time ranks the budgets.
-3. Decode held-out prompts with plain decoding and the best-ranked trees, interleaved prompt
-   by prompt, and keep whichever was fastest measured. When plain decoding wins, the tree is
-   empty: the accelerator then never makes decoding slower, and says so.
+1. Held-out per-head top-i accuracies -> the paper's greedy sparse tree (Medusa §2.3.3) of
+   up to `nodes` candidates.
+2. Each candidate's chance of being kept, counted on held-out positions: the share where
+   every head along its path guessed the model's own greedy token at its rank. Counted, not
+   multiplied from per-head accuracies, so heads that fail together are priced as they do.
+   At decode time each step cuts this tree to the nodes that pay under the step costs and
+   the heads' cost timed there (engine.drafters.medusa).
+3. Held-out prompts decoded plainly and with the heads, interleaved prompt by prompt: the
+   speed the heads reach here, for the metrics and the verdict.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.config import SamplingParams
 from engine.drafters.base import Drafter
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads, tree_step_seconds
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.progress import Progress, ProgressFn, ignore
-from engine.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
+from engine.timing import plain_step_seconds
+from engine.tree import build_tree, greedy_tree, marginal_accuracies
 from trainer.context import answer_room
 from trainer.measure import PLAIN, measure
+
+CHUNK = 512  # held-out positions per heads' pass
 
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """What calibration tries and how long it measures."""
+    """What calibration counts and how long it measures."""
 
-    budgets: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # drafted nodes per tree tried
-    finalists: int = 2  # best-estimated trees decoded for real against plain decoding
-    prompts: int = 4  # held-out prompts decoded per finalist
+    nodes: int = 48  # candidate nodes of the tree (each step keeps the ones that pay)
+    positions: int = 8192  # held-out positions the nodes' chances are counted on
+    prompts: int = 4  # held-out prompts decoded plainly and with the heads
     max_new_tokens: int = 64  # tokens per timed reply
-    step_repeats: int = 5  # timed repetitions per tree size (the median is kept)
 
 
 @dataclass
 class TreeChoice:
-    """The chosen tree and the figures behind the choice."""
+    """The candidate tree and the figures measured with it."""
 
-    tree: list[list[int]]  # chosen choices; [] = no tree beat plain decoding here
-    pays: bool  # a tree was measurably faster than plain decoding
-    chosen: str = PLAIN  # key of the winner in `measured`
-    # name -> {"tokens_per_s", "mean_accepted", "speedup", "nodes"}
+    candidates: list[list]  # [[choice, chance], ...] most likely first
+    pays: bool  # decoding with the heads was measured faster than plain decoding here
+    chosen: str = PLAIN  # the faster of the two in `measured`
+    # name -> {"tokens_per_s", "mean_accepted", "speedup", ...}
     measured: dict = field(default_factory=dict)
-    # per budget: nodes, expected tokens, step ms, estimated speedup, tree
-    estimates: list[dict] = field(default_factory=list)
 
 
-def candidate_trees(topk_acc: list[list[float]],
-                    budgets: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
-    """The greedy sparse tree for each node budget (distinct trees only)."""
-    marginal = marginal_accuracies(topk_acc)
-    trees, seen = [], set()
-    for b in budgets:
-        choices = greedy_tree(marginal, b)
-        if choices and tuple(choices) not in seen:
-            seen.add(tuple(choices))
-            trees.append(choices)
-    return trees
+def node_chances(lm, heads: MedusaHeads, inputs, teacher, pos: torch.Tensor,
+                 valid: torch.Tensor, choices: list[tuple[int, ...]]) -> list[float]:
+    """Per candidate node, the share of held-out positions (those where its depth is still
+    inside the conversation) at which every head along its path guessed the model's greedy
+    token at that rank: its chance of being kept by greedy decoding."""
+    if not choices:
+        return []
+    ranks = max(max(c) for c in choices) + 1
+    depth = max(len(c) for c in choices)
+    projection = heads.project(lm.model.get_output_embeddings().weight.detach())
+    hits, counts = torch.zeros(len(choices)), torch.zeros(len(choices))
+    for start in range(0, pos.numel(), CHUNK):
+        p, v = pos[start:start + CHUNK], valid[start:start + CHUNK]
+        with torch.inference_mode():
+            states, pending = inputs.at(p, lm.device)
+            logits = heads.logits(states, pending, projection, depth).float()  # (B, d, V')
+            guesses = heads.tokens(logits.topk(ranks, dim=-1).indices).cpu()  # (B, d, R)
+        last = teacher.ids.shape[0] - 1
+        # target of head j (0-based): the greedy token after position t + j + 1
+        targets = torch.stack([teacher.ids[(p + j + 1).clamp(max=last), 0]
+                               for j in range(depth)], dim=1)  # (B, d)
+        right = guesses == targets[:, :, None]  # (B, d, R)
+        for n, choice in enumerate(choices):
+            ok = v[:, len(choice) - 1].clone()
+            for j, r in enumerate(choice):
+                ok &= right[:, j, r]
+            hits[n] += int(ok.sum())
+            counts[n] += int(v[:, len(choice) - 1].sum())
+    return [round(float(h / max(c, 1.0)), 5) for h, c in zip(hits, counts, strict=True)]
 
 
-def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], prompts: list[list[int]],
+def candidates(lm, heads: MedusaHeads, topk_acc: list[list[float]], inputs, teacher,
+               pos: torch.Tensor, valid: torch.Tensor, config: CalibrationConfig) -> list[list]:
+    """[[choice, chance], ...]: the greedy tree's nodes with their counted chances, most
+    likely first (a node never likelier than its parent, and after it on ties)."""
+    choices = greedy_tree(marginal_accuracies(topk_acc), config.nodes)
+    pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(0))
+    pick = pick[:config.positions]
+    chances = node_chances(lm, heads, inputs, teacher, pos[pick], valid[pick], choices)
+    ranked = sorted(zip(choices, chances, strict=True), key=lambda cp: -cp[1])
+    return [[list(c), p] for c, p in ranked if p > 0.0]
+
+
+def calibrate(lm, heads: MedusaHeads, topk_acc: list[list[float]], inputs, teacher,
+              pos: torch.Tensor, valid: torch.Tensor, prompts: list[list[int]],
               config: CalibrationConfig, progress: ProgressFn = ignore,
-              cancel: threading.Event | None = None,
-              seconds: float | None = None) -> TreeChoice:
-    """Choose the fastest tree measured on this machine (or none, when none pays), decoding
-    as many prompts (up to config.prompts, at least one) as fit in `seconds`."""
-    start = time.perf_counter()
-    marginal = marginal_accuracies(topk_acc)
-    trees = candidate_trees(topk_acc, config.budgets)
-    context = max(prompts, key=len)
-    plain_s = tree_step_seconds(lm, heads, [], context, config.step_repeats)
-    estimates = []
-    for i, choices in enumerate(trees):
-        secs = tree_step_seconds(lm, heads, choices, context, config.step_repeats)
-        expected = expected_tokens(choices, marginal)
-        estimates.append({"nodes": len(choices), "expected_tokens": round(expected, 3),
-                          "step_ms": round(secs * 1e3, 2),
-                          "plain_step_ms": round(plain_s * 1e3, 2),
-                          "estimated_speedup": round(expected * plain_s / secs, 3),
-                          "tree": choices})
-        progress(Progress("calibrate", i + 1, len(trees) + config.finalists,
-                          f"timed a {len(choices)}-node tree"))
-    finalists = [e["tree"] for e in sorted(estimates, key=lambda e: -e["estimated_speedup"])]
-    finalists = finalists[: config.finalists]
-    left = None if seconds is None else seconds - (time.perf_counter() - start)
-    count = prompts_that_fit(left, plain_s, len(finalists) + 1, config)
-    measured = measure_decoding(lm, heads, finalists, prompts[:count], config, progress, cancel)
-    # Plain decoding's speedup is 1 by definition; a tree must beat it to be kept.
-    winner = max(measured, key=lambda name: measured[name]["speedup"], default=PLAIN)
-    tree = [list(c) for c in tree_names(finalists)[winner]]
-    for e in estimates:
-        e["tree"] = [list(c) for c in e["tree"]]
-    return TreeChoice(tree, bool(tree), winner, measured, estimates)
+              cancel: threading.Event | None = None, seconds: float | None = None
+              ) -> TreeChoice:
+    """The candidate tree with its chances, and the heads' speed decoding held-out prompts
+    against plain decoding here (as many prompts as fit in `seconds`, at least one)."""
+    progress(Progress("calibrate", 0, 0, "counting which tree nodes the heads get right"))
+    found = candidates(lm, heads, topk_acc, inputs, teacher, pos, valid, config)
+    if not found:
+        return TreeChoice([], False)
+    drafter = drafter_of(lm, heads, found)
+    params = SamplingParams(max_new_tokens=answer_room(lm, config.max_new_tokens))
+    drafters: dict[str, Drafter] = {PLAIN: Drafter(), "medusa": drafter}
+    count = prompts_that_fit(seconds, plain_step_seconds(lm), len(drafters), config)
+    measured = measure(lm, drafters, prompts[:count], params, progress, cancel)
+    pays = measured.get("medusa", {}).get("speedup", 0.0) > 1.0
+    return TreeChoice(found, pays, "medusa" if pays else PLAIN, measured)
 
 
 def prompts_that_fit(seconds: float | None, plain_s: float, candidates: int,
                      config: CalibrationConfig) -> int:
     """Prompts each candidate (plain decoding included) can decode in `seconds`, at most
-    config.prompts and at least one; a reply is priced at plain decoding's step time (trees
+    config.prompts and at least one; a reply is priced at plain decoding's step time (drafts
     are faster, prefills add a little: the two roughly cancel)."""
     if seconds is None:
         return config.prompts
@@ -107,23 +126,9 @@ def prompts_that_fit(seconds: float | None, plain_s: float, candidates: int,
     return max(1, min(config.prompts, int(seconds // max(per_prompt, 1e-9))))
 
 
-def measure_decoding(lm, heads: MedusaHeads, trees, prompts: list[list[int]],
-                     config: CalibrationConfig, progress: ProgressFn = ignore,
-                     cancel: threading.Event | None = None) -> dict:
-    """Greedy replies to `prompts` with plain decoding and with each tree (trainer.measure).
-    Returns name (see tree_names) -> tokens/s, tokens/step, speedup, nodes, ..."""
-    candidates = tree_names(trees)
-    drafters: dict[str, Drafter] = {
-        name: MedusaDrafter(lm, heads, build_tree(choices, heads.settings.num_heads))
-        if choices else Drafter()
-        for name, choices in candidates.items()
-    }
-    params = SamplingParams(max_new_tokens=answer_room(lm, config.max_new_tokens))
-    measured = measure(lm, drafters, prompts, params, progress, cancel)
-    return {name: {**figures, "nodes": len(candidates[name])}
-            for name, figures in measured.items()}
-
-
-def tree_names(trees) -> dict[str, list]:
-    """Name -> tree choices of what calibration decodes: plain decoding ([]) and each tree."""
-    return {PLAIN: [], **{f"tree-{i}": list(choices) for i, choices in enumerate(trees)}}
+def drafter_of(lm, heads: MedusaHeads, found: list[list]) -> MedusaDrafter:
+    """The drafter over `found` candidates, as a checkpoint of them loads."""
+    choices = [tuple(c) for c, _p in found]
+    tree = build_tree(choices, heads.settings.num_heads)
+    chance = {tuple(c): p for c, p in found}
+    return MedusaDrafter(lm, heads, tree, [chance[c] for c in tree.choices[1:]])

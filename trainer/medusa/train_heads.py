@@ -21,7 +21,6 @@ import torch
 from engine.drafters.medusa import MedusaHeads, MedusaSettings, pending_inputs
 from engine.drafters.payoff import machine
 from engine.progress import Progress, ProgressFn, ignore
-from engine.tree import expected_tokens, marginal_accuracies
 from trainer.context import prompt_ids
 from trainer.features import Features, features_for, forward_seconds_per_token
 from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
@@ -58,6 +57,20 @@ class Teacher:
 
     ids: torch.Tensor  # (T, k) long
     logits: torch.Tensor  # (T, k) float32, same order
+
+
+def teacher_of(lm, feats: Features, k: int, progress: ProgressFn = ignore) -> Teacher:
+    """The top-k next-token logits at every position of `feats`: as the data stage recorded
+    them where it did, the rest through the frozen LM head."""
+    final = int(lm.model.config.num_hidden_layers)
+    recorded = feats.recorded
+    if recorded is None or feats.top_ids.shape[1] < k:
+        return teacher_topk(lm, feats.states[final], k, progress)
+    ids, logits = feats.top_ids[:, :k].long(), feats.top_logits[:, :k].float()
+    if not bool(recorded.all()):
+        rest = teacher_topk(lm, feats.states[final][~recorded], k, progress)
+        ids[~recorded], logits[~recorded] = rest.ids, rest.logits
+    return Teacher(ids, logits)
 
 
 def teacher_topk(lm, states: torch.Tensor, k: int, progress: ProgressFn = ignore) -> Teacher:
@@ -187,6 +200,11 @@ def reserve_s(options) -> float:
     return options.calibration_seconds
 
 
+def feature_layers(lm, options) -> tuple[int, ...]:
+    """The hidden-state layers the heads learn from (the final normed state)."""
+    return (int(lm.model.config.num_hidden_layers),)
+
+
 def prep_seconds_per_token(lm, options) -> float:
     """Seconds the stages between data and training (features, teacher) spend per stored
     conversation token on this machine: a timed feature forward plus a timed teacher chunk."""
@@ -212,8 +230,8 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     heldout = features_for(lm, heldout_convs, [final], progress, cancel)
     times = {"features_s": round(time.perf_counter() - start, 1)}
     mark = time.perf_counter()
-    t_teacher = teacher_topk(lm, train.states[final], config.teacher_topk, progress)
-    h_teacher = teacher_topk(lm, heldout.states[final], config.teacher_topk)
+    t_teacher = teacher_of(lm, train, config.teacher_topk, progress)
+    h_teacher = teacher_of(lm, heldout, config.teacher_topk)
     times["teacher_s"] = round(time.perf_counter() - mark, 1)
     heads = new_heads(lm, config, train, t_teacher)
     # Retrain: the stored heads, if they fit; shared-LM-head heads keep the new vocabulary
@@ -229,30 +247,18 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
         return heads.tensors(), {}, {"train": fit, "times": times}  # the pipeline saves nothing
     mark = time.perf_counter()
     h_pos, h_valid = positions(heldout, config.num_heads)
-    acc = head_accuracies(lm, heads, head_inputs(lm, heldout, heads), h_teacher, h_pos,
-                          h_valid, config.max_rank)
+    h_inputs = head_inputs(lm, heldout, heads)
+    acc = head_accuracies(lm, heads, h_inputs, h_teacher, h_pos, h_valid, config.max_rank)
     prompts = [prompt_ids(lm, conv) for conv in heldout_convs if len(conv) >= 2]
-    result = calibrate(lm, heads, acc, prompts, options.calibration, progress, cancel,
-                       seconds=options.calibration_seconds)
+    result = calibrate(lm, heads, acc, h_inputs, h_teacher, h_pos, h_valid, prompts,
+                       options.calibration, progress, cancel, options.calibration_seconds)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
-    settings = {**heads.settings.to_json(), "tree": result.tree, "pays": result.pays,
-                # the dtype, device and machine the tree was timed on (another re-times at load)
-                "quant": lm.quant, "device": lm.device.type, "machine": machine(lm),
-                "accuracies": acc,  # held-out top-i accuracies per head, for re-timing
-                "estimate_ratio": estimate_ratio(acc, result)}
+    settings = {**heads.settings.to_json(), "candidates": result.candidates,
+                "pays": result.pays, "quant": lm.quant, "device": lm.device.type,
+                "machine": machine(lm),
+                "accuracies": acc}  # held-out top-i accuracies per head, for people
     metrics = _metrics(acc, result, fit, heads, train, heldout, times)
     return heads.tensors(), settings, metrics
-
-
-def estimate_ratio(acc, result) -> float:
-    """Measured / estimated drafted tokens per step of the chosen tree (the estimate from
-    held-out accuracies assumes independent heads and runs high); re-timing at load scales
-    its estimates by it. 1.0 when no tree was chosen."""
-    expected = expected_tokens(result.tree, marginal_accuracies(acc)) if result.tree else 1.0
-    measured = result.measured.get(result.chosen, {}).get("mean_accepted")
-    if expected <= 1.0 or measured is None:
-        return 1.0
-    return round(min(1.5, max(0.2, (measured - 1.0) / (expected - 1.0))), 3)
 
 
 def new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher) -> MedusaHeads:
@@ -270,17 +276,17 @@ def new_heads(lm, config: MedusaTrainConfig, train: Features, teacher: Teacher) 
 def _metrics(acc, result, fit: dict, heads: MedusaHeads, train: Features, heldout: Features,
              times: dict) -> dict:
     """metrics.json: held-out accuracies, training and calibration figures, stage times."""
-    chosen = result.measured.get(result.chosen, {})
+    drafted = result.measured.get("medusa", {})
     return {
         "topk_accuracy": {f"head{k + 1}": row for k, row in enumerate(acc)},
         "top1": [row[0] for row in acc],
         "top5": [row[min(4, len(row) - 1)] for row in acc],
-        # The chosen configuration as measured here (plain decoding: 1.0 when no tree pays).
-        "speedup": chosen.get("speedup", 1.0),
-        "mean_accepted": chosen.get("mean_accepted", 1.0),
+        # decoding with the heads as measured here against plain decoding
+        "speedup": drafted.get("speedup", 1.0),
+        "mean_accepted": drafted.get("mean_accepted", 1.0),
         "train": fit,
         "calibration": {"chosen": result.chosen, "measured": result.measured,
-                        "estimates": result.estimates},
+                        "candidates": len(result.candidates)},
         "draft_vocab": {"size": None if heads.vocab_ids is None else int(heads.vocab_ids.numel()),
                         "heldout_coverage": coverage(heldout, heads.vocab_ids)},
         "train_tokens": train.tokens, "heldout_tokens": heldout.tokens, "times": times,
@@ -329,15 +335,12 @@ def summary_lines(m: dict, s: dict) -> list[str]:
     lines = ["held-out accuracy per head (top-1 / top-5):"]
     for k, (t1, t5) in enumerate(zip(m.get("top1", []), m.get("top5", []), strict=False), 1):
         lines.append(f"  head {k}: {t1 * 100:5.1f}% / {t5 * 100:5.1f}%")
-    calibration = m.get("calibration", {})
-    measured = calibration.get("measured", {})
-    if s.get("pays"):
-        chosen = measured[calibration["chosen"]]
-        lines.append(f"tree: {len(s['tree'])} nodes, measured {chosen['speedup']:.2f}x plain "
-                     f"decoding, {chosen['mean_accepted']:.2f} tokens per step")
+    drafted = m.get("calibration", {}).get("measured", {}).get("medusa")
+    if drafted and s.get("pays"):
+        lines.append(f"measured {drafted['speedup']:.2f}x plain decoding here, "
+                     f"{drafted['mean_accepted']:.2f} tokens per step")
     else:
-        best = max((v["speedup"] for k, v in measured.items() if k != "plain"), default=None)
-        tried = f" (the best tree measured {best:.2f}x)" if best is not None else ""
-        lines.append(f"The Medusa heads do not pay on this machine{tried}: --accel medusa will "
-                     "decode exactly like plain decoding, never slower.")
+        tried = f" (measured {drafted['speedup']:.2f}x)" if drafted else ""
+        lines.append(f"The Medusa heads do not pay on this machine{tried}: each step drafts "
+                     "only where the heads are expected to pay, else decodes plainly.")
     return lines

@@ -71,10 +71,10 @@ def test_the_store_joins_a_tree_only_where_its_nodes_pay():
 
     state = SimpleNamespace(ids=[0, 2, 3, 4], room=32)
     offer = StoreDrafter(store).start(state, None).offer(state)
-    tree = Draft.chain(4, [7, 7]), 2.0  # a 2-node trained draft at 2x
+    tree = Draft.chain(4, [7, 7], chances=[0.9, 0.8])  # a 2-node trained draft
     from engine.drafters.base import Offer
 
-    trained = Offer("medusa", 2, lambda k: tree[0], speedup=tree[1])
+    trained = Offer("medusa", lambda k: tree, (0.9, 0.8))
     flat, steep = StepCost.linear(0.02), StepCost.linear(0.5)
     assert plan([trained, offer], 4, flat, TreeJoin(), [False, False]).kind == "medusa+datastore"
     assert plan([trained, offer], 4, steep, TreeJoin(), [False, False]).kind == "medusa"

@@ -38,18 +38,29 @@ def repetitive_prompt(vocab: int, seed: int = 1) -> list[int]:
     return part + [int(t) for t in torch.randint(3, vocab, (8,), generator=gen)] + part[:6]
 
 
-def medusa_of(lm, seed: int = 1, choices=md.TREE, speedup: float = 1.5) -> MedusaDrafter:
-    """Random heads over a calibrated-looking tree, measured at `speedup`."""
-    return MedusaDrafter(lm, md.random_heads(lm, seed=seed), build_tree(choices, 4),
-                         speedup=speedup)
+def medusa_of(lm, seed: int = 1, choices=md.TREE, chance: float = 0.7) -> MedusaDrafter:
+    """Random heads over a calibrated-looking tree whose depth-d nodes were measured kept
+    with chance**d, the heads costing a tenth of a plain step (nothing timed)."""
+    tree = build_tree(choices, 4)
+    pin_costs(lm)
+    return MedusaDrafter(lm, md.random_heads(lm, seed=seed), tree,
+                         [chance ** len(c) for c in tree.choices[1:]], overhead=0.1)
 
 
 def kangaroo_of(lm, exit_layer: int = 2, gamma: int = 4, seed: int = 0,
-                speedup: float = 1.5) -> KangarooDrafter:
-    """A random adapter (eta 0: it drafts gamma tokens), measured at `speedup`."""
+                tokens: float = 2.5) -> KangarooDrafter:
+    """A random adapter (eta 0: it drafts gamma tokens) measured at `tokens` per round, a
+    round costing 1.2 plain steps (nothing timed)."""
     torch.manual_seed(seed)
+    pin_costs(lm)
     return KangarooDrafter(lm, Adapter(lm.model), KangarooSettings(exit_layer, 0.0, gamma),
-                           metrics={"speedup": speedup})
+                           metrics={"mean_accepted": tokens}, round_cost=1.2)
+
+
+def pin_costs(lm, cost: StepCost | None = None) -> None:
+    """The step costs a trained source judges itself by, pinned (a flat CPU curve) instead
+    of timed: whether it pays must not depend on what else the machine is doing."""
+    lm.step_costs[lm.target.name] = cost or StepCost.linear(0.02)
 
 
 def with_lookup(trained, lookup: LookupParams | None = None, cost=None) -> Spy:
@@ -74,20 +85,29 @@ def break_pointmass(monkeypatch) -> None:
 # -- the rule -----------------------------------------------------------------------------
 
 
-def chain_offer(kind, tokens, chances=(), speedup=None, joins=True) -> Offer:
-    return Offer(kind, len(tokens), lambda k: Draft.chain(0, tokens[:k]), tuple(chances),
-                 speedup, joins)
+def chain_offer(kind, tokens, chances, overhead=0.0, round_cost=None, joins=True) -> Offer:
+    chances = list(chances)
+    return Offer(kind, lambda k: Draft.chain(0, tokens[:k], chances=chances[:k]),
+                 tuple(chances), overhead, round_cost, joins)
 
 
 def test_the_step_takes_the_most_tokens_per_step_cost_or_plain_decoding():
     flat = StepCost.linear(0.02)
-    trained = chain_offer("trained", [1, 2, 3], speedup=1.4)
+    trained = chain_offer("trained", [1, 2, 3], (0.5, 0.4, 0.3), round_cost=1.5)  # 2.2 / 1.5
     likely = chain_offer("likely", [4, 5], chances=(0.9, 0.8))  # 2.7 tokens / 1.04
     unlikely = chain_offer("unlikely", [6], chances=(0.01,))
     assert pick([trained, unlikely], flat) == (0, 3)
     assert pick([trained, likely], flat) == (1, 2)
     assert pick([unlikely, None], flat) is None  # nothing beats one token per plain step
-    assert pick([chain_offer("slow", [1], speedup=0.9)], flat) is None
+    assert pick([chain_offer("slow", [1], (0.5,), round_cost=1.6)], flat) is None
+
+
+def test_a_sources_own_work_is_priced_in():
+    flat = StepCost.linear(0.02)
+    heads = chain_offer("heads", [1, 2], (0.3, 0.1), overhead=0.3)  # 1.4 / 1.34: pays
+    assert pick([heads], flat) == (0, 2)
+    dear = chain_offer("heads", [1, 2], (0.3, 0.1), overhead=0.5)  # 1.4 / 1.54: does not
+    assert pick([dear], flat) is None
 
 
 def test_nodes_are_cut_to_those_that_pay():
@@ -99,19 +119,42 @@ def test_nodes_are_cut_to_those_that_pay():
 
 
 def test_offers_join_where_that_pays_and_a_copy_is_verified_alone():
-    tree = chain_offer("medusa", [1, 2], speedup=1.3)
+    tree = chain_offer("medusa", [1, 2], (0.6, 0.4))
     short = chain_offer("lookup", [7], chances=(0.3,))
     flat, steep = StepCost.linear(0.01), StepCost.linear(0.5)
-    step = plan([short, tree], 0, flat, TreeJoin(), [False, False])
+    step = plan([tree, short], 0, flat, TreeJoin(), [False, False])
     assert step.kind == "medusa+lookup" and step.draft.tokens == [0, 1, 2, 7]
-    assert step.mine == {1: [1, 2], 0: [3]}
-    assert plan([short, tree], 0, steep, TreeJoin(), [False, False]).kind == "medusa"
+    assert step.mine == {0: [1, 2], 1: [3]}
+    assert plan([tree, short], 0, steep, TreeJoin(), [False, False]).kind == "medusa"
     copy = chain_offer("copy", [5, 6, 7], chances=(0.9, 0.9, 0.9), joins=False)
     step = plan([copy, tree], 0, flat, TreeJoin(), [False, False])
     assert step.kind == "copy" and step.draft.tokens == [0, 5, 6, 7]
     own = plan([tree], 0, flat, TreeJoin(), [True])
     assert own.own == 0  # a source that verifies its own drafts gets the step
     assert plan([], 0, flat, TreeJoin(), []).kind == "off"
+
+
+def test_a_node_two_sources_offer_counts_once():
+    """Lookup's chain repeats the heads' top path: grafted, it merges into nodes already
+    there, adds nothing, and is not joined (counting it twice would join it)."""
+    flat = StepCost.linear(0.01)
+    tree = chain_offer("medusa", [1, 2], (0.7, 0.6))
+    same = chain_offer("lookup", [1, 2], (0.5, 0.3))
+    step = plan([tree, same], 0, flat, TreeJoin(), [False, False])
+    assert step.kind == "medusa" and step.draft.tokens == [0, 1, 2]
+    longer = chain_offer("lookup", [1, 2, 3], (0.5, 0.4, 0.35))  # a third token is new
+    step = plan([tree, longer], 0, flat, TreeJoin(), [False, False])
+    assert step.kind == "medusa+lookup" and step.draft.tokens == [0, 1, 2, 3]
+    assert step.draft.chances == pytest.approx([1.0, 0.7, 0.6, 0.35])
+
+
+def test_a_copy_in_progress_wins_over_a_trained_tree():
+    """A copy whose continuations this reply kept beats the heads' usual tree."""
+    cost = StepCost(((1, 1.0), (4, 1.1), (11, 1.6)))
+    copy = chain_offer("copy", list(range(1, 11)), [0.95 ** i for i in range(1, 11)],
+                       joins=False)
+    tree = chain_offer("medusa", [20, 21, 22], (0.6, 0.35, 0.2), overhead=0.15)
+    assert plan([tree, copy], 0, cost, TreeJoin(), [False, False]).kind == "copy"
 
 
 # -- Medusa + lookup ---------------------------------------------------------------------
@@ -124,8 +167,7 @@ def test_medusa_lookup_matches_plain_greedy(name, bundled_tokenizer):
     drafter = with_lookup(medusa_of(lm))
     _t, ids, stats = run(lm, prompt, params, drafter)
     assert ids == run(lm, prompt, params)[1]
-    assert max(stats.drafted) > len(md.TREE)  # the lookup branch was verified too
-    assert stats.step_kinds.get("medusa+lookup", 0) > 0
+    assert stats.step_kinds.get("medusa+lookup", 0) > 0  # a lookup branch joined the tree
 
 
 def test_medusa_lookup_without_a_tree_drafts_from_lookup_alone(bundled_tokenizer):

@@ -1,6 +1,7 @@
-"""Whether drafting pays in the dtype and on the device a model runs in: accelerators
-calibrated elsewhere re-time themselves at load and decode plainly, saying so, where the
-estimate does not beat plain decoding."""
+"""Whether drafting pays where a model runs: a trained drafter's own work is timed at every
+load as a multiple of the plain step timed in turn with it, its tokens come from calibration
+corrected by each reply, and where no draft beats plain decoding it decodes plainly and
+says so (and Auto leaves it out)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from engine.accelerators import Checkpoint, save_checkpoint
 from engine.config import SamplingParams
 from engine.drafters import kangaroo as kg
 from engine.drafters import medusa as md
+from engine.drafters import payoff
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
-from engine.drafters.payoff import PAY_MARGIN, Payoff, machine, round_seconds, timed_elsewhere
 from engine.drafters.registry import load_drafter
 from engine.generate import run
+from engine.timing import StepCost
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,124 +29,120 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def lm(bundled_tokenizer):
-    return make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=200)
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=200)
+    lm.step_costs[lm.target.name] = StepCost.linear(0.05)  # pinned, not timed
+    return lm
 
 
-def test_the_decision_weighs_tokens_per_step_against_step_costs():
-    # This machine's figures (design notes): fp32 costs 37 ms for one token, 57 for eight;
-    # bf16 24 and 27. A tree keeping 1.45 tokens per step loses in fp32 and wins in bf16.
-    assert Payoff(1.45, 0.037, 0.057).speedup == pytest.approx(0.941, abs=1e-3)
-    assert not Payoff(1.45, 0.037, 0.057).pays
-    assert Payoff(1.45, 0.024, 0.027).pays
-    assert not Payoff(PAY_MARGIN, 1.0, 1.0).pays  # breaking even by the margin is not enough
-
-
-def test_an_accelerator_is_re_timed_where_calibration_did_not_time_it(lm):
-    here = machine(lm)
-    assert timed_elsewhere({"quant": "bf16", "machine": here}, lm)  # lm is fp32
-    assert timed_elsewhere({"quant": "fp32", "device": "cuda", "machine": here}, lm)
-    assert not timed_elsewhere({"quant": "fp32", "device": "cpu", "machine": here}, lm)
-    assert not timed_elsewhere({"quant": "fp32", "machine": here}, lm)  # no device: its own
-    # another machine, or none recorded (a shipped accelerator): re-timed
-    assert timed_elsewhere({"quant": "fp32", "device": "cpu", "machine": "elsewhere"}, lm)
-    assert timed_elsewhere({"quant": "fp32", "device": "cpu"}, lm)
-    assert timed_elsewhere({}, lm)
-
-
-def _kangaroo_checkpoint(lm, quant: str) -> Checkpoint:
+def _kangaroo_checkpoint(lm, tokens: float = 1.25) -> Checkpoint:
     settings = KangarooSettings(2, 0.6, 4)
     drafter = KangarooDrafter(lm, Adapter(lm.model), settings)
-    info = {"settings": {**settings.to_json(), "pays": True, "quant": quant, "device": "cpu",
-                         "machine": machine(lm)}}
+    info = {"settings": {**settings.to_json(), "pays": True, "quant": lm.quant,
+                         "device": "cpu", "machine": payoff.machine(lm)}}
     return Checkpoint(Path("kangaroo"), drafter.tensors(), info,
-                      {"pays": True, "speedup": 1.3, "mean_accepted": 1.25})
+                      {"pays": True, "speedup": 1.3, "mean_accepted": tokens})
 
 
-def _timers(monkeypatch, plain: float, round_: float) -> list:
+def _rounds(monkeypatch, cost: float) -> list:
     calls = []
-    monkeypatch.setattr(kg, "plain_step_seconds", lambda lm: calls.append("plain") or plain)
-    monkeypatch.setattr(kg, "round_seconds", lambda lm, d: calls.append(d.settings.gamma) or round_)
+    monkeypatch.setattr(kg, "round_ratio", lambda lm, d: calls.append(d.settings.gamma) or cost)
     return calls
 
 
 def test_kangaroo_that_does_not_pay_here_decodes_plainly_and_says_so(lm, monkeypatch):
-    calls = _timers(monkeypatch, plain=0.037, round_=0.060)  # 1.25 tokens: 0.77x
-    drafter = KangarooDrafter.from_checkpoint(lm, _kangaroo_checkpoint(lm, "bf16"))
-    assert sorted(calls, key=str) == [2, "plain"]  # rounds timed with ceil(1.25) drafts
+    calls = _rounds(monkeypatch, cost=1.62)  # 1.25 tokens a round: 0.77x
+    drafter = KangarooDrafter.from_checkpoint(lm, _kangaroo_checkpoint(lm))
+    assert calls == [2]  # timed here, even where calibration ran: rounds of ceil(1.25)
     assert drafter.off and not drafter.pays
-    assert drafter.retimed_speedup == pytest.approx(0.77, abs=0.01)
-    assert "0.77x plain decoding in fp32" in drafter.notice
+    assert drafter.speedup == pytest.approx(0.77, abs=0.01)
+    assert "not drafting: estimated at 0.77x plain decoding in fp32" in drafter.notice
     _t, ids, stats = run(lm, [5, 6, 7], SamplingParams(max_new_tokens=12), drafter)
     assert sum(stats.drafted) == 0
     assert ids == run(lm, [5, 6, 7], SamplingParams(max_new_tokens=12))[1]
 
 
 def test_kangaroo_that_pays_here_keeps_drafting(lm, monkeypatch):
-    _timers(monkeypatch, plain=0.024, round_=0.022)
-    drafter = KangarooDrafter.from_checkpoint(lm, _kangaroo_checkpoint(lm, "bf16"))
+    _rounds(monkeypatch, cost=0.9)
+    drafter = KangarooDrafter.from_checkpoint(lm, _kangaroo_checkpoint(lm, tokens=1.8))
     assert not drafter.off and drafter.pays and not drafter.notice
-    assert drafter.metrics["speedup"] == pytest.approx(1.364, abs=1e-3)
+    assert drafter.speedup == pytest.approx(2.0)
 
 
-def test_kangaroo_timed_in_this_dtype_is_not_re_timed(lm, monkeypatch):
-    calls = _timers(monkeypatch, plain=1.0, round_=100.0)
-    drafter = KangarooDrafter.from_checkpoint(lm, _kangaroo_checkpoint(lm, "fp32"))
-    assert calls == [] and not drafter.off and drafter.retimed_speedup is None
-
-
-def _medusa_checkpoint(lm, estimate_ratio: float = 1.0):
+def _medusa_checkpoint(lm, settings: dict) -> None:
     heads = md.MedusaHeads(int(lm.model.config.hidden_size), md.MedusaSettings(4))
-    settings = {**heads.settings.to_json(), "tree": [[0], [0, 0]], "pays": True,
-                "quant": "bf16", "device": "cpu", "estimate_ratio": estimate_ratio,
-                "accuracies": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4], [0.2, 0.3]]}
-    save_checkpoint(lm, "medusa", heads.tensors(), settings, {"speedup": 1.4})
+    save_checkpoint(lm, "medusa", heads.tensors(),
+                    {**heads.settings.to_json(), "pays": True, **settings}, {"speedup": 1.4})
 
 
-def _tree_costs(monkeypatch, per_node: float):
-    """Plain step 10 ms; each tree node adds per_node ms."""
-    monkeypatch.setattr(md, "tree_step_seconds",
-                        lambda lm, heads, choices, ids=None, repeats=3:
-                        0.010 + per_node * len(choices) / 1000)
+CANDIDATES = {"candidates": [[[0], 0.6], [[0, 0], 0.4], [[1], 0.2], [[0, 0, 0], 0.25]]}
 
 
-def test_medusa_re_timed_where_no_tree_pays_decodes_plainly_and_says_so(lm, monkeypatch):
-    _medusa_checkpoint(lm)
-    _tree_costs(monkeypatch, per_node=8.0)  # trees cost far more than they keep
+def test_medusa_that_does_not_pay_here_decodes_plainly_and_says_so(lm, monkeypatch):
+    _medusa_checkpoint(lm, CANDIDATES)
+    monkeypatch.setattr(md, "work_ratio", lambda lm, work: 2.0)  # heads dearer than any gain
     drafter = load_drafter(lm, "medusa")
-    assert not drafter.pays and drafter.tree.size == 1
-    assert "Medusa is estimated at" in drafter.notice and "decoding plainly" in drafter.notice
+    assert not drafter.pays and drafter.speedup < 1.0
+    assert "Medusa is not drafting: estimated at" in drafter.notice
     stats = run(lm, [5, 6, 7], SamplingParams(max_new_tokens=10), drafter)[2]
     assert sum(stats.drafted) == 0
     auto = load_drafter(lm, "auto")
     assert "medusa" not in auto.sources  # Auto leaves out what does not pay here
 
 
-def test_medusa_re_timing_scales_its_estimate_by_what_calibration_measured(lm, monkeypatch):
-    _tree_costs(monkeypatch, per_node=0.5)
-    _medusa_checkpoint(lm, estimate_ratio=1.0)
-    kept = load_drafter(lm, "medusa")
-    assert kept.pays and kept.retimed_speedup > PAY_MARGIN and not kept.notice
-    _medusa_checkpoint(lm, estimate_ratio=0.1)  # the heads kept a tenth of the estimate
-    assert not load_drafter(lm, "medusa").pays
+def test_medusa_drafts_the_nodes_that_pay_at_the_heads_cost_timed_here(lm, monkeypatch):
+    _medusa_checkpoint(lm, CANDIDATES)
+    monkeypatch.setattr(md, "work_ratio", lambda lm, work: 0.1)
+    drafter = load_drafter(lm, "medusa")
+    assert drafter.pays and not drafter.notice
+    # all four nodes: 1 + 1.45 tokens for 5 tokens' verification (1.2) + the heads (0.1)
+    assert drafter.value(drafter.chances, StepCost.linear(0.05)) == \
+        (4, pytest.approx(2.45 / 1.3))
+    # a steeper verification keeps the two likeliest
+    assert drafter.value(drafter.chances, StepCost.linear(0.3))[0] == 2
 
 
-def _clock(monkeypatch, rounds: list[float]) -> None:
-    """Injects timings: each timed round of round_seconds lasts the next of `rounds`."""
-    reads = iter([t for begin in itertools.accumulate([0.0, *rounds]) for t in (begin, begin)])
-    next(reads)  # a round reads the clock at its start and at its end
+def test_an_older_checkpoint_reads_its_candidates_from_its_accuracies(lm, monkeypatch):
+    monkeypatch.setattr(md, "work_ratio", lambda lm, work: 0.1)
+    _medusa_checkpoint(lm, {"tree": [[0], [0, 0]], "estimate_ratio": 0.5,
+                            "accuracies": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4], [0.2, 0.3]]})
+    drafter = load_drafter(lm, "medusa")
+    assert drafter.ranked[:2] == [(0,), (0, 0)]
+    assert drafter.chances[:2] == pytest.approx([0.3, 0.12])  # path products, halved
+
+
+def test_a_reply_whose_drafts_miss_stops_drafting(lm, monkeypatch):
+    """Random heads claimed right 90% of the time: this reply's counts soon price them out,
+    and every later step decodes plainly."""
+    lm.eos_ids = ()  # every reply runs its 40 tokens
+    lm.step_costs[lm.target.name] = StepCost.linear(0.2)
+    tree = md.build_tree([(0,), (0, 0), (1,)], 4)
+    heads = md.MedusaHeads(int(lm.model.config.hidden_size), md.MedusaSettings(4))
+    with torch.no_grad():
+        heads.bias.copy_(torch.randn(heads.bias.shape, generator=torch.Generator().manual_seed(0)))
+    drafter = md.MedusaDrafter(lm, heads, tree, [0.9, 0.9, 0.8], overhead=0.1)
+    _t, ids, stats = run(lm, [5, 6, 7], SamplingParams(max_new_tokens=40), drafter)
+    assert ids == run(lm, [5, 6, 7], SamplingParams(max_new_tokens=40))[1]
+    drafted = [d > 0 for d in stats.drafted]
+    assert drafted[0] and not any(drafted[-10:])  # drafted first, plain at the end
+
+
+def _clock(monkeypatch, seconds: list[float]) -> None:
+    """Injects timings: each timed call lasts the next of `seconds`."""
+    reads = iter([t for begin in itertools.accumulate([0.0, *seconds]) for t in (begin, begin)])
+    next(reads)  # a call reads the clock at its start and at its end
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(reads)))
 
 
-def test_a_round_is_timed_without_disturbing_decoding(lm, monkeypatch):
-    # The warm-up round (5 s) is left out; the median of the three timed rounds is kept.
-    _clock(monkeypatch, [5.0, 0.3, 0.1, 0.2])
+def test_work_is_timed_in_turn_with_plain_steps(lm, monkeypatch):
+    # plain / work pairs (the warm-ups are not timed): ratios 2, 3, 1 -> median 2
+    _clock(monkeypatch, [1.0, 2.0, 1.0, 3.0, 2.0, 2.0])
+    calls = []
+    assert payoff.work_ratio(lm, lambda state: calls.append(state.hidden.shape), rounds=3) == \
+        pytest.approx(2.0)
+    assert len(calls) == 4  # a warm-up and three timed
     drafter = KangarooDrafter(lm, Adapter(lm.model), KangarooSettings(2, 0.0, 3))
-    assert round_seconds(lm, drafter.with_schedule(eta=0.0, gamma=3), repeats=3) == \
-        pytest.approx(0.2)
+    _clock(monkeypatch, [1.0, 0.5, 1.0, 1.5, 1.0, 1.0])
+    assert payoff.round_ratio(lm, drafter, rounds=3) == pytest.approx(1.0)
     params = SamplingParams(max_new_tokens=16)
     assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
-    heads = md.MedusaHeads(int(lm.model.config.hidden_size), md.MedusaSettings(4))
-    tree = md.build_tree([(0,), (1,), (0, 0)], 4)
-    _clock(monkeypatch, [9.0, 0.7, 0.4])
-    assert round_seconds(lm, md.MedusaDrafter(lm, heads, tree), repeats=2) == pytest.approx(0.55)
     assert torch.get_num_threads() == 1

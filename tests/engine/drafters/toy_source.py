@@ -33,5 +33,5 @@ class ToySession(Session):
         tokens, root = self.next_tokens(state), state.ids[-1]
         if not tokens:
             return None
-        return Offer("toy", len(tokens), lambda k: Draft.chain(root, tokens[:k]),
+        return Offer("toy", lambda k: Draft.chain(root, tokens[:k]),
                      chances=tuple(self.toy.sure ** i for i in range(1, len(tokens) + 1)))
