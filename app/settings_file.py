@@ -15,8 +15,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from app.datafiles import Once, atomic_write_text, read_regular
+from app.datafiles import Once, atomic_write_text
 from app.settings_rules import SettingError, problem
+from engine.paths import atomic_write
+from engine.stored_files import MIB, read_bytes, read_json
+
+SETTINGS_BYTES = MIB  # a settings file larger than this is not read (defaults, one line)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ class SettingsFile:
         """(settings, the file's JSON object); None for the object when the file exists
         but must be kept before it is replaced (no JSON object, or values refused)."""
         try:
-            data = json.loads(read_regular(self.path))
+            data = read_json(self.path, SETTINGS_BYTES)
         except FileNotFoundError:
             return Settings(), {}
         except (OSError, ValueError) as exc:
@@ -128,7 +132,8 @@ class SettingsFile:
             n += 1
             copy = self.path.with_name(f"{stamp}-{n}")
         try:
-            atomic_write_text(copy, read_regular(self.path))
+            data = read_bytes(self.path, SETTINGS_BYTES)
+            atomic_write(copy, lambda tmp: tmp.write_bytes(data))
         except (OSError, ValueError) as exc:
             log.warning("could not keep a copy of %s: %s", self.path, exc)
             return
@@ -138,7 +143,7 @@ class SettingsFile:
     def _salvage(self) -> dict:
         """The keys this version does not know, from a file whose known values were refused."""
         try:
-            data = json.loads(read_regular(self.path))
+            data = read_json(self.path, SETTINGS_BYTES)
         except (OSError, ValueError):
             return {}
         known = set(asdict(Settings()))

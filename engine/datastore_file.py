@@ -93,6 +93,8 @@ def append_record(path: Path, lineage: str, serial: int, tokens: np.ndarray) -> 
     new record is always readable after the ones before it."""
     log = log_path(path)
     log.parent.mkdir(parents=True, exist_ok=True)
+    if log.is_symlink() or (log.exists() and not log.is_file()):
+        log.unlink()  # a link or a FIFO put in its place: never opened (it could block)
     created = not log.exists()
     with open(log, "a+b") as f:
         f.seek(0)
