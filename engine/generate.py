@@ -22,7 +22,12 @@ from engine.errors import PromptError
 from engine.loading import LoadedModel
 from engine.sampling import greedy_ids, logits_to_probs, make_generator, next_token
 from engine.stats import GenerationStats
+from engine.target import Forward
 from engine.textstream import TextStream
+
+# Prompt tokens per prefill forward: a cancel (Stop, a client that hung up) is seen between
+# chunks, so a long prompt stops within one chunk's time instead of the whole prompt's.
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -61,8 +66,13 @@ def generate(
     stream = TextStream(lm.tokenizer, params.stop)
     ends = Ends(lm.eos_ids, params.max_new_tokens, stream)
     start = time.perf_counter()
-    state, session = _prefill(lm, ids, params, drafter)
+    prefilled = _prefill(lm, ids, params, drafter, cancel)
     stats.ttft_s = time.perf_counter() - start
+    if prefilled is None:  # cancelled while reading the prompt: nothing was generated
+        stats.stop_reason, stats.elapsed_s, stats.step = "cancelled", stats.ttft_s, lm.target.name
+        yield StepEvent("", [], 0, 0, stats.elapsed_s, True, stats, "", notices)
+        return
+    state, session = prefilled
     new = [state.ids[-1]]
     reason = ends.cut(new, 0)[1]
     while True:
@@ -90,20 +100,41 @@ def generate(
         stats.drafted.append(drafted)
 
 
-def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams,
-             drafter: Drafter) -> tuple[DecodeState, Session]:
-    """Run the prompt, choose the first token, and start the drafter's session."""
+def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: Drafter,
+             cancel: threading.Event | None = None) -> tuple[DecodeState, Session] | None:
+    """Run the prompt, choose the first token, and start the drafter's session; None when
+    `cancel` was set between two of the prompt's chunks."""
     generator = make_generator(params.seed, lm.device)
     target = lm.target
     cache = target.new_cache()
     if drafter.drafts:
         target.check_draftable(cache)
     with torch.inference_mode():
-        out = target.forward(cache, ids, 0, states=drafter.wants_hidden, last_only=True)
+        out = _forward_prompt(target, cache, ids, drafter.wants_hidden, cancel)
+        if out is None:
+            target.release(cache)
+            return None
         first = next_token(out.logits[-1], params, generator)
         state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator)
         session = start_session(drafter, state, out.states)
     return state, session
+
+
+def _forward_prompt(target, cache, ids: list[int], states: bool,
+                    cancel: threading.Event | None) -> Forward | None:
+    """The prompt's forward in chunks of PREFILL_CHUNK tokens (one call when it fits): the
+    last token's logits, every layer's (1, P, H) states when asked. None when `cancel` was
+    set before a chunk."""
+    parts = []
+    for begin in range(0, len(ids), PREFILL_CHUNK):
+        if cancel is not None and cancel.is_set():
+            return None
+        parts.append(target.forward(cache, ids[begin:begin + PREFILL_CHUNK], begin,
+                                    states=states, last_only=True))
+    if len(parts) == 1 or not states:
+        return Forward(parts[-1].logits, parts[-1].states)
+    layers = zip(*[p.states for p in parts], strict=True)
+    return Forward(parts[-1].logits, tuple(torch.cat(layer, dim=1) for layer in layers))
 
 
 def _step(state: DecodeState, session: Session, ends: Ends,
