@@ -18,19 +18,18 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.api.errors import OpenAIRoute, error_response
 from app.api.schema import ApiError, check_prompt_size, parse
 from app.api.worker import END, Reply, ReplyWorker
 from app.host import model_name
 from app.reply_core import ReplyStep
+from app.security import bearer_token
 from app.service import Service
 from engine.config import SamplingParams
 from engine.errors import QuickdraftError
 from engine.loading import LoadedModel
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-# What a client is told of a failure that is not its mistake: the exception's own text (paths,
-# internals) stays in the server's log, where the worker writes it with its traceback.
-INTERNAL_ERROR = "the server failed to make this reply: see its log"
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,10 @@ class ApiOptions:
 
 
 def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, ReplyWorker]:
-    """The /v1 routes for `service`, and the worker that runs their replies."""
+    """The /v1 routes for `service`, and the worker that runs their replies. Every route
+    answers its failures in OpenAI's shape (app/api/errors.py: OpenAIRoute)."""
     worker = ReplyWorker(service)
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=OpenAIRoute)
 
     @router.get("/models")
     async def models(request: Request):
@@ -94,19 +94,26 @@ class _Stream(StreamingResponse):
 def _authorize(request: Request, options: ApiOptions) -> None:
     if options.api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             options.api_key.encode()):
+    token = bearer_token(request.headers.get("authorization", ""))  # as the guard reads it
+    if token is None or not hmac.compare_digest(token.encode(), options.api_key.encode()):
         raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with "
                        "the key given to --api-key", None, "invalid_api_key")
 
 
 async def _json(request: Request) -> object:
+    """The body's JSON; a 400 naming where it stops being JSON (never the parser's own
+    words: a codec's message, or Python's limit on an integer's digits)."""
     try:
-        return json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
+        return json.loads((await request.body()).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not UTF-8 text (byte {exc.start})", None,
+                       "invalid_json") from exc
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                       f"column {exc.colno})", None, "invalid_json") from exc
+    except ValueError as exc:  # a number too long to read
+        raise ApiError(400, "the body's JSON holds a number out of range", None,
+                       "invalid_json") from exc
     except RecursionError as exc:
         raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from exc
 
@@ -141,7 +148,7 @@ def _head(lm: LoadedModel, kind: str) -> dict:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return error_response(exc)
 
 
 def _extension(reply: Reply, step: ReplyStep, token_ids: list[int] | None = None) -> dict:
@@ -219,7 +226,11 @@ def _chunk(head: dict, delta: dict, finish: str | None = None, **extra) -> str:
 
 
 def _as_api_error(exc: Exception) -> ApiError:
+    """What the worker handed over instead of a step: a refusal, or (already logged with its
+    id) a failure of the server's."""
+    if isinstance(exc, ApiError):
+        return exc
     if isinstance(exc, QuickdraftError):
         return ApiError(400, str(exc), None, "generation_refused")
-    return ApiError(500, INTERNAL_ERROR, None, "internal_error", "server_error")
+    return ApiError(500, "the reply failed unexpectedly", None, "internal_error", "server_error")
 

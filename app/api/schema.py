@@ -166,6 +166,9 @@ def _stop(value) -> tuple[str, ...]:
         raise _bad("stop must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOP:
         raise _bad(f"stop takes at most {MAX_STOP} strings", "stop")
+    for stop in stops:
+        if (why := text_problem(stop)) is not None:  # "\ud800": no reply's text can hold it
+            raise _bad(f"stop {why}", "stop")
     return tuple(stops)
 
 
