@@ -21,9 +21,17 @@ from app.failures import report
 log = logging.getLogger(__name__)
 
 
+MESSAGE_CHARS = 500  # an error message is one line of at most this many characters
+
+
 def error_response(exc: ApiError) -> JSONResponse:
-    """OpenAI's `{"error": {"message", "type", "param", "code"}}` with the status."""
-    return JSONResponse(exc.body(), status_code=exc.status)
+    """OpenAI's `{"error": {"message", "type", "param", "code"}}` with the status; the
+    message one line, at most MESSAGE_CHARS long, whatever a route put in it."""
+    body = exc.body()
+    line = " ".join(str(body["error"]["message"]).split())
+    body["error"]["message"] = line if len(line) <= MESSAGE_CHARS else \
+        line[:MESSAGE_CHARS - 1] + "…"
+    return JSONResponse(body, status_code=exc.status)
 
 
 def internal_error(what: str, exc: BaseException) -> ApiError:

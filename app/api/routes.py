@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.errors import OpenAIRoute, error_response
-from app.api.schema import ApiError, check_prompt_size, parse
+from app.api.schema import ApiError, check_prompt_size, parse, shown
 from app.api.worker import END, Reply, ReplyWorker
 from app.host import model_name
 from app.reply_core import ReplyStep
@@ -137,7 +137,7 @@ def model_ids(lm: LoadedModel) -> set[str]:
 
 def _check_model(model: str | None, lm: LoadedModel) -> None:
     if model is not None and model not in model_ids(lm):
-        raise ApiError(404, f"the model {model!r} does not exist here: this server has "
+        raise ApiError(404, f"the model {shown(model)} does not exist here: this server has "
                        f"{lm.model_id!r} loaded (GET /v1/models)", "model", "model_not_found")
 
 

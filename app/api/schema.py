@@ -73,7 +73,8 @@ def parse(body: object, default_max_tokens: int) -> CompletionRequest:
     _unsupported(body)
     accel = body.get("accel", DEFAULT_ACCEL)
     if accel not in ACCEL_CHOICES:
-        raise _bad(f"unknown acceleration {accel!r}: choose one of {', '.join(ACCEL_CHOICES)}",
+        raise _bad(f"unknown acceleration {shown(accel)}: choose one of "
+                   f"{', '.join(ACCEL_CHOICES)}",
                    "accel")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -100,7 +101,7 @@ def check_prompt_size(req: CompletionRequest, context_len: int) -> None:
         raise ApiError(400, why, "messages", "context_length_exceeded")
     if req.params.max_new_tokens >= context_len:  # the prompt needs at least one token
         key = req.max_tokens_key
-        raise ApiError(400, f"{key} ({req.params.max_new_tokens:,}) leaves no room for a "
+        raise ApiError(400, f"{key} ({shown(req.params.max_new_tokens)}) leaves no room for a "
                        f"prompt in this model's {context_len:,}-token context: ask for fewer",
                        key, "context_length_exceeded")
 
@@ -114,7 +115,7 @@ def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:
             raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = message.get("role")
         if role not in ROLES:
-            raise _bad(f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}",
+            raise _bad(f"messages[{i}].role {shown(role)} is not one of {', '.join(ROLES)}",
                        f"messages[{i}].role")
         text = _content(message.get("content"), i)
         if role in ("system", "developer"):
@@ -199,6 +200,13 @@ def _number(body: dict, key: str) -> float:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shown(value, limit: int = 60) -> str:
+    """A client's value as an error message quotes it: its repr, cut to `limit` characters
+    (a 100,000-character model name or a 400-digit number is not repeated back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _bad(message: str, param: str | None) -> ApiError:
