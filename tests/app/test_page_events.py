@@ -24,7 +24,7 @@ PYTHONISMS = re.compile(
     r"<class '|\b(NoneType|TypeError|ValueError|AttributeError|KeyError|IndexError|OSError|"
     r"RuntimeError|RecursionError|UnicodeError|Traceback|pydantic|Errno)\b|object has no "
     r"attribute|not supported between instances|validation error|\.py\b|site-packages|"
-    r"/tmp/|/home/|/work/|/usr/|[A-Z]:\\\\")
+    r"codec can't|\bsys\.\w|int_max_str_digits|/tmp/|/home/|/work/|/usr/|[A-Z]:\\\\")
 
 
 @pytest.fixture
