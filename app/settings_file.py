@@ -120,10 +120,16 @@ class SettingsFile:
         return settings, None if refused else data
 
     def _write(self, raw: dict | None, settings: Settings) -> None:
+        """Write the file; a write the disk refuses (full, read-only, a folder in the file's
+        place) is said in one line and costs only the remembering: the page goes on."""
         if raw is None:  # keep what is about to be replaced
             self._keep_copy()
             raw = self._salvage()
-        atomic_write_text(self.path, json.dumps({**raw, **asdict(settings)}, indent=2))
+        try:
+            atomic_write_text(self.path, json.dumps({**raw, **asdict(settings)}, indent=2))
+        except OSError as exc:
+            self._once.warn(self.path, "could not save the settings to %s: %s", self.path,
+                            exc.strerror or exc)
 
     def _keep_copy(self) -> None:
         stamp = f"{self.path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -135,7 +141,7 @@ class SettingsFile:
             data = read_bytes(self.path, SETTINGS_BYTES)
             atomic_write(copy, lambda tmp: tmp.write_bytes(data))
         except (OSError, ValueError) as exc:
-            log.warning("could not keep a copy of %s: %s", self.path, exc)
+            self._once.warn(self.path, "could not keep a copy of %s: %s", self.path, exc)
             return
         log.warning("%s had values that could not be used: kept as %s", self.path.name,
                     copy.name)

@@ -55,7 +55,10 @@ def open_store(path: Path, fingerprint: str, sources: Callable[[], Iterable[list
     docs = list(sources())
     if docs or base is None:
         store.add_all(docs)
-    store.save(path)  # the new lineage is on disk before any record of it is logged
+    try:
+        store.save(path)  # the new lineage is on disk before any record of it is logged
+    except OSError as exc:  # a full disk, a folder in its place: it serves from memory
+        log.warning("the datastore could not be saved to %s: %s", path, exc.strerror or exc)
     return store
 
 
