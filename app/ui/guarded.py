@@ -18,9 +18,11 @@ from __future__ import annotations
 import html
 import logging
 import re
+from pathlib import Path
 
 import gradio as gr
 from gradio.exceptions import ComponentProcessingError, InvalidPathError
+from gradio.utils import get_upload_folder
 
 from app.failures import report
 from engine.errors import QuickdraftError
@@ -117,9 +119,22 @@ def value_problem(component, value) -> str | None:
             return "must be one of its choices"
     elif isinstance(component, gr.File):
         items = value if isinstance(value, list) else [value]
-        if not all(isinstance(v, dict) and isinstance(v.get("path"), str) for v in items):
+        if not all(_uploaded(v) for v in items):
             return "must be a file uploaded to this page"
     return None
+
+
+def _uploaded(value) -> bool:
+    """Whether `value` is Gradio's record of a file in the upload folder (resolved: no
+    relative path, link or "..", whether or not the page has been launched yet)."""
+    if not (isinstance(value, dict) and isinstance(value.get("path"), str)
+            and value.get("meta") == {"_type": "gradio.FileData"}):
+        return False
+    try:
+        path = Path(value["path"]).resolve(strict=True)
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return path.is_file() and path.is_relative_to(Path(get_upload_folder()).resolve())
 
 
 def _error(message: str) -> gr.Error:

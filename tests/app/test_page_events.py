@@ -7,6 +7,7 @@ it is."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 
 import gradio as gr
@@ -67,11 +68,12 @@ def test_every_event_answers_hostile_values_in_one_line(page, recwarn):
         for fn in demo.fns.values():
             for value in HOSTILE:
                 state = SessionState(demo)
+                shown = said.setdefault((fn.name, repr(value)[:12]), [])
                 try:
                     for data in await _call(demo, fn, [value] * len(fn.inputs), state):
-                        said[(fn.name, repr(value)[:12])] = _shown(data)
+                        shown += _shown(data)
                 except gr.Error as exc:
-                    said[(fn.name, repr(value)[:12])] = [exc.message]
+                    shown.append(exc.message)
 
     asyncio.run(each())
     said[("warnings", "")] = [str(w.message) for w in recwarn]  # gr.Warning, outside a page
@@ -82,6 +84,8 @@ def test_every_event_answers_hostile_values_in_one_line(page, recwarn):
     assert not long_lines
     refused = said[("load", repr("a\ud800b")[:12])]
     assert refused == ["Model: holds a character that is not valid text (a lone surrogate)"]
+    long_name = " ".join(said[("requantize", repr("x" * 200_000)[:12])])
+    assert "is not the name of a model, a folder or a file" in long_name
     assert service.host.lm is not None
 
 
@@ -111,3 +115,25 @@ def test_a_field_longer_than_it_takes_is_refused(page):
         asyncio.run(_call(demo, save, [None, "s" * 100_001], SessionState(demo)))
     assert refused.value.message == "System prompt: is longer than 100,000 characters"
     assert service.store.load_settings().system == ""
+
+
+FILE = {"_type": "gradio.FileData"}
+
+
+@pytest.mark.parametrize("upload", ["prompts.txt", {"path": "prompts.txt"},
+                                    {"path": "/etc/passwd", "meta": FILE},
+                                    {"path": "../../../etc/passwd", "meta": FILE},
+                                    {"path": "UPLOADS/../../passwd", "meta": FILE},
+                                    [{"path": 5}]])
+def test_a_file_field_takes_only_what_the_page_uploaded(page, monkeypatch, upload):
+    demo, service = page
+    monkeypatch.setattr(service.training, "start", lambda *a, **k: pytest.fail("it started"))
+    start = _fn(demo, "start")
+    if isinstance(upload, dict):
+        upload = {**upload, "path": upload["path"].replace("UPLOADS", os.environ[
+            "GRADIO_TEMP_DIR"])}
+    with pytest.raises(gr.Error) as refused:
+        asyncio.run(_call(demo, start, ["medusa", 5, upload, False], SessionState(demo)))
+    message = refused.value.message
+    assert message.startswith("Extra prompts") and not PYTHONISMS.search(message)
+    assert "passwd" not in message and "prompts.txt" not in message

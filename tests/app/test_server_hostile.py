@@ -190,3 +190,18 @@ def test_a_client_that_hangs_up_during_a_long_prompt_frees_the_model(server, mon
     assert 1 <= len(chunks) < 10  # of the prompt's ~29 chunks: it stopped at a chunk boundary
     r = _post(url, BASE)  # the next request is served
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_a_plain_reply_reads_no_accelerator_file(server, monkeypatch):
+    url, service = server
+    _medusa_folder(service)
+    read = []
+
+    def refuse(path, *args, **kwargs):
+        read.append(path)
+        raise AssertionError(f"{path} was read")
+
+    for name in ("read_json", "check_regular"):
+        monkeypatch.setattr(f"engine.accelerators.{name}", refuse)
+    r = _post(url, {**ASK, "accel": "off"})
+    assert r.status_code == 200 and r.json()["quickdraft"]["accel"] == "off" and read == []
