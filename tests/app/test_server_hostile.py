@@ -158,6 +158,18 @@ def test_a_fifo_among_the_accelerator_files_never_blocks_a_reply(server):
         (folder / METRICS).unlink()
 
 
+def _slow_chunks(forward, size: int, chunks: list, started: threading.Event):
+    """`forward` as a slow machine runs it: each prompt chunk of `size` tokens takes 0.2 s
+    more (recorded in `chunks`; `started` is set at the first)."""
+    def slow(cache, tokens, start, *args, **kwargs):
+        if len(tokens) == size:
+            chunks.append(start)
+            started.set()
+            time.sleep(0.2)
+        return forward(cache, tokens, start, *args, **kwargs)
+    return slow
+
+
 def test_a_client_that_hangs_up_during_a_long_prompt_frees_the_model(server, monkeypatch):
     from engine import generate as loop
 
@@ -165,16 +177,8 @@ def test_a_client_that_hangs_up_during_a_long_prompt_frees_the_model(server, mon
     lm = service.host.lm
     monkeypatch.setattr(loop, "PREFILL_CHUNK", 16)
     started, chunks = threading.Event(), []
-    forward = lm.target.forward
-
-    def slow(cache, tokens, start, *args, **kwargs):
-        if len(tokens) == 16:  # a chunk of the prompt: a slow machine's
-            chunks.append(start)
-            started.set()
-            time.sleep(0.2)
-        return forward(cache, tokens, start, *args, **kwargs)
-
-    monkeypatch.setattr(lm.target, "forward", slow)
+    monkeypatch.setattr(lm.target, "forward", _slow_chunks(lm.target.forward, 16, chunks,
+                                                           started))
     body = json.dumps({**BASE, "max_tokens": 8,
                        "messages": [{"role": "user", "content": "word " * 460}]})
     where = urlparse(url)
