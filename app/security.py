@@ -54,7 +54,7 @@ class Limits:
     # what the upload folder may hold in all (uploads, and Gradio's copies of downloads):
     # an upload that would pass either is refused (413) before a byte of it is written
     uploads_bytes: int = 64 * 2**20
-    uploads_count: int = 64
+    uploads_count: int = 128
 
 
 @dataclass(frozen=True)
