@@ -12,6 +12,7 @@ from engine.drafters.auto import auto
 from engine.drafters.base import Drafter
 from engine.drafters.composite import Composite
 from engine.drafters.datastore_source import StoreDrafter
+from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter, fitted
 from engine.drafters.medusa import MedusaDrafter
@@ -50,6 +51,7 @@ METHODS = (
     Method("kangaroo+lookup", "Kangaroo+lookup", composes=("lookup", "kangaroo")),
     Method("datastore", "Datastore", StoreDrafter.for_model, composes=("lookup",)),
     Method("medusa+datastore", "Medusa+datastore", composes=("lookup", "medusa", "datastore")),
+    Method("grammar", "Grammar", lambda lm, ckpt: GrammarDrafter()),
 )
 ACCEL_CHOICES = tuple(m.name for m in METHODS)
 ACCEL_LABELS = {m.name: m.label for m in METHODS}
