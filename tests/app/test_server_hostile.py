@@ -46,10 +46,11 @@ def server(tmp_path_factory, bundled_tokenizer):
             demo.close()
 
 
-def _post(url: str, body, headers: dict | None = None, **kwargs) -> httpx.Response:
+def _post(url: str, body, headers: dict | None = None, path: str = "/v1/chat/completions",
+          **kwargs) -> httpx.Response:
     # json.dumps writes a lone surrogate as its "\ud800" escape, as a client's JSON would
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(url + "/v1/chat/completions", content=data, **{"timeout": 120, **kwargs},
+    return httpx.post(url + path, content=data, **{"timeout": 120, **kwargs},
                       headers={**AUTH, "Content-Type": "application/json", **(headers or {})})
 
 
@@ -81,17 +82,28 @@ VALUES = [None, 5, -1, [1, 2], "x" * 100_000, "a\ud800b", {"a": [1]}, True, 10**
 RAW = [b"\xff\xfe{}", b'{"messages": [' + b"1" * 5000 + b"]}", b"[" * 100_000,
        b'{"temperature": NaN, "messages": []}', b'{"max_tokens": 1e400}', b"", b"null",
        json.dumps(BASE).encode()[:-3]]
+OTHER_POSTS = ["/v1/completions", "/v1/embeddings"]  # read their bodies as chat does
+
+
+def _said_of_a_failure(r: httpx.Response) -> list[str]:
+    """What the server said about a failure: a refusal's body, a stream's error chunks. A
+    reply's own text is left out: a random model's words may be "RuntimeError" or ".py"."""
+    if r.status_code >= 400:
+        return [r.text]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return [json.dumps(c["error"], ensure_ascii=False) for c in chunks if "error" in c]
 
 
 def test_no_body_gets_python_words_or_a_500(server):
     url, _service = server
     answers = [_post(url, body) for body in RAW]
     answers += [_post(url, {**BASE, key: value}) for key in KEYS for value in VALUES]
+    answers += [_post(url, body, path=path) for path in OTHER_POSTS for body in RAW]
     answers.append(httpx.get(url + "/v1/models",  # a key of bytes that are not UTF-8
                              headers={"Authorization": b"Bearer \xed\xa0\x80\xff"}))
     assert all(r.status_code < 500 for r in answers), [r.text[:200] for r in answers
                                                        if r.status_code >= 500]
-    leaked = [r.text[:300] for r in answers if PYTHONISMS.search(r.text)]
+    leaked = [t[:300] for r in answers for t in _said_of_a_failure(r) if PYTHONISMS.search(t)]
     assert not leaked
     errors = [r.json()["error"] for r in answers if r.status_code >= 400]
     assert errors and all(set(e) == {"message", "type", "param", "code"} for e in errors)
