@@ -74,18 +74,52 @@ class Conversation:
 
 
 def _is_time(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return _is_number(value) and math.isfinite(value)
 
 
 def _message(m, i: int) -> dict:
     """A stored message checked: a user or assistant turn; content that is not text (a
-    hand-edited file) is kept as its JSON text rather than hiding the conversation."""
+    hand-edited file) is kept as its JSON text rather than hiding the conversation. What
+    the page reads beside the text (the method, the model, the figures) must have its type,
+    or the file is refused: a list where a name belongs failed every page load."""
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise ValueError(f"messages[{i}] must be an object with role user or assistant")
+    for key in ("accel", "model", "acceptance"):
+        if key in m and not isinstance(m[key], str):
+            raise ValueError(f"messages[{i}].{key} must be text")
+    if "stats" in m:
+        _check_stats(m["stats"], f"messages[{i}].stats")
     content = m.get("content")
     if not isinstance(content, str):
         content = "" if content is None else json.dumps(content)
     return {**m, "content": content}
+
+
+# The figures of a stored reply the page reads (engine.stats.GenerationStats.to_json), by
+# type; keys it does not know (a newer version's) are left alone.
+NUMBERS = ("tokens", "steps", "tokens_per_s", "ttft_s", "mean_accepted", "prompt_tokens",
+           "prompt_dropped", "elapsed_s", "datastore_drafted", "datastore_accepted",
+           "drafting_steps")
+TEXTS = ("stop_reason", "step")
+NUMBER_LISTS = ("accepted_histogram", "ctar")
+COUNTS = ("step_kinds", "kind_accepted")  # {kind: number}
+
+
+def _check_stats(stats, where: str) -> None:
+    if not isinstance(stats, dict):
+        raise ValueError(f"{where} must be an object")
+    for key, value in stats.items():
+        ok = (_is_number(value) if key in NUMBERS else isinstance(value, str) if key in TEXTS
+              else isinstance(value, list) and all(map(_is_number, value))
+              if key in NUMBER_LISTS else isinstance(value, dict) and all(
+                  isinstance(k, str) and _is_number(v) for k, v in value.items())
+              if key in COUNTS else True)
+        if not ok:
+            raise ValueError(f"{where}.{key} has the wrong type")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def own_reply(message: dict, fingerprint: str) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from app.conversation import own_reply
 from app.host import ModelHost, model_name
+from app.settings_rules import text_problem
 from app.store import Store
 from app.store_writer import StoreWriter
 from engine.accelerators import (
@@ -192,7 +193,9 @@ class Accelerators:
         if self.store.load_settings().learn_from_chats:
             convs += list(reversed(self.store.chats_with(lm.fingerprint)))  # oldest first
         return [lm.tokenizer.encode(m["content"], add_special_tokens=False)
-                for conv in convs for m in conv if m["role"] == "assistant"]
+                for conv in convs for m in conv if isinstance(m, dict)
+                and m.get("role") == "assistant" and isinstance(m.get("content"), str)
+                and not text_problem(m["content"])]
 
     def learn(self, reply: dict, token_ids: list[int]) -> None:
         """Put a finished reply in the datastore before the next request starts (the

@@ -1,7 +1,12 @@
 """The ASGI layer every request passes before any handler (the page, Gradio's API, /v1):
-the Host and Origin checks of app/security.py, the only CORS answers the server gives, the
-headers that keep other sites from framing the page, the body cap and body deadline, the
-upload cap, and the lockout after repeated failed logins or API keys.
+the Host and Origin checks of app/security.py (and, for a request without an Origin, its
+Sec-Fetch-Site and Referer), the only CORS answers the server gives, the headers that keep
+other sites from framing the page, the body cap and body deadline, the upload caps, and the
+lockout after repeated failed logins or API keys.
+
+The client a lockout counts is the connection's own address: uvicorn reads X-Forwarded-For
+only from the proxies the command line names (--trusted-proxy; app/ui/launch.py), so a
+client cannot pick a new address per guess.
 
 Refusals are JSON in OpenAI's error shape, so API clients show them like any other error.
 """
@@ -11,21 +16,32 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import secrets
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from python_multipart.multipart import parse_options_header
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 
-from app.security import Limits, Policy, host_allowed, origin_allowed, same_origin
+from app.security import (
+    Limits,
+    Policy,
+    bearer_token,
+    host_allowed,
+    origin_allowed,
+    referer_origin,
+    same_origin,
+)
 
 PREFLIGHT_MAX_AGE_S = 600  # browsers may cache an allowed origin's preflight this long
 THROTTLED = ("/login", "/login/", "/v1/")  # where failed credentials are counted (prefixes)
 UPLOAD_PATH = "/gradio_api/upload"  # Gradio's file uploads: the page's prompts file
 ACCEPTED_KEPT = 64  # credentials remembered as accepted (only right ones ever are)
 SINGLE = (b"host", b"origin")  # headers a request may carry once: two leave "which?" open
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")  # requests that change nothing (a link, a preflight)
 
 
 class _Refused(Exception):
@@ -33,36 +49,38 @@ class _Refused(Exception):
 
 
 class Throttle:
-    """Failed logins and API keys per client address: after `limits.login_failures` within
-    `limits.lockout_s`, the address is answered 429 for `limits.lockout_s`, except for a
-    credential this server has accepted before. Every local program shares 127.0.0.1, so
-    without that exception five wrong guesses from any of them would lock the user out of
-    the key and login in use; a guess never accepted still waits, so guessing stays slow."""
+    """Failed logins and API keys per client address, each kind counted apart: after
+    `limits.login_failures` of one kind within `limits.lockout_s`, the address is answered
+    429 for that kind for `limits.lockout_s`, except for a credential this server has
+    accepted before. Every local program shares 127.0.0.1, so without that exception five
+    wrong guesses from any of them would lock the user out of the key and login in use; a
+    guess never accepted still waits, so guessing stays slow."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float]):
         self.limits, self.clock = limits, clock
-        self._failures: dict[str, list[float]] = {}  # client -> times of recent failures
-        self._locked: dict[str, float] = {}  # client -> when its lockout ends
+        # (client, kind) -> times of recent failures; kind: "key" or "login"
+        self._failures: dict[tuple[str, str], list[float]] = {}
+        self._locked: dict[tuple[str, str], float] = {}  # (client, kind) -> lockout's end
         self._salt = secrets.token_bytes(16)  # no secret is kept in memory as itself
         self._accepted: dict[bytes, None] = {}  # digests of accepted credentials, oldest first
 
-    def wait_s(self, client: str, credential: bytes | None) -> float:
+    def wait_s(self, client: str, kind: str, credential: bytes | None) -> float:
         """Seconds left of this client's lockout for `credential` (0: may try)."""
         if credential is not None and self._digest(credential) in self._accepted:
             return 0.0
-        left = self._locked.get(client, 0.0) - self.clock()
+        left = self._locked.get((client, kind), 0.0) - self.clock()
         if left <= 0:
-            self._locked.pop(client, None)
+            self._locked.pop((client, kind), None)
         return max(left, 0.0)
 
-    def failed(self, client: str) -> None:
-        now = self.clock()
-        recent = [t for t in self._failures.get(client, []) if now - t < self.limits.lockout_s]
+    def failed(self, client: str, kind: str) -> None:
+        now, who = self.clock(), (client, kind)
+        recent = [t for t in self._failures.get(who, []) if now - t < self.limits.lockout_s]
         recent.append(now)
         if len(recent) >= self.limits.login_failures:
-            self._locked[client] = now + self.limits.lockout_s
+            self._locked[who] = now + self.limits.lockout_s
             recent = []
-        self._failures[client] = recent
+        self._failures[who] = recent
         if len(self._failures) > 10_000:  # many clients: forget the quiet ones
             self._failures = {c: f for c, f in self._failures.items() if f}
 
@@ -82,8 +100,10 @@ class Throttle:
 class Guard:
     """Wraps the whole app: nothing reaches a route unless this admits it."""
 
-    def __init__(self, app, policy: Policy, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, app, policy: Policy, clock: Callable[[], float] = time.monotonic,
+                 uploads: Path | None = None):
         self.app, self.policy = app, policy
+        self.uploads = uploads  # the folder uploads land in (its total is capped); None: none
         self.throttle = Throttle(policy.limits, clock)
         # who may show the page inside theirs: itself and the origins allowed to call it
         ancestors = " ".join(["'self'", *sorted(o for o in policy.origins if o != "null")])
@@ -111,6 +131,9 @@ class Guard:
             await _refuse(scope, send, 403, f"requests from the web origin {origin!r} are not "
                           "allowed: start the server with --allowed-origin ORIGIN to allow it")
             return
+        if origin is None and (why := self._other_site(scope, headers, host)):
+            await _refuse(scope, send, 403, why)
+            return
         if scope["type"] == "websocket":
             await self.app(scope, receive, send)
             return
@@ -118,6 +141,25 @@ class Guard:
             await _preflight(origin, headers, send)
             return
         await self._http(scope, receive, send, headers, origin if foreign else None)
+
+    def _other_site(self, scope, headers: Headers, host: str) -> str | None:
+        """Why a request without an Origin is refused as another site's, or None. Browsers
+        name the requesting site in Sec-Fetch-Site (all of today's) and Referer: a page of
+        another site may follow a link here (a navigation), nothing else. Clients that send
+        neither (curl, the openai client, editors) are unaffected."""
+        method = scope.get("method", "GET")
+        navigation = method in ("GET", "HEAD") and headers.get("sec-fetch-mode") == "navigate"
+        site = headers.get("sec-fetch-site", "")
+        if site in ("cross-site", "same-site") and not navigation:
+            return (f"a request sent by another site (Sec-Fetch-Site: {site}) without an "
+                    "Origin is refused")
+        referer = headers.get("referer")
+        if referer is not None and method not in SAFE_METHODS:
+            origin = referer_origin(referer)
+            if not same_origin(origin, _scheme(scope), host) and \
+                    not origin_allowed(self.policy, origin):
+                return "a request sent from another site's page (its Referer) is refused"
+        return None
 
     async def _http(self, scope, receive, send, headers: Headers, echo: str | None) -> None:
         limits = self.policy.limits
@@ -128,6 +170,7 @@ class Guard:
         body = _Body(receive, limits, scope, send)
         client = (scope.get("client") or ("?", 0))[0]
         counted = scope["path"].startswith(THROTTLED)
+        kind = "login" if scope["path"].startswith("/login") else "key"
         credential = None
 
         async def guarded_send(message) -> None:
@@ -138,17 +181,17 @@ class Guard:
                 _cors(message, echo)
                 MutableHeaders(scope=message).update(self.frame_headers)
                 if counted:
-                    self._count(client, scope["path"], message["status"], credential)
+                    self._count(client, kind, message["status"], credential)
             await send(message)
 
         try:
             if counted:
                 credential = await _credential(scope, headers, body)
-                if wait := self.throttle.wait_s(client, credential):
+                if wait := self.throttle.wait_s(client, kind, credential):
                     await body.refuse(429, "too many failed logins or API keys: wait before "
                                       "trying again", {"retry-after": str(int(wait) + 1)})
             if scope["path"] == UPLOAD_PATH:
-                await _check_upload(headers, body, limits)
+                await _check_upload(headers, body, limits, self.uploads)
             await self.app(scope, body.receive, guarded_send)
         except _Refused:
             pass
@@ -156,9 +199,9 @@ class Guard:
             if not body.refused:
                 raise
 
-    def _count(self, client: str, path: str, status: int, credential: bytes | None) -> None:
-        if status == 401 or (status == 400 and path.startswith("/login")):
-            self.throttle.failed(client)
+    def _count(self, client: str, kind: str, status: int, credential: bytes | None) -> None:
+        if status == 401 or (status == 400 and kind == "login"):
+            self.throttle.failed(client, kind)
         elif status < 300:
             self.throttle.succeeded(credential)
 
@@ -212,11 +255,14 @@ class _Body:
 
 
 async def _credential(scope, headers: Headers, body: _Body) -> bytes | None:
-    """What a throttled request presents: the login's user and password, or the API key;
-    the kind goes first, so that a value accepted as one is never trusted as the other.
+    """What a throttled request presents, as the route reads it (bearer_token: `bearer KEY`
+    and `Bearer  KEY` are the same key): the login's user and password, or the API key; the
+    kind goes first, so that a value accepted as one is never trusted as the other.
     None: a login form this cannot read (never remembered, always subject to lockouts)."""
     if not scope["path"].startswith("/login"):
-        return b"key\n" + headers.get("authorization", "").encode()
+        given = headers.get("authorization", "")
+        key = bearer_token(given)
+        return b"key\n" + (key if key is not None else " ".join(given.split())).encode()
     if scope["method"] != "POST":
         return None
     raw = await body.read_all()
@@ -235,9 +281,12 @@ async def _credential(scope, headers: Headers, body: _Body) -> bytes | None:
     return f"login\n{user.strip()}:{password}".encode(errors="surrogatepass")
 
 
-async def _check_upload(headers: Headers, body: _Body, limits: Limits) -> None:
-    """Refuse an upload of more than `limits.upload_files` files before any is written (its
-    total size is the body cap's). Parts are counted by their delimiter lines."""
+async def _check_upload(headers: Headers, body: _Body, limits: Limits,
+                        folder: Path | None) -> None:
+    """Refuse, before any file is written, an upload of more than `limits.upload_files`
+    files (its size is the body cap's), or one that would take the upload `folder` past
+    `limits.uploads_bytes` or `limits.uploads_count` files. Parts are counted by their
+    delimiter lines."""
     boundary = _boundary(headers.get("content-type", ""))
     if boundary is None:
         return  # not multipart: Gradio refuses it
@@ -246,6 +295,26 @@ async def _check_upload(headers: Headers, body: _Body, limits: Limits) -> None:
     if parts > limits.upload_files:
         await body.refuse(413, f"an upload takes at most {limits.upload_files} files "
                           f"({parts} sent)")
+    if folder is None:
+        return
+    count, size = _held(folder)
+    if count + parts > limits.uploads_count or size + len(raw) > limits.uploads_bytes:
+        await body.refuse(413, f"the upload folder holds {count} files ("
+                          f"{size / 2**20:.1f} MiB) already, the most this app keeps: "
+                          "restart it to clear the uploads of earlier runs, or wait a day")
+
+
+def _held(folder: Path) -> tuple[int, int]:
+    """Files under `folder` and their bytes (links and what vanishes meanwhile skipped)."""
+    count = size = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                found = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            count, size = count + 1, size + found.st_size
+    return count, size
 
 
 def _boundary(content_type: str) -> bytes | None:

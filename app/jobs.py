@@ -8,12 +8,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.failures import report
 from engine.errors import QuickdraftError
 from engine.progress import Progress
 
 log = logging.getLogger(__name__)
 
 HISTORY_LIMIT = 5000  # metric reports kept per job for the live plots
+WHAT = {"load": "loading the model", "train": "training"}  # a job's kind, for people
 
 
 @dataclass
@@ -64,8 +66,8 @@ class Job:
         except QuickdraftError as exc:
             self.error, self.state = str(exc), "cancelled" if self.cancel.is_set() else "failed"
         except Exception as exc:  # a background thread must report, not die silently
-            log.exception("%s job failed", self.kind)
-            self.error, self.state = one_line(exc), "failed"
+            self.error = report(log, WHAT.get(self.kind, self.kind), exc)
+            self.state = "failed"
 
 
 def run_fraction(p: Progress, elapsed_s: float) -> float:
@@ -81,7 +83,7 @@ def run_fraction(p: Progress, elapsed_s: float) -> float:
 
 
 def one_line(exc: BaseException) -> str:
-    """An unexpected exception for people: its type and first non-empty message line (the
-    traceback goes to the log)."""
+    """An unexpected exception for the terminal: its type and first non-empty message line
+    (the traceback goes to the log; the page shows app.failures.report's line instead)."""
     first = next((line for line in str(exc).splitlines() if line.strip()), "")
     return f"{type(exc).__name__}: {first.strip()}" if first else type(exc).__name__

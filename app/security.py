@@ -51,6 +51,10 @@ class Limits:
     login_failures: int = 5  # failed logins or API keys per client before a lockout
     lockout_s: float = 60.0  # how long such a client's new credentials are answered 429
     upload_files: int = 4  # files in one upload request (the page sends one at a time)
+    # what the upload folder may hold in all (uploads, and Gradio's copies of downloads):
+    # an upload that would pass either is refused (413) before a byte of it is written
+    uploads_bytes: int = 64 * 2**20
+    uploads_count: int = 128
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,8 @@ def origin_allowed(policy: Policy, origin: str) -> bool:
 
 
 def normalise_origin(origin: str) -> str:
-    """'HTTP://LocalHost:80/' -> 'http://localhost'; "null" stays; junk -> ""."""
+    """'HTTP://LocalHost:80/' -> 'http://localhost'; "null" stays; junk -> "" (a user or
+    password before the host included: 'http://evil.com@127.0.0.1' names no origin)."""
     origin = origin.strip().rstrip("/").lower()
     if origin == "null":
         return origin
@@ -116,12 +121,34 @@ def normalise_origin(origin: str) -> str:
         port = parts.port
     except ValueError:
         return ""
-    if not parts.scheme or not parts.hostname or parts.path or parts.query:
+    if not parts.scheme or not parts.hostname or parts.path or parts.query or parts.fragment \
+            or "@" in parts.netloc:
         return ""
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     if port is not None and port != DEFAULT_PORTS.get(parts.scheme):
         host += f":{port}"
     return f"{parts.scheme}://{host}"
+
+
+def referer_origin(referer: str) -> str:
+    """The origin of a Referer URL ('http://a.example:8080/page?q' -> 'http://a.example:8080');
+    "" when it names none."""
+    try:
+        parts = urlsplit(referer.strip())
+    except ValueError:
+        return ""
+    if not parts.scheme or not parts.netloc:
+        return ""
+    return normalise_origin(f"{parts.scheme}://{parts.netloc}")
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The key of an "Authorization: Bearer KEY" header, read as HTTP reads it: the scheme
+    in any case, any run of spaces or tabs around the key; None for any other header."""
+    parts = authorization.split()
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return None
+    return parts[1]
 
 
 def split_host(host_header: str) -> tuple[str, int | None] | None:

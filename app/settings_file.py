@@ -15,8 +15,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from app.datafiles import Once, atomic_write_text, read_regular
+from app.datafiles import Once, atomic_write_text
 from app.settings_rules import SettingError, problem
+from engine.paths import atomic_write
+from engine.stored_files import MIB, read_bytes, read_json
+
+SETTINGS_BYTES = MIB  # a settings file larger than this is not read (defaults, one line)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ class SettingsFile:
         """(settings, the file's JSON object); None for the object when the file exists
         but must be kept before it is replaced (no JSON object, or values refused)."""
         try:
-            data = json.loads(read_regular(self.path))
+            data = read_json(self.path, SETTINGS_BYTES)
         except FileNotFoundError:
             return Settings(), {}
         except (OSError, ValueError) as exc:
@@ -116,10 +120,16 @@ class SettingsFile:
         return settings, None if refused else data
 
     def _write(self, raw: dict | None, settings: Settings) -> None:
+        """Write the file; a write the disk refuses (full, read-only, a folder in the file's
+        place) is said in one line and costs only the remembering: the page goes on."""
         if raw is None:  # keep what is about to be replaced
             self._keep_copy()
             raw = self._salvage()
-        atomic_write_text(self.path, json.dumps({**raw, **asdict(settings)}, indent=2))
+        try:
+            atomic_write_text(self.path, json.dumps({**raw, **asdict(settings)}, indent=2))
+        except OSError as exc:
+            self._once.warn(self.path, "could not save the settings to %s: %s", self.path,
+                            exc.strerror or exc)
 
     def _keep_copy(self) -> None:
         stamp = f"{self.path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -128,9 +138,10 @@ class SettingsFile:
             n += 1
             copy = self.path.with_name(f"{stamp}-{n}")
         try:
-            atomic_write_text(copy, read_regular(self.path))
+            data = read_bytes(self.path, SETTINGS_BYTES)
+            atomic_write(copy, lambda tmp: tmp.write_bytes(data))
         except (OSError, ValueError) as exc:
-            log.warning("could not keep a copy of %s: %s", self.path, exc)
+            self._once.warn(self.path, "could not keep a copy of %s: %s", self.path, exc)
             return
         log.warning("%s had values that could not be used: kept as %s", self.path.name,
                     copy.name)
@@ -138,7 +149,7 @@ class SettingsFile:
     def _salvage(self) -> dict:
         """The keys this version does not know, from a file whose known values were refused."""
         try:
-            data = json.loads(read_regular(self.path))
+            data = read_json(self.path, SETTINGS_BYTES)
         except (OSError, ValueError):
             return {}
         known = set(asdict(Settings()))

@@ -15,6 +15,8 @@ from engine.drafters.registry import ACCEL_CHOICES
 from engine.errors import QuickdraftError
 
 MAX_NEW_TOKENS = 32_768  # the longest reply the page's slider could ask for, with headroom
+# The longest system prompt kept (about 25k tokens): each conversation stores its own copy.
+SYSTEM_CHARS = 100_000
 CONVERSATION_ID = re.compile(r"[0-9a-f]{1,32}")  # conversation ids, which name their files
 # The acceptance rules the page offers: lossless ("auto") and Medusa's typical acceptance.
 PAGE_ACCEPTANCE = ("auto", "typical")
@@ -61,7 +63,7 @@ RULES: dict[str, Callable] = {
     f"must be between 1 and {MAX_NEW_TOKENS}",
     "last_conversation": lambda v: None if v == "" or CONVERSATION_ID.fullmatch(v) else
     "is not a conversation id",
-    "system": lambda v: text_problem(v),
+    "system": lambda v: system_problem(v),
     "train_minutes": _finite(1.0, 24 * 60.0),  # a training run's time budget (page only)
 }
 
@@ -80,6 +82,13 @@ def text_problem(text: str) -> str | None:
     except UnicodeEncodeError:
         return "holds a character that is not valid text (a lone surrogate)"
     return None
+
+
+def system_problem(text: str) -> str | None:
+    """Why `text` cannot be a system prompt (not storable, or longer than SYSTEM_CHARS)."""
+    if len(text) > SYSTEM_CHARS:
+        return f"is longer than {SYSTEM_CHARS:,} characters"
+    return text_problem(text)
 
 
 def page_number(key: str, value, integer: bool = False) -> float | int:

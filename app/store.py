@@ -21,16 +21,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.conversation import Conversation, matches, title_from_prompt, unique_title
-from app.datafiles import Once, atomic_write_text, read_regular
+from app.datafiles import Once, atomic_write_text
 from app.settings_file import Settings, SettingsFile
-from app.settings_rules import CONVERSATION_ID, text_problem
+from app.settings_rules import CONVERSATION_ID, system_problem, text_problem
 from engine.errors import QuickdraftError
-from engine.paths import data_dir
+from engine.paths import atomic_write, data_dir
+from engine.stored_files import MIB, read_bytes, read_json
 
 log = logging.getLogger(__name__)
 
 EXPORT_FORMATS = ("md", "json")
 TRASH_KEEP = 20  # deleted or cleared conversations kept for Undo (the newest)
+EMPTY_KEEP = 10  # conversations with no message yet: New chat removes the oldest beyond it
+# A conversation file larger than this is not read (skipped with one line): thousands of
+# long replies fit, and the list reads every file on each page event.
+CONVERSATION_BYTES = 32 * MIB
 
 
 class StoreError(QuickdraftError):
@@ -64,12 +69,13 @@ class Store:
     # -- conversations --------------------------------------------------------------
     def list(self, query: str = "") -> list[Conversation]:
         """All readable conversations (those matching every word of `query`), newest
-        first. An unreadable file is skipped, and named once per version of it."""
+        first. A file that fails the reader or the conversation's checks (engine/
+        stored_files.py, Conversation.from_json) is skipped, and named once per version."""
         convs = []
         for path in self.conv_dir.glob("*.json"):
             try:
                 conv = self._read(path)
-            except (OSError, ValueError, TypeError) as exc:
+            except (OSError, ValueError) as exc:
                 self._once.warn(path, "skipping unreadable conversation %s: %s", path.name, exc)
                 continue
             if not query or matches(conv, query):
@@ -88,11 +94,16 @@ class Store:
             return self._read(path)
         except FileNotFoundError as exc:
             raise StoreError(f"no conversation {conv_id!r} (deleted?)") from exc
-        except (OSError, ValueError, TypeError) as exc:
-            raise StoreError(f"conversation file {path} is unreadable: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"conversation file {path.name} is unreadable: {exc}") from exc
 
     def new(self, system: str = "") -> Conversation:
-        _check_text("the system prompt", system)
+        """A new, empty conversation. The oldest empty ones beyond EMPTY_KEEP go: clicks on
+        New chat must not fill the disk with conversations nobody wrote in."""
+        _check_system(system)
+        empty = [c for c in self.list() if not c.messages]
+        for old in empty[EMPTY_KEEP - 1:]:
+            self._path(old.id).unlink(missing_ok=True)
         now = time.time()
         conv = Conversation(uuid.uuid4().hex[:12], "New chat", now, now, system)
         self.save(conv)
@@ -120,7 +131,7 @@ class Store:
 
     def set_system(self, conv_id: str, system: str) -> None:
         """The conversation's own system prompt (what its next reply is asked with)."""
-        _check_text("the system prompt", system)
+        _check_system(system)
         conv = self.get(conv_id)
         if conv.system != system.strip():
             conv.system = system.strip()
@@ -138,8 +149,9 @@ class Store:
         conv = self.get(conv_id)
         if not conv.messages:
             return conv
-        self._to_trash(conv_id, lambda dest: atomic_write_text(dest, read_regular(
-            self._path(conv_id))))
+        data = read_bytes(self._path(conv_id), CONVERSATION_BYTES)  # read as get() did
+        self._to_trash(conv_id, lambda dest: atomic_write(dest, lambda tmp: tmp.write_bytes(
+            data)))
         conv.messages, conv.title = [], "New chat"
         self.save(conv)
         return conv
@@ -149,6 +161,10 @@ class Store:
         kept = self.trash_dir / self._path(conv_id).name
         if not kept.exists():
             raise StoreError("nothing to undo for this conversation")
+        try:  # what comes back is read as every conversation is
+            self._read(kept)
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"the kept copy of this conversation is unreadable: {exc}") from exc
         self.conv_dir.mkdir(parents=True, exist_ok=True)
         os.replace(kept, self._path(conv_id))
         return self.get(conv_id)
@@ -179,10 +195,16 @@ class Store:
 
     @staticmethod
     def _read(path: Path) -> Conversation:
-        return Conversation.from_json(json.loads(read_regular(path)), path.stem)
+        return Conversation.from_json(read_json(path, CONVERSATION_BYTES), path.stem)
 
 
 def _check_text(name: str, text: str) -> None:
     why = text_problem(text)
     if why is not None:
         raise StoreError(f"{name} {why}")
+
+
+def _check_system(system: str) -> None:
+    why = system_problem(system)
+    if why is not None:
+        raise StoreError(f"the system prompt {why}")

@@ -10,11 +10,14 @@ they load until the user trains their own, which then takes precedence; Retrain 
 from whichever loads.
 
 Loading refuses a checkpoint built for another model, a newer format or a corrupt file.
+Every file is read as engine/stored_files.py reads stored files (a regular file under a cap,
+never blocking), and the descriptions are checked field by field before anything uses them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -27,9 +30,16 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import AcceleratorError
 from engine.paths import data_dir
+from engine.stored_files import MIB, check_regular, read_json
 
 FORMAT_VERSION = 1
 WEIGHTS, INFO, METRICS = "drafter.safetensors", "drafter.json", "metrics.json"
+JSON_BYTES = 16 * MIB  # drafter.json and metrics.json: a few kB as training writes them
+WEIGHTS_BYTES = 16 * 2**30  # a drafter's weights (heads with their own vocabulary: ~1 GB)
+# drafter.json's fields that are read, and their types (others are kept, unread)
+INFO_TYPES = {"kind": str, "version": int, "fingerprint": str, "base_model_id": str,
+              "settings": dict, "data": dict}
+TYPE_WORDS = {str: "text", int: "an integer", dict: "an object"}
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "accelerators"
 
 
@@ -117,11 +127,29 @@ def describe(lm, method: str) -> dict | None:
     "folder" says where it is."""
     folder = stored_dir(lm.fingerprint, method)
     try:
-        info = json.loads((folder / INFO).read_text())
-        metrics = json.loads((folder / METRICS).read_text()) if (folder / METRICS).exists() else {}
+        info, metrics = read_descriptions(folder)
     except (OSError, ValueError):
         return None
     return {**info, "metrics": metrics, "folder": str(folder)}
+
+
+def read_descriptions(folder: Path) -> tuple[dict, dict]:
+    """drafter.json and metrics.json ({} when absent) of `folder`, read as stored files and
+    checked: ValueError (one line) for a file that is not a JSON object or a field of the
+    wrong type. FileNotFoundError when there is no drafter.json."""
+    info = read_json(folder / INFO, JSON_BYTES)
+    if not isinstance(info, dict):
+        raise ValueError(f"{INFO} is not a JSON object")
+    for key, kind in INFO_TYPES.items():
+        if key in info and not (isinstance(info[key], kind) and not isinstance(info[key], bool)):
+            raise ValueError(f"{INFO}: {key} must be {TYPE_WORDS[kind]}")
+    try:
+        metrics = read_json(folder / METRICS, JSON_BYTES)
+    except FileNotFoundError:
+        metrics = {}
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{METRICS} is not a JSON object")
+    return info, metrics
 
 
 def load_checkpoint(lm, method: str, folder: Path | None = None) -> Checkpoint:
@@ -131,13 +159,13 @@ def load_checkpoint(lm, method: str, folder: Path | None = None) -> Checkpoint:
     if not (folder / INFO).is_file():
         raise AcceleratorError(f"no {method} accelerator is trained for this model; {fix}")
     try:
-        info = json.loads((folder / INFO).read_text())
-        metrics = json.loads((folder / METRICS).read_text()) if (folder / METRICS).exists() else {}
+        info, metrics = read_descriptions(folder)
     except (OSError, ValueError) as exc:
         raise AcceleratorError(
             f"the {method} accelerator in {folder} is corrupt ({exc}); {fix}") from exc
     _check_info(info, lm, method, folder, fix)
     try:
+        check_regular(folder / WEIGHTS, WEIGHTS_BYTES)  # safetensors opens the path itself
         tensors = load_file(folder / WEIGHTS, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise AcceleratorError(
@@ -174,11 +202,19 @@ def check_format(found, expected: int, method: str, folder: Path, part: str,
 
 
 def measured_speedup(metrics: dict) -> float | None:
-    """A top-level "speedup", else the best drafting setting calibration measured."""
-    if isinstance(metrics.get("speedup"), (int, float)):
+    """A top-level "speedup", else the best drafting setting calibration measured (None
+    where metrics.json holds neither as numbers)."""
+    if _is_number(metrics.get("speedup")):
         return float(metrics["speedup"])
-    measured = metrics.get("calibration", {}).get("measured", {})
+    calibration = metrics.get("calibration")
+    measured = calibration.get("measured") if isinstance(calibration, dict) else None
+    if not isinstance(measured, dict):
+        return None
     found = [m.get("speedup") for name, m in measured.items()
              if name != "plain" and isinstance(m, dict)]
-    found = [float(x) for x in found if isinstance(x, (int, float))]
+    found = [float(x) for x in found if _is_number(x)]
     return max(found) if found else None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

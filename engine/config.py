@@ -17,6 +17,9 @@ STEP_CHOICES = ("auto", "eager", "transformers")
 MAX_TOP_LOGPROBS = 20  # alternatives a reply may report per token (OpenAI's cap)
 
 
+NAME_CHARS = 255  # the longest name of a file or folder that file systems take
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model to load and how."""
@@ -46,8 +49,12 @@ class ModelSpec:
             raise QuickdraftError(
                 f"unknown step {self.step!r}: choose one of {', '.join(STEP_CHOICES)}"
             )
-        if not self.source or not self.source.strip():
+        if not isinstance(self.source, str) or not self.source.strip():
             raise QuickdraftError("no model given: use 'default', a local folder or a repo id")
+        if "\0" in self.source or any(len(part) > NAME_CHARS
+                                       for part in self.source.replace("\\", "/").split("/")):
+            raise QuickdraftError(f"{self.source[:60]!r}… is not the name of a model, a folder "
+                                  f"or a file (a name holds at most {NAME_CHARS} characters)")
 
 
 @dataclass(frozen=True)

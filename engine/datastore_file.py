@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import uuid
 import zlib
@@ -93,6 +94,9 @@ def append_record(path: Path, lineage: str, serial: int, tokens: np.ndarray) -> 
     new record is always readable after the ones before it."""
     log = log_path(path)
     log.parent.mkdir(parents=True, exist_ok=True)
+    if log.is_symlink() or (log.exists() and not log.is_file()):
+        # a link, a FIFO or a folder put in its place: never opened (it could block)
+        shutil.rmtree(log) if log.is_dir() and not log.is_symlink() else log.unlink()
     created = not log.exists()
     with open(log, "a+b") as f:
         f.seek(0)

@@ -16,7 +16,11 @@ from safetensors.numpy import load_file
 
 from engine.datastore_file import FORMAT_VERSION, KIND, log_path, new_lineage, read_log
 from engine.datastore_memory import Datastore, DatastoreParams, joined
+from engine.stored_files import check_regular, read_bytes
 from engine.suffix_index import SuffixIndex
+
+STORE_BYTES = 8 * 2**30  # a snapshot larger than this is refused (rebuilt)
+LOG_BYTES = 2**30  # the log of replies since the snapshot (a snapshot is due long before)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ def open_store(path: Path, fingerprint: str, sources: Callable[[], Iterable[list
     from the newer shipped store and the sources it was learned from (their chats and
     training answers), so an update's bigger store reaches them. A refused file is reported
     in one log line."""
-    seed = _file_hash(fallback) if fallback is not None and Path(fallback).is_file() else ""
+    seed = _file_hash(fallback) if fallback is not None else ""
     store = _load_logged(path, fingerprint, params)
     if store is not None and (store.seed == seed or sources is None):  # None: cannot rebuild
         return store
@@ -51,16 +55,24 @@ def open_store(path: Path, fingerprint: str, sources: Callable[[], Iterable[list
     docs = list(sources())
     if docs or base is None:
         store.add_all(docs)
-    store.save(path)  # the new lineage is on disk before any record of it is logged
+    try:
+        store.save(path)  # the new lineage is on disk before any record of it is logged
+    except OSError as exc:  # a full disk, a folder in its place: it serves from memory
+        log.warning("the datastore could not be saved to %s: %s", path, exc.strerror or exc)
     return store
 
 
 def _replay(store: Datastore, path: Path) -> None:
     """Learn the log's records that came after the snapshot, in their order."""
     log_file = log_path(path)
-    if not log_file.is_file():
+    try:
+        data = read_bytes(log_file, LOG_BYTES)
+    except FileNotFoundError:
         return
-    _end, records = read_log(log_file.read_bytes(), store.lineage)
+    except (OSError, ValueError) as exc:  # the next append replaces it (append_record)
+        log.warning("datastore log %s not read: %s", log_file, exc)
+        return
+    _end, records = read_log(data, store.lineage)
     for serial, tokens in records:
         if serial > store.serial:
             store.add(tokens)
@@ -72,6 +84,7 @@ def _load_snapshot(path: Path, fingerprint: str,
     try:
         from safetensors import safe_open
 
+        check_regular(path, STORE_BYTES)  # safetensors opens the path itself
         with safe_open(str(path), framework="numpy") as fh:
             meta = fh.metadata() or {}
         arrays = load_file(str(path))
@@ -111,4 +124,8 @@ def _load_logged(path: Path | None, fingerprint: str,
 
 
 def _file_hash(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    """The shipped store's identity; "" when there is none that reads."""
+    try:
+        return hashlib.sha256(read_bytes(Path(path), STORE_BYTES)).hexdigest()[:16]
+    except (OSError, ValueError):
+        return ""

@@ -24,7 +24,12 @@ from engine.loading import LoadedModel
 from engine.logit_rules import LogitRules
 from engine.sampling import greedy_ids, logits_to_probs, make_generator, next_token, top_logprobs
 from engine.stats import GenerationStats
+from engine.target import Forward
 from engine.textstream import TextStream
+
+# Prompt tokens per prefill forward: a cancel (Stop, a client that hung up) is seen between
+# chunks, so a long prompt stops within one chunk's time instead of the whole prompt's.
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -70,8 +75,13 @@ def generate(
     stream = TextStream(lm.tokenizer, params.stop)
     ends = Ends(lm.eos_ids, params.max_new_tokens, stream)
     start = time.perf_counter()
-    state, session, logprobs = _prefill(lm, ids, params, drafter, grammar)
+    prefilled = _prefill(lm, ids, params, drafter, grammar, cancel)
     stats.ttft_s = time.perf_counter() - start
+    if prefilled is None:  # cancelled while reading the prompt: nothing was generated
+        stats.stop_reason, stats.elapsed_s, stats.step = "cancelled", stats.ttft_s, lm.target.name
+        yield StepEvent("", [], 0, 0, stats.elapsed_s, True, stats, "", notices)
+        return
+    state, session, logprobs = prefilled
     new = [state.ids[-1]]
     reason = ends.cut(new, 0)[1]
     while True:
@@ -100,9 +110,11 @@ def generate(
 
 
 def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: Drafter,
-             grammar: Grammar | None) -> tuple[DecodeState, Session, list | None]:
+             grammar: Grammar | None, cancel: threading.Event | None = None
+             ) -> tuple[DecodeState, Session, list | None] | None:
     """Run the prompt, choose the first token, and start the drafter's session:
-    (state, session, the first token's logprobs when asked)."""
+    (state, session, the first token's logprobs when asked); None when `cancel` was set
+    between two of the prompt's chunks."""
     generator = make_generator(params.seed, lm.device)
     target = lm.target
     cache = target.new_cache()
@@ -110,7 +122,10 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: D
     if drafter.drafts:
         target.check_draftable(cache)
     with torch.inference_mode():
-        out = target.forward(cache, ids, 0, states=drafter.wants_hidden, last_only=True)
+        out = _forward_prompt(target, cache, ids, drafter.wants_hidden, cancel)
+        if out is None:
+            target.release(cache)
+            return None
         logits = out.logits[-1] if rules is None else rules.shape_next(out.logits[-1])
         first = next_token(logits, params, generator)
         if rules is not None:
@@ -119,6 +134,23 @@ def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: D
         session = start_session(drafter, state, out.states)
         logprobs = _logprobs(logits[None], [first], params)
     return state, session, logprobs
+
+
+def _forward_prompt(target, cache, ids: list[int], states: bool,
+                    cancel: threading.Event | None) -> Forward | None:
+    """The prompt's forward in chunks of PREFILL_CHUNK tokens (one call when it fits): the
+    last token's logits, every layer's (1, P, H) states when asked. None when `cancel` was
+    set before a chunk."""
+    parts = []
+    for begin in range(0, len(ids), PREFILL_CHUNK):
+        if cancel is not None and cancel.is_set():
+            return None
+        parts.append(target.forward(cache, ids[begin:begin + PREFILL_CHUNK], begin,
+                                    states=states, last_only=True))
+    if len(parts) == 1 or not states:
+        return Forward(parts[-1].logits, parts[-1].states)
+    layers = zip(*[p.states for p in parts], strict=True)
+    return Forward(parts[-1].logits, tuple(torch.cat(layer, dim=1) for layer in layers))
 
 
 def _step(state: DecodeState, session: Session, ends: Ends,

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import QuickdraftError
+from engine.stored_files import read_text
+
+PROMPT_FILE_BYTES = 256 * 2**20  # a larger prompt file is refused
 
 ROLES = ("system", "user", "assistant")
 
@@ -28,14 +31,12 @@ def read_prompt_file(path: str | Path, default_category: str) -> list[PromptReco
     """The records of a prompt file; QuickdraftError (one line) for a file or line that
     cannot be read."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # a link the user made is followed; a FIFO or a device is never opened to block
+        text = read_text(path, PROMPT_FILE_BYTES, follow_links=True)
     except FileNotFoundError as exc:
         raise QuickdraftError(f"prompt file not found: {path}") from exc
-    except IsADirectoryError as exc:
-        raise QuickdraftError(f"{path} is a folder, not a prompt file") from exc
-    except UnicodeDecodeError as exc:
-        raise QuickdraftError(f"{path} is not UTF-8 text") from exc
+    except ValueError as exc:
+        raise QuickdraftError(f"{path} is {exc}") from exc  # "a folder, not a file", ...
     except OSError as exc:
         raise QuickdraftError(f"cannot read the prompt file {path}: {exc.strerror}") from exc
     lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
@@ -49,15 +50,17 @@ def read_prompt_file(path: str | Path, default_category: str) -> list[PromptReco
 def _is_json_object(line: str) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
 def _parse_line(where: str, line: str, default_category: str) -> PromptRecord:
     try:
         row = json.loads(line)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise QuickdraftError(f"{where}: not valid JSON ({exc.msg})") from exc
+    except (ValueError, RecursionError) as exc:  # a number of thousands of digits, deep nesting
+        raise QuickdraftError(f"{where}: not JSON this app reads") from exc
     if not isinstance(row, dict):
         raise QuickdraftError(f'{where}: expected a JSON object with a "prompt" or "turns"')
     turns = row.get("turns", [row.get("prompt")])

@@ -19,11 +19,13 @@ from pathlib import Path
 from engine.paths import data_dir
 from engine.progress import Eta, Progress, ProgressFn
 from engine.prompt_files import PromptRecord, read_prompt_file
+from engine.stored_files import read_text
 from trainer.answering import Run, answer_seeds
 from trainer.features import conversation_tokens
 
 SEED_FILE = Path(__file__).resolve().parent.parent / "assets" / "seed_prompts.jsonl"
 SEED_CATEGORY = "user"  # for prompts whose file gives no category
+DATA_BYTES = 2**30  # the self-distilled answers file: a larger one is not read
 
 
 @dataclass(frozen=True)
@@ -117,14 +119,18 @@ def load_conversations(path: Path) -> list[list[dict]]:
 
 
 def _records(path: Path) -> list[dict]:
-    if not path.is_file():
+    """The file's records; none from a file that is absent or does not read as a stored
+    file (engine/stored_files.py: a link, a FIFO, not UTF-8 text)."""
+    try:
+        text = read_text(path, DATA_BYTES)
+    except (OSError, ValueError):
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
-            continue  # a line torn by a kill mid-write
+        except (ValueError, RecursionError):
+            continue  # a line torn by a kill mid-write (or not the app's)
         if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
             out.append(rec)
     return out

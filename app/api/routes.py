@@ -28,11 +28,12 @@ from app.api.completions import (
     parse_embeddings,
     prompt_ids,
 )
-from app.api.schema import ApiError, check_prompt_size, check_reply_length, parse
+from app.api.errors import OpenAIRoute, error_response
+from app.api.schema import ApiError, check_prompt_size, check_reply_length, parse, shown
 from app.api.worker import Reply, ReplyWorker
 from app.host import model_name
 from app.reply_core import Ask
-from app.security import DEFAULT_REPLY_CAP
+from app.security import DEFAULT_REPLY_CAP, bearer_token
 from app.service import Service
 from engine import grammar as grammars
 from engine.chat_template import encode, supports_tools
@@ -54,9 +55,10 @@ class ApiOptions:
 
 
 def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, ReplyWorker]:
-    """The /v1 routes for `service`, and the worker that runs their replies."""
+    """The /v1 routes for `service`, and the worker that runs their replies. Every route
+    answers its failures in OpenAI's shape (app/api/errors.py: OpenAIRoute)."""
     worker = ReplyWorker(service)
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=OpenAIRoute)
 
     @router.get("/models")
     async def models(request: Request):
@@ -241,19 +243,26 @@ class _Stream(StreamingResponse):
 def _authorize(request: Request, options: ApiOptions) -> None:
     if options.api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             options.api_key.encode()):
+    token = bearer_token(request.headers.get("authorization", ""))  # as the guard reads it
+    if token is None or not hmac.compare_digest(token.encode(), options.api_key.encode()):
         raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with "
                        "the key given to --api-key", None, "invalid_api_key")
 
 
 async def _json(request: Request) -> object:
+    """The body's JSON; a 400 naming where it stops being JSON (never the parser's own
+    words: a codec's message, or Python's limit on an integer's digits)."""
     try:
-        return json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
+        return json.loads((await request.body()).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not UTF-8 text (byte {exc.start})", None,
+                       "invalid_json") from exc
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                       f"column {exc.colno})", None, "invalid_json") from exc
+    except ValueError as exc:  # a number too long to read
+        raise ApiError(400, "the body's JSON holds a number out of range", None,
+                       "invalid_json") from exc
     except RecursionError as exc:
         raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from exc
 
@@ -277,7 +286,7 @@ def model_ids(lm: LoadedModel) -> set[str]:
 
 def _check_model(model: str | None, lm: LoadedModel) -> None:
     if model is not None and model not in model_ids(lm):
-        raise ApiError(404, f"the model {model!r} does not exist here: this server has "
+        raise ApiError(404, f"the model {shown(model)} does not exist here: this server has "
                        f"{lm.model_id!r} loaded (GET /v1/models)", "model", "model_not_found")
 
 
@@ -288,7 +297,7 @@ def _head(lm: LoadedModel, kind: str, prefix: str) -> dict:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return error_response(exc)
 
 
 async def _whole(reply: Reply, request: Request):

@@ -92,7 +92,8 @@ def parse(body: object, default_max_tokens: int) -> CompletionRequest:
 def accel_of(body: dict) -> str:
     accel = body.get("accel", DEFAULT_ACCEL)
     if accel not in ACCEL_CHOICES:
-        raise bad(f"unknown acceleration {accel!r}: choose one of {', '.join(ACCEL_CHOICES)}",
+        raise bad(f"unknown acceleration {shown(accel)}: choose one of "
+                  f"{', '.join(ACCEL_CHOICES)}",
                    "accel")
     return accel
 
@@ -171,7 +172,7 @@ def check_prompt_size(req: CompletionRequest, context_len: int) -> None:
 def check_reply_length(max_new_tokens: int, key: str, context_len: int) -> None:
     """Refuse a reply length that leaves no room for a prompt."""
     if max_new_tokens >= context_len:  # the prompt needs at least one token
-        raise ApiError(400, f"{key} ({max_new_tokens:,}) leaves no room for a "
+        raise ApiError(400, f"{key} ({shown(max_new_tokens)}) leaves no room for a "
                        f"prompt in this model's {context_len:,}-token context: ask for fewer",
                        key, "context_length_exceeded")
 
@@ -185,7 +186,7 @@ def _messages(value) -> tuple[tuple[ChatMessage, ...], str | None]:
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = message.get("role")
         if role not in ROLES:
-            raise bad(f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}",
+            raise bad(f"messages[{i}].role {shown(role)} is not one of {', '.join(ROLES)}",
                        f"messages[{i}].role")
         calls = message.get("tool_calls") or []
         if not isinstance(calls, list) or (calls and role != "assistant"):
@@ -285,6 +286,9 @@ def _stop(value) -> tuple[str, ...]:
         raise bad("stop must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOP:
         raise bad(f"stop takes at most {MAX_STOP} strings", "stop")
+    for stop in stops:
+        if (why := text_problem(stop)) is not None:  # "\ud800": no reply's text can hold it
+            raise bad(f"stop {why}", "stop")
     return tuple(stops)
 
 
@@ -319,6 +323,13 @@ def _number(body: dict, key: str) -> float:
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shown(value, limit: int = 60) -> str:
+    """A client's value as an error message quotes it: its repr, cut to `limit` characters
+    (a 100,000-character model name or a 400-digit number is not repeated back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def bad(message: str, param: str | None) -> ApiError:

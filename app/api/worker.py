@@ -15,6 +15,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+from app.api.errors import internal_error
 from app.api.schema import CompletionRequest
 from app.reply_core import Ask
 from app.service import Service
@@ -90,7 +91,6 @@ class ReplyWorker:
             except QuickdraftError as exc:
                 reply.put(exc)
             except Exception as exc:  # the worker must outlive any one request
-                log.exception("API reply failed")
-                reply.put(exc)
+                reply.put(internal_error("the reply", exc))  # logged with its id
             finally:
                 reply.put(END)

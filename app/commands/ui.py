@@ -4,6 +4,7 @@ API at /v1 on the same port."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let web pages from this origin, e.g. http://localhost:3000, call "
                              "the server (repeatable; or env QUICKDRAFT_ORIGINS, "
                              "comma-separated)")
+    parser.add_argument("--trusted-proxy", metavar="ADDRESS", action="append", default=[],
+                        help="the address (or network) of a reverse proxy in front of the "
+                             "app whose X-Forwarded-For names the client (repeatable; by "
+                             "default no proxy is believed)")
     parser.add_argument("--max-body-mb", type=float, default=Limits().max_body_bytes / 2**20,
                         help="largest request body accepted, in MiB (default %(default)g)")
     parser.add_argument("--max-reply-tokens", type=int, default=DEFAULT_REPLY_CAP,
@@ -69,9 +74,19 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
                             open_browser=open_browser, model=model, api_key=api_key,
                             allowed_hosts=tuple(args.allowed_host),
                             allowed_origins=tuple(args.allowed_origin), limits=limits,
-                            step=args.step, max_reply_tokens=args.max_reply_tokens)
+                            step=args.step, max_reply_tokens=args.max_reply_tokens,
+                            trusted_proxies=tuple(map(_proxy, args.trusted_proxy)))
     launch(options, block=True)
     return 0
+
+
+def _proxy(value: str) -> str:
+    """A --trusted-proxy address or network, checked (uvicorn would take anything)."""
+    try:
+        return str(ipaddress.ip_network(value.strip(), strict=False))
+    except ValueError:
+        raise QuickdraftError(f"--trusted-proxy takes an address or network such as "
+                              f"127.0.0.1 or 10.0.0.0/8, not {value[:60]!r}") from None
 
 
 def _last_model_as_asked(args: argparse.Namespace) -> ModelSpec | None:

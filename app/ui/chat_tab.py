@@ -12,7 +12,13 @@ import gradio as gr
 from app.drafting import accel_label
 from app.host import model_name, quant_verdict
 from app.service import Service
-from app.settings_rules import PAGE_ACCEPTANCE, page_choice, page_number, page_text
+from app.settings_rules import (
+    PAGE_ACCEPTANCE,
+    SYSTEM_CHARS,
+    page_choice,
+    page_number,
+    page_text,
+)
 from app.ui.chat_conversations import ConversationEvents
 from app.ui.chat_replies import ReplyEvents
 from engine.drafters.registry import ACCEL_CHOICES
@@ -128,6 +134,7 @@ class ChatTab(ConversationEvents, ReplyEvents):
         self.train_btn = gr.Button("Train accelerator", visible=False, size="sm",
                                    variant="primary", elem_id="qd-train-open")
         self.system = gr.Textbox(s.system, label="System prompt", lines=2,
+                                 max_length=SYSTEM_CHARS,  # checked again by the page's events
                                  placeholder="(the model's default)", elem_id="qd-system")
         with gr.Accordion("Sampling", open=True):
             self.temperature = gr.Slider(0, 2, s.temperature, step=0.05,

@@ -3,12 +3,14 @@ an API key whenever they are reachable from other machines, never a public share
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from app.http_timeouts import install_head_timeout
 from app.security import DEFAULT_REPLY_CAP, Limits, Policy, make_policy
@@ -21,6 +23,7 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 PORT_TRIES = 100  # when the default port is taken, the next free one of this many is used
+FORWARDED_ENV = "FORWARDED_ALLOW_IPS"  # uvicorn's list of proxies it believes
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class LaunchOptions:
     limits: Limits = Limits()  # body cap, timeouts, login lockout
     step: str = "auto"  # how decode steps run for every model loaded (engine/config.py)
     max_reply_tokens: int = DEFAULT_REPLY_CAP  # an API reply's length when it sets none
+    # addresses of the reverse proxies whose X-Forwarded-For / -Proto headers are believed
+    # (--trusted-proxy); none by default: a client could name any address per request
+    trusted_proxies: tuple[str, ...] = ()
 
 
 def is_loopback(host: str) -> bool:
@@ -113,7 +119,7 @@ def launch(options: LaunchOptions, block: bool = True):
     port = pick_port(options.host, options.port)
     # A local app does not report usage anywhere (read when gradio is imported).
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    use_upload_folder()  # uploads in the app's cache folder, not the shared /tmp/gradio
+    uploads = use_upload_folder()  # uploads in the app's cache folder, not /tmp/gradio
     from app.service import Service
     from app.store import Store
     from app.ui.layout import build_app
@@ -128,13 +134,17 @@ def launch(options: LaunchOptions, block: bool = True):
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     policy = make_policy(options.host, options.allowed_hosts, options.allowed_origins,
                          options.limits)
-    app = _server_app(service, options, policy)  # guarded, with /v1, before the port opens
-    _app, url, _share = demo.launch(
-        server_name=options.host, server_port=port, auth=options.auth, share=False,
-        auth_message="Log in with the user and password given to --auth.",
-        inbrowser=options.open_browser, prevent_thread_lock=True, show_error=True,
-        **page_style(), footer_links=[], ssr_mode=False, quiet=True, _app=app,
-    )
+    app = _server_app(service, options, policy, uploads)  # guarded, with /v1, before serving
+    with forwarded_from(options.trusted_proxies):
+        # show_error off: a message reaches the page only as the one-line errors the page's
+        # events raise (app/ui/guarded.py); monitoring off: no dashboard, no key in the log
+        _app, url, _share = demo.launch(
+            server_name=options.host, server_port=port, auth=options.auth, share=False,
+            auth_message="Log in with the user and password given to --auth.",
+            inbrowser=options.open_browser, prevent_thread_lock=True, show_error=False,
+            enable_monitoring=False, **page_style(), footer_links=[], ssr_mode=False,
+            quiet=True, _app=app,
+        )
     install_head_timeout(demo.server.config, options.limits.header_timeout_s)
     print(f"Quickdraft is running at {url}  (Ctrl-C to quit)", flush=True)
     print(f"OpenAI-compatible API at {url.rstrip('/')}/v1"
@@ -165,7 +175,24 @@ def page_style() -> dict:
     return {"theme": theme, "css": CSS}
 
 
-def _server_app(service, options: LaunchOptions, policy: Policy):
+@contextlib.contextmanager
+def forwarded_from(proxies: tuple[str, ...]):
+    """While the server is created: uvicorn believes X-Forwarded-For and -Proto only from
+    `proxies` (it reads FORWARDED_ALLOW_IPS then, and believes loopback by default, so any
+    local program could name a new client address per request and never be locked out).
+    Nothing matches an empty entry: no proxy is believed."""
+    before = os.environ.get(FORWARDED_ENV)
+    os.environ[FORWARDED_ENV] = ",".join(proxies)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FORWARDED_ENV, None)
+        else:
+            os.environ[FORWARDED_ENV] = before
+
+
+def _server_app(service, options: LaunchOptions, policy: Policy, uploads: Path | None = None):
     """The FastAPI app Gradio serves, built here so the guard wraps every route and the /v1
     routes answer from the first request on. No schema pages: they would bypass the login."""
     from gradio.routes import App, CustomCORSMiddleware, ORJSONResponse
@@ -179,7 +206,7 @@ def _server_app(service, options: LaunchOptions, policy: Policy):
             # any localhost origin with credentials)
             self.user_middleware = [m for m in self.user_middleware
                                     if m.cls is not CustomCORSMiddleware]
-            return Guard(super().build_middleware_stack(), policy)
+            return Guard(super().build_middleware_stack(), policy, uploads=uploads)
 
     app = GuardedApp(default_response_class=ORJSONResponse, openapi_url=None, docs_url=None,
                      redoc_url=None)

@@ -6,6 +6,7 @@ import gradio as gr
 
 from app.service import Service
 from app.ui.chat_tab import ACCEL, GENERATE, INSTANT, ChatTab
+from app.ui.guarded import GuardedBlocks
 from app.ui.models import ModelsTab
 from app.ui.train_tab import TrainTab
 from app.uploads import MAX_AGE_S, SWEEP_S
@@ -15,10 +16,11 @@ HEADER = ("## Quickdraft\nChat with a local model; switch on a trained accelerat
 
 
 def build_app(service: Service) -> gr.Blocks:
-    """The whole UI for `service` (not launched)."""
+    """The whole UI for `service` (not launched). Every event answers a mistake or a
+    failure in one line (app/ui/guarded.py)."""
     # Gradio removes its temporary files (uploads, exports) once a day old, and all at exit
-    with gr.Blocks(title="Quickdraft", analytics_enabled=False,
-                   delete_cache=(SWEEP_S, MAX_AGE_S)) as demo:
+    with GuardedBlocks(title="Quickdraft", analytics_enabled=False,
+                       delete_cache=(SWEEP_S, MAX_AGE_S)) as demo:
         gr.Markdown(HEADER, elem_id="qd-intro")
         with gr.Tabs(selected="chat", elem_id="qd-tabs") as tabs:
             with gr.Tab("Chat", id="chat"):

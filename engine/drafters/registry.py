@@ -97,13 +97,24 @@ def checkpoints(name: str) -> tuple[str, ...]:
 
 def load_source(lm, name: str) -> Drafter:
     """The drafter of the source `name` alone; trained sources load their checkpoint for
-    `lm`. Raises AcceleratorError (with the command that fixes it) when none is trained."""
+    `lm`. Raises AcceleratorError (with the command that fixes it) when none is trained or
+    what is stored cannot be built (a value of the wrong type in its settings, say)."""
     m = method(name)
     if m.checkpoint is None:
         return m.build(lm, None)
     from engine.accelerators import load_checkpoint
 
-    return m.build(lm, load_checkpoint(lm, m.checkpoint))
+    ckpt = load_checkpoint(lm, m.checkpoint)
+    try:
+        return m.build(lm, ckpt)
+    except AcceleratorError:
+        raise
+    except Exception as exc:  # stored values the checks above let through
+        log.warning("the %s accelerator in %s cannot be built: %s: %s", m.label, ckpt.folder,
+                    type(exc).__name__, exc)
+        raise AcceleratorError(
+            f"the {m.label} accelerator in {ckpt.folder} holds settings this version cannot "
+            f"use; retrain it: python launcher.py train --method {m.checkpoint}") from exc
 
 
 def compose(lm, name: str, source: Callable[[str], Drafter]) -> Drafter:
@@ -122,6 +133,10 @@ def compose(lm, name: str, source: Callable[[str], Drafter]) -> Drafter:
             if not m.every_source:
                 raise
             log.info("%s leaves %s out: %s", m.label, part, exc)
+        except Exception as exc:  # a source broken in a way nobody foresaw: not Auto's end
+            if not m.every_source:
+                raise
+            log.warning("%s leaves %s out: %s: %s", m.label, part, type(exc).__name__, exc)
     if m.every_source:
         return auto(parts, step_cost(lm), ACCEL_LABELS)
     if len(parts) == 1 and m.checkpoint is not None:

@@ -159,4 +159,5 @@ def test_an_unforeseen_failure_of_the_ui_training_job_is_one_line():
 
     job = Job("train", "Medusa for tiny").start(crash)
     assert job.wait(10) and job.state == "failed"
-    assert job.error == "RuntimeError: the current layer does not track past states"
+    assert job.error.startswith("Training failed unexpectedly (error ")
+    assert "RuntimeError" not in job.error and "\n" not in job.error  # the type: in the log
