@@ -92,7 +92,9 @@ class ModelsTab:
         try:
             spec = ModelSpec(source=source or "default", quant=quant)
             return catalog.memory_estimate(spec, self._loaded_from(spec))
-        except (QuickdraftError, OSError, ValueError) as exc:
+        except QuickdraftError as exc:  # what loading it would say: a path with nothing there
+            return f"⚠ {exc}"
+        except (OSError, ValueError) as exc:
             return f"Cannot estimate the size: {exc}"
 
     def _loaded_from(self, spec: ModelSpec):
