@@ -5,12 +5,16 @@ handled in app/ui/chat_replies.py, conversations in app/ui/chat_conversations.py
 
 from __future__ import annotations
 
+import threading
+
 import gradio as gr
 
 from app.drafting import accel_label
-from app.host import model_name, quant_verdict
+from app.host import model_name
+from app.quant_words import quant_short
 from app.service import Service
 from app.settings_rules import PAGE_ACCEPTANCE, page_choice, page_number, page_text
+from app.store import StoreError
 from app.ui.chat_conversations import ConversationEvents
 from app.ui.chat_replies import ReplyEvents
 from engine.drafters.registry import ACCEL_CHOICES
@@ -24,6 +28,11 @@ INSTANT = dict(concurrency_limit=None)
 # Acceleration checks (they may build drafters: seconds after a model load) run one at a
 # time and in order, so a user's choice always lands after the page's own check at load.
 ACCEL = dict(concurrency_id="accel", concurrency_limit=1)
+# Settings typed key by key: one event per trigger at a time, the latest value last (the
+# page holds later keys back until the event before has run), saved once typing pauses
+# (app/settings_saves.py).
+SAVES = dict(concurrency_id="settings", concurrency_limit=1, trigger_mode="always_last",
+             show_progress="hidden")
 # How a drafter's tokens are accepted when sampling (SamplingParams.acceptance). "auto" is
 # the lossless rule (greedy at temperature 0); Medusa's typical acceptance is faster but
 # changes the output distribution, and says so.
@@ -35,7 +44,8 @@ EMPTY_BOX = """(...args) => {
     if (box) { box.value = ''; box.dispatchEvent(new Event('input', {bubbles: true})); }
     return args;
 }"""
-FIGURES = """**tok/s**: tokens of the reply per second, from sending it to its last token.
+FIGURES = """**tok/s**: tokens of the reply per second, from when the model took it up to its
+last token (a message that waited in the queue is timed from when its turn came).
 **TTFT**: time to first token: reading the prompt and choosing the first token.
 **tokens/step**: tokens each full-model step added: the draft tokens the model accepted plus
 its own (plain decoding adds 1). **steps**: which source drafted the reply's steps: copies
@@ -43,8 +53,25 @@ from this conversation, the datastore of the model's earlier replies, a trained 
 (Medusa, Kangaroo), or none (plain steps). **Tokens added per step**: how many steps added
 1, 2, 3… tokens. **CTAR(w)**: the share of steps whose first w drafted tokens were all
 accepted. **Compare** replays the chat's last prompt greedily with acceleration Off, then
-on, and says whether the texts match and how much of the gain repeated earlier text."""
+on, and says whether the texts match and how much of the gain repeated earlier text. The
+**Acceleration** panel keeps what your last replies and Compare measured with each method on
+this machine, and marks a figure taken while other programs kept the processor busy."""
 SETTINGS = {"temperature": False, "top_p": False, "top_k": True, "max_new_tokens": True}
+SETTLED_MS = 500  # a number box unchanged this long holds what the user meant to type
+# A number typed key by key passes through values out of its range ("0" on the way to 0.8):
+# its event waits until the box has settled and sends that value, so only what was meant
+# reaches the server (an out-of-range one is refused there, in one line).
+SETTLED = """(value) => new Promise(resolve => {
+    const box = document.querySelector('#%s input[type=number]');
+    if (!box) { resolve(value); return; }
+    let last = box.value, since = Date.now();
+    const look = () => {
+        if (box.value !== last) { last = box.value; since = Date.now(); }
+        if (Date.now() - since < %d) { setTimeout(look, 50); return; }
+        resolve(box.value === '' || isNaN(Number(box.value)) ? value : Number(box.value));
+    };
+    setTimeout(look, 50);
+})"""
 
 
 class ChatTab(ConversationEvents, ReplyEvents):
@@ -57,6 +84,8 @@ class ChatTab(ConversationEvents, ReplyEvents):
         self.active = gr.State("off")  # the acceleration replies use
         self.pending = gr.State("")  # an untrained method the user picked: Train offers it
         self.undo_id = gr.State("")  # the conversation Undo brings back
+        self.waiting: dict[str, list[str]] = {}  # browser session -> its queued messages
+        self.waiting_lock = threading.Lock()
         self.header = gr.Markdown(elem_id="qd-chat-header", elem_classes="qd-header")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=210, elem_id="qd-sidebar"):
@@ -93,9 +122,10 @@ class ChatTab(ConversationEvents, ReplyEvents):
                                   buttons=["copy", "copy_all"], feedback_options=None)
         self.readout = gr.HTML(elem_id="qd-readout")
         with gr.Row(equal_height=True, elem_id="qd-msg-row"):
+            # no autofocus: the keyboard starts where the page does (tabs, conversations,
+            # then the message box), not past the conversation list
             self.msg = gr.Textbox(show_label=False, placeholder="Message the model…", scale=6,
-                                  min_width=200, lines=1, max_lines=8, autofocus=True,
-                                  elem_id="qd-msg")
+                                  min_width=200, lines=1, max_lines=8, elem_id="qd-msg")
             self.send_btn = gr.Button("Send", variant="primary", scale=1, min_width=70,
                                       elem_id="qd-send")
             self.stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=70,
@@ -107,11 +137,13 @@ class ChatTab(ConversationEvents, ReplyEvents):
                                          elem_id="qd-compare")
         self.compare_out = gr.HTML(elem_id="qd-compare-out")
         with gr.Row(visible=False) as self.plots:  # after an accelerated reply
+            # this reply's (the readout above says so); short titles: a half-width chart
+            # cuts a long one
             self.hist_plot = gr.BarPlot(x="tokens per step", y="steps", y_lim=[0, None],
-                                        height=170, title="This reply: tokens added per step",
+                                        height=170, title="Tokens added per step",
                                         elem_id="qd-hist-plot")
             self.ctar_plot = gr.BarPlot(x="window", y="CTAR", y_lim=[0, 1], height=170,
-                                        title="This reply: CTAR(w)", elem_id="qd-ctar-plot")
+                                        title="CTAR(w)", elem_id="qd-ctar-plot")
         with gr.Accordion("What these figures mean", open=False):
             gr.Markdown(FIGURES, elem_id="qd-figures-help")
 
@@ -139,7 +171,8 @@ class ChatTab(ConversationEvents, ReplyEvents):
     # -- wiring -------------------------------------------------------------------
     def wire(self) -> None:
         reply_out = [self.chatbot, self.readout, self.plots, self.hist_plot, self.ctar_plot,
-                     self.conv_list, self.conv_id, self.queued, self.undo_row, self.title_box]
+                     self.conv_list, self.conv_id, self.queued, self.undo_row, self.title_box,
+                     self.accel_status]
         send_in = [self.msg, self.conv_id, self.system, *self.sampling, self.active]
         # The queue position and progress show on the chat itself, not on every output; a
         # message sent while a reply runs is queued behind it ("multiple"), not dropped.
@@ -147,31 +180,36 @@ class ChatTab(ConversationEvents, ReplyEvents):
         sent = [self.msg.submit, self.send_btn.click]
         # the note first: the page dispatches a trigger's events in order, the next only once
         # the one before has been taken up, and a queued Send waits
-        gr.on(sent, self.note_queued, None, [self.queued], show_progress="hidden", **INSTANT)
+        gr.on(sent, self.note_queued, [self.msg], [self.queued], show_progress="hidden",
+              **INSTANT)
         gr.on(sent, self.send, send_in, reply_out, js=EMPTY_BOX, **shown)
         self.regen_btn.click(self.regenerate, send_in[1:], reply_out, **shown)  # no message
         self.stop_btn.click(self.stop, None, None, **INSTANT)
         self.compare_btn.click(self.compare, [self.conv_id, self.active, self.max_new],
-                               [self.compare_out], **GENERATE)
+                               [self.compare_out, self.accel_status], **GENERATE)
+        # the panel says what it checks; no overlay hides the choices meanwhile
         self.accel.input(self.select_accel, [self.accel, self.active], self.accel_outputs,
-                         **ACCEL)
+                         show_progress="minimal", **ACCEL)
         self._wire_settings()
         self._wire_conversations()
 
     def _wire_settings(self) -> None:
-        """Each setting is saved as it changes (a reload keeps it without sending)."""
+        """Each setting is saved once a change to it is over (a reload keeps it without
+        sending). The system prompt follows `change`: Gradio sends a text box's `input`
+        only for keys that type a character, never for Backspace or Delete."""
         for key, component in zip(SETTINGS, self.sampling, strict=False):
-            component.input(self._saver(key), [component], None, **INSTANT)
-        self.acceptance.input(self.save_acceptance, [self.acceptance], None, **INSTANT)
-        self.system.input(self.save_system, [self.conv_id, self.system], None,
-                          trigger_mode="always_last", **INSTANT)
+            component.input(self._saver(key), [component], None,
+                            js=SETTLED % (component.elem_id, SETTLED_MS), **SAVES)
+        self.acceptance.input(self.save_acceptance, [self.acceptance], None, **SAVES)
+        self.system.change(self.save_system, [self.conv_id, self.system], None, **SAVES)
 
     def _wire_conversations(self) -> None:
         view = self.view_outputs
         self.conv_list.input(self.open_conv, [self.conv_list, self.conv_id], view, **INSTANT)
         self.new_btn.click(self.new_conv, [self.conv_id, self.system], view, **INSTANT)
-        self.search_box.input(self.search, [self.search_box, self.conv_id], [self.conv_list],
-                              trigger_mode="always_last", **INSTANT)
+        # `change`, not `input`: clearing the search key by key must list everything again
+        self.search_box.change(self.search, [self.search_box, self.conv_id], [self.conv_list],
+                               trigger_mode="always_last", **INSTANT)
         self.rename_btn.click(self.rename, [self.conv_id, self.title_box], [self.conv_list],
                               **INSTANT)
         self.delete_btn.click(self.delete, [self.conv_id], view, **INSTANT)
@@ -190,28 +228,44 @@ class ChatTab(ConversationEvents, ReplyEvents):
     # -- settings -----------------------------------------------------------------
     def _saver(self, key: str):
         def save(value) -> None:
-            try:
-                self.service.store.remember(**{key: page_number(key, value, SETTINGS[key])})
-            except QuickdraftError as exc:
-                gr.Warning(str(exc))
+            self._keep(lambda: {key: page_number(key, value, SETTINGS[key])})
         return save
 
     def save_acceptance(self, value) -> None:
-        try:
-            self.service.store.remember(acceptance=page_choice("acceptance", value,
-                                                                PAGE_ACCEPTANCE))
-        except QuickdraftError as exc:
-            gr.Warning(str(exc))
+        self._keep(lambda: {"acceptance": page_choice("acceptance", value, PAGE_ACCEPTANCE)})
 
     def save_system(self, conv_id, system) -> None:
-        """The open conversation's system prompt, and the one new conversations start with."""
+        """The open conversation's system prompt, and the one new conversations start with
+        (a conversation opened with its own prompt changes neither)."""
         try:
             system = page_text("the system prompt", system)
-            if conv_id:
-                self.service.store.set_system(conv_id, system)
-            self.service.store.remember(system=system)
+            conv = self.service.store.get(conv_id) if conv_id else None
         except QuickdraftError as exc:
             gr.Warning(str(exc))
+            return
+        if conv is not None and conv.system == system.strip():
+            return
+        if conv is not None:
+            self.service.page_settings.put_save(f"system:{conv.id}",
+                                                lambda: self._set_system(conv.id, system))
+        self._keep(lambda: {"system": system})
+
+    def _set_system(self, conv_id: str, system: str) -> None:
+        try:
+            self.service.store.set_system(conv_id, system)
+        except StoreError:  # deleted meanwhile: nothing to keep it in
+            pass
+
+    def _keep(self, check) -> None:
+        """Save the settings `check()` returns (checked page values) once the change is
+        over; a refused value is said in one line and kept from the file."""
+        saves = self.service.page_settings
+        try:
+            saves.put(**check())
+        except QuickdraftError as exc:
+            gr.Warning(str(exc))
+        if problem := saves.take_problem():
+            gr.Warning(problem)
 
     # -- acceleration -------------------------------------------------------------
     def select_accel(self, method, active):
@@ -223,7 +277,7 @@ class ChatTab(ConversationEvents, ReplyEvents):
             return {self.accel: active, self.accel_status: f"⚠ {exc}"}
         if status.ready:
             self.service.store.remember(accel=method)
-            return {self.accel: method, self.active: method, self.accel_status: status.message,
+            return {self.accel: method, self.active: method, self.accel_status: self.panel(status),
                     self.train_btn: gr.Button(visible=False), self.pending: "",
                     self.header: self.header_text(method)}
         return {self.accel: active, self.accel_status: f"⚠ {status.message}",
@@ -240,19 +294,33 @@ class ChatTab(ConversationEvents, ReplyEvents):
         except QuickdraftError as exc:
             return {self.accel_status: f"⚠ {exc}"}
         if status.ready:
-            return {self.accel_status: status.message, self.header: self.header_text(method),
+            return {self.accel_status: self.panel(status), self.header: self.header_text(method),
                     self.train_btn: gr.Button(visible=False)}
         auto = self.service.accels.status("auto")
         return {self.accel: "auto", self.active: "auto",
-                self.accel_status: f"⚠ {status.message} Using Auto.\n\n{auto.message}",
+                self.accel_status: f"⚠ {status.message} Using Auto.\n\n{self.panel(auto)}",
                 self.header: self.header_text("auto")}
 
+    def panel(self, status) -> str:
+        """The Acceleration panel: the method's status, then what replies and Compare
+        measured with it on this machine."""
+        measured = self.service.accels.measured(status.method) if status.ready else []
+        return "\n\n".join([status.message, *measured])
+
+    def method_panel(self, method: str) -> str:
+        """The panel of `method` now (after a reply or a Compare measured it)."""
+        try:
+            return self.panel(self.service.accels.status(method))
+        except QuickdraftError as exc:
+            return f"⚠ {exc}"
+
     def header_text(self, method: str) -> str:
-        """Model · quantization and its verdict · acceleration, for the top of the tab."""
+        """Model · quantization · acceleration, for the top of the tab (what Auto measured
+        to choose the quantization is on the Models tab)."""
         lm = self.service.host.current
         if lm is None:
             return "**No model loaded**: load one on the Models tab."
-        return (f"**{model_name(lm)}** · {quant_verdict(lm)} · "
+        return (f"**{model_name(lm)}** · {quant_short(lm)} · "
                 f"Acceleration: **{accel_label(method)}**")
 
     # -- page load ----------------------------------------------------------------
@@ -260,6 +328,7 @@ class ChatTab(ConversationEvents, ReplyEvents):
         """On page load: the last conversation, the settings and the saved acceleration.
         Nothing here builds a drafter (check_accel follows, queued with the user's own
         acceleration choices): a slow check must never land after what the user did."""
+        self.service.page_settings.flush()  # what was typed just before a reload
         s = self.service.store.load_settings()
         convs = self.service.store.list()
         last = next((c for c in convs if c.id == s.last_conversation), None)

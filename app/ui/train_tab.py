@@ -30,6 +30,15 @@ CHATS_INFO = ("The model's own replies in your conversations with it are trainin
 CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are slower "
             "while a run is going.")
 TICK_S = 1.0  # how often the page polls a running job
+# The smallest time budget offered: on a 2-core AMD EPYC (busy with other work), the bundled
+# model's shortest runs that produced an accelerator (docs/usage.md, "Training").
+MIN_MINUTES = 3
+# The trainer speaks of the command line's flags; the page of its own controls.
+CONTROL_WORDS = {"with --max-minutes": "with the Time budget slider",
+                 "--max-minutes": "the time budget", "--prompts": "Extra prompts",
+                 "--no-chats": "Learn from my chats", "--continue": "Retrain"}
+CHARTS_LATER = ("The loss and held-out accuracy charts below fill in once training starts, "
+                "after this stage (the data, then its features).")
 
 
 class TrainTab:
@@ -42,8 +51,8 @@ class TrainTab:
         with gr.Row():
             self.method = gr.Radio([(accel_label(m), m) for m in TRAINED], value=TRAINED[0],
                                    label="Method", elem_id="qd-train-method")
-            self.minutes = gr.Slider(1, 240, 20, step=1, label="Time budget (minutes)",
-                                     elem_id="qd-train-minutes")
+            self.minutes = gr.Slider(MIN_MINUTES, 240, 20, step=1,
+                                     label="Time budget (minutes)", elem_id="qd-train-minutes")
         self.prompts = gr.File(label="Extra prompts (optional): JSONL with one "
                                      '{"prompt": ...} per line, or one prompt per line',
                                file_types=[".jsonl", ".txt"], type="filepath", height=120)
@@ -60,10 +69,13 @@ class TrainTab:
         self.status = gr.HTML(elem_id="qd-train-status")
         with gr.Row():  # shown once the run has figures to draw
             self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
-                                         title="Training loss (this run)", visible=False,
-                                         elem_id="qd-train-loss")
+                                         title="Training loss (this run)", y_title="loss",
+                                         x_title="minutes into the run", color_title="",
+                                         visible=False, elem_id="qd-train-loss")
             self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                         y_lim=[0, 1], title="Held-out accuracy (this run)",
+                                        y_title="share of held-out tokens right",
+                                        x_title="minutes into the run", color_title="",
                                         visible=False, elem_id="qd-train-accuracy")
         self.timer = gr.Timer(TICK_S, active=False)
         # "<method>@<start time>" of the last run that finished; the chat tab follows it
@@ -113,7 +125,7 @@ class TrainTab:
                                   continue_training=continue_training)
             job = self.service.training.start(options, learn_from_chats=bool(chats))
         except QuickdraftError as exc:
-            return readout.error_html(str(exc)), gr.Timer(active=False)
+            return readout.error_html(page_words(str(exc))), gr.Timer(active=False)
         return readout.job_html(job), gr.Timer(active=True)
 
     def retrain(self, method, minutes, prompts, chats):
@@ -130,11 +142,19 @@ class TrainTab:
                                        "so far is kept for the next run…</div>"
 
     def tick(self) -> dict:
+        """The run's bar and charts: shown from its start (the charts fill in once training
+        starts), its failure in the page's words."""
         job = self.service.training.job
         loss, acc = readout.metric_frames(job)
-        out = {self.status: readout.job_html(job),
-               self.loss_plot: gr.LinePlot(value=loss, visible=not loss.empty),
-               self.acc_plot: gr.LinePlot(value=acc, visible=not acc.empty)}
+        error = page_words(job.error) if job is not None else None
+        out = {self.status: readout.job_html(job, error),
+               self.loss_plot: gr.LinePlot(value=loss, visible=job is not None),
+               self.acc_plot: gr.LinePlot(value=acc, visible=job is not None)}
+        if job is not None and job.running and loss.empty:
+            out[self.status] += f'<div class="qd-note">{CHARTS_LATER}</div>'
+        if job is not None and job.state == "failed" and "time budget" in error:
+            out[self.status] += ('<div class="qd-note">The answers generated so far are kept: '
+                                 "a run with a larger time budget continues from them.</div>")
         if job is None or job.running:
             return out
         out[self.timer] = gr.Timer(active=False)
@@ -147,3 +167,10 @@ class TrainTab:
                                  "are kept: the next run continues from them. The accelerator "
                                  "trained before is unchanged.</div>")
         return out
+
+
+def page_words(message: str) -> str:
+    """A trainer's message with the command line's flags named as the page's controls."""
+    for flag, control in CONTROL_WORDS.items():
+        message = message.replace(flag, control)
+    return message

@@ -16,7 +16,9 @@ import pytest
 
 from app.jobs import Job
 from app.sources import label, mix_of
+from app.ui.train_tab import MIN_MINUTES
 from engine import quant
+from engine.errors import QuickdraftError
 from engine.progress import Progress
 from tests.page_server import BOTS, REPLY_MS, open_conv_id, open_page, send
 
@@ -87,7 +89,7 @@ def test_the_models_tab_shows_the_loaded_modules_parameters_and_bytes(site, page
     shown = page.inner_text("#qd-model-current")
     assert f"{params_before / 1e6:,.1f} M parameters" in shown  # the logical weights
     assert f"{sum(storages.values()) / 2**20:,.1f} MB in memory" in shown  # what is held
-    assert "int4 on cpu, as asked" in shown
+    assert "4-bit weights (int4) on cpu" in shown and "as asked" in shown
 
 
 def test_the_readout_names_the_source_that_made_most_steps(site, page):
@@ -113,6 +115,8 @@ class FakeRun:
     def start(self, options, learn_from_chats=True):
         def work():
             while (report := self.reports.get()) is not None:
+                if isinstance(report, Exception):
+                    raise report  # the run fails with it
                 self.job.report(report)
         return self.job.start(work)
 
@@ -141,6 +145,10 @@ def test_training_progress_never_goes_back_and_its_charts_are_numeric(site, page
         page.wait_for_selector(f".qd-job-msg:text-is('{message}')")
         style = page.get_attribute(".qd-progress div", "style")
         widths.append(float(re.search(r"width:\s*([\d.]+)%", style).group(1)))
+        if n == 0:  # the charts are there from the start, saying when they fill in
+            page.wait_for_selector("#qd-train-loss", state="visible")
+            assert page.locator("#qd-train-accuracy").is_visible()
+            assert "fill in once training starts" in page.inner_text("#qd-train-status")
         if n == 6:  # both charts drawn: loss and held-out accuracy
             page.wait_for_function(f"() => ({Y_AXES})().length == 2")
             axes = page.evaluate(Y_AXES)
@@ -148,9 +156,31 @@ def test_training_progress_never_goes_back_and_its_charts_are_numeric(site, page
     run.reports.put(None)
     assert widths == sorted(widths) and widths[-1] == 100.0
     assert all("linear scale" in a for a in axes), axes  # numbers, not a list of labels
+    assert "titled 'loss'" in axes[0] and "titled 'share of held-out" in axes[1], axes
     assert lines >= 1
 
 
+def test_a_failed_run_looks_failed_and_speaks_of_the_pages_controls(site, page, monkeypatch):
+    service = site[0]
+    run = FakeRun()
+    monkeypatch.setattr(service.training, "start", lambda options, learn_from_chats:
+                        setattr(service.host, "training", run.job) or run.start(options))
+    page.click("button[role=tab]:has-text('Train')")
+    assert page.get_attribute("#qd-train-minutes input[type=range]", "min") == str(MIN_MINUTES)
+    page.click("#qd-train-start")
+    run.reports.put(Progress("data", 2, 3, "13 conversations", 20.0))
+    page.wait_for_selector(".qd-job-msg:text-is('13 conversations')")
+    running = page.evaluate(BAR_COLOUR)
+    run.reports.put(QuickdraftError("too little training data (13 conversations, 0 held out): "
+                                    "give training more time with --max-minutes"))
+    page.wait_for_selector("#qd-train-status .qd-failed")
+    shown = page.inner_text("#qd-train-status")
+    assert "give training more time with the Time budget slider" in shown
+    assert "--" not in shown and "continues from them" in shown
+    assert page.evaluate(BAR_COLOUR) not in (running, "")  # no longer the running colour
+
+
+BAR_COLOUR = "() => getComputedStyle(document.querySelector('.qd-progress div')).backgroundColor"
 Y_AXES = """() => Array.from(document.querySelectorAll(
     '#qd-train-loss svg g[aria-label^="Y-axis"], #qd-train-accuracy svg g[aria-label^="Y-axis"]'))
     .map(e => e.getAttribute('aria-label'))"""
@@ -162,6 +192,9 @@ def test_a_narrow_window_shows_the_message_box_on_its_first_screen(site):
     try:
         box = narrow.locator("#qd-msg textarea").bounding_box()
         assert box["y"] + box["height"] <= 800 and box["width"] >= 200
+        for button in ("#qd-send", "#qd-stop"):  # beside the box, not under it
+            b = narrow.locator(button).bounding_box()
+            assert b["y"] < box["y"] + box["height"] and box["y"] < b["y"] + b["height"], b
     finally:
         narrow.close()
 
