@@ -123,5 +123,5 @@ def what_auto_does(method: str, label: str, ratio: float, drafter: Drafter,
     if not drafter.pays:
         return f"{head} Auto leaves {label} out here: its own estimate says it does not pay."
     x = f" ({drafter.speedup:.2f}×{timed})" if drafter.speedup is not None else timed
-    return (f"{head} Auto still drafts with {label} where its estimate here{x} says it pays; "
-            "choose Off or Auto's other sources while it stays slower on your prompts.")
+    return (f"{head} Auto still drafts with {label} where its own estimate here{x} says it "
+            f"pays; choose Off while {label} stays slower on your prompts.")

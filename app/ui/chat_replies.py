@@ -102,7 +102,7 @@ class ReplyEvents:
                 out = {self.chatbot: update.conversation.turns(),
                        self.readout: readout.live_readout(update)}
                 if queued is not None:
-                    out[self.queued] = self.queue_note(*queued[:1], drop=queued[1])
+                    out[self.queued] = self.queue_note(queued[0], drop=queued[1])
                     queued = None
                 if update.done:  # its first prompt may have named the conversation
                     out.update(self._plots(update.method, update.stats))

@@ -80,7 +80,7 @@ def test_a_ratio_below_one_is_never_green_and_says_what_auto_does():
     paying, priced_out = Paying(True, 2.38), Paying(False, 0.96)
     assert "Auto leaves Medusa out here" in what_auto_does("medusa", "Medusa", 0.7, priced_out,
                                                            None)
-    assert "Auto still drafts with Medusa where its estimate here (2.38×" in what_auto_does(
+    assert "Auto still drafts with Medusa where its own estimate here (2.38×" in what_auto_does(
         "medusa", "Medusa", 0.7, paying, None)
     assert "0.85× Off" in what_auto_does("auto", "Auto", 0.85, Drafter(), None)
 
