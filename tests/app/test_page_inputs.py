@@ -5,6 +5,7 @@ built for the model that is loaded now, not for the one a swap replaced."""
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -153,3 +154,15 @@ def test_the_console_leaves_out_a_librarys_warning_about_itself_and_keeps_the_re
                           stacklevel=1)
         warnings.warn("something a user can act on", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in shown] == ["something a user can act on"]
+
+
+def test_a_training_figure_its_progress_line_gives_is_not_printed_again():
+    from app.jobs import Job
+    from app.ui.readout import job_html
+    from engine.progress import Progress
+
+    job = Job("train", "Medusa for tiny", "medusa")
+    job.progress = Progress("train", 50, 100, "step 50/100, loss 4.250; held-out head 1 top-1 "
+                            "22.7%", 30.0, {"loss": 4.25, "head 1 top-1": 0.227, "lr": 0.0004})
+    figures = re.search(r'qd-job-figures">(.*?)</div>', job_html(job)).group(1)
+    assert figures == "lr 0.0004"  # 22.7% and 0.227 are one figure: said once

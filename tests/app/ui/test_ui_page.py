@@ -254,6 +254,12 @@ def test_a_slow_acceleration_check_never_overrides_the_users_choices(site):
         page = open_page(chrome, url)  # the view is restored while the check waits
         # (a loaded machine may show the page's first selection before the restored one)
         page.wait_for_selector(f"#qd-conversations input[value='{earlier.id}']:checked")
+        polls = 0
+        while not calls and polls < 600:  # the page's check has reached the server
+            page.wait_for_timeout(50)
+            polls += 1
+        shown = page.inner_text("#qd-settings-col") + page.inner_text("#qd-chat-header")
+        assert "processing" not in shown and "Checking the accelerators" in shown  # no overlay
         page.click("#qd-new")
         page.wait_for_selector("#qd-conversations label:has-text('New chat') input:checked")
         chosen = open_conv_id(service)
