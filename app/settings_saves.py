@@ -44,6 +44,18 @@ class PageSettings:
             self._settings.update(new)
             self._restart()
 
+    def drop(self, key: str) -> None:
+        """The setting's latest value cannot be saved: the one waiting for it is not either
+        (the last value wins)."""
+        with self._lock:
+            self._settings.pop(key, None)
+
+    @property
+    def pending(self) -> dict:
+        """The settings the next write will hold."""
+        with self._lock:
+            return dict(self._settings)
+
     def put_save(self, key: str, save: Callable[[], None]) -> None:
         """Run `save` once the change is over, unless a later one for `key` replaces it."""
         with self._lock:

@@ -57,21 +57,6 @@ on, and says whether the texts match and how much of the gain repeated earlier t
 **Acceleration** panel keeps what your last replies and Compare measured with each method on
 this machine, and marks a figure taken while other programs kept the processor busy."""
 SETTINGS = {"temperature": False, "top_p": False, "top_k": True, "max_new_tokens": True}
-SETTLED_MS = 500  # a number box unchanged this long holds what the user meant to type
-# A number typed key by key passes through values out of its range ("0" on the way to 0.8):
-# its event waits until the box has settled and sends that value, so only what was meant
-# reaches the server (an out-of-range one is refused there, in one line).
-SETTLED = """(value) => new Promise(resolve => {
-    const box = document.querySelector('#%s input[type=number]');
-    if (!box) { resolve(value); return; }
-    let last = box.value, since = Date.now();
-    const look = () => {
-        if (box.value !== last) { last = box.value; since = Date.now(); }
-        if (Date.now() - since < %d) { setTimeout(look, 50); return; }
-        resolve(box.value === '' || isNaN(Number(box.value)) ? value : Number(box.value));
-    };
-    setTimeout(look, 50);
-})"""
 
 
 class ChatTab(ConversationEvents, ReplyEvents):
@@ -197,9 +182,11 @@ class ChatTab(ConversationEvents, ReplyEvents):
         """Each setting is saved once a change to it is over (a reload keeps it without
         sending). The system prompt follows `change`: Gradio sends a text box's `input`
         only for keys that type a character, never for Backspace or Delete."""
+        # A number typed key by key passes through values out of the slider's range ("0" on
+        # the way to 0.8): Gradio's own check would fail that event, and the page then drops
+        # the keys held back behind it. The handler checks each value itself instead.
         for key, component in zip(SETTINGS, self.sampling, strict=False):
-            component.input(self._saver(key), [component], None,
-                            js=SETTLED % (component.elem_id, SETTLED_MS), **SAVES)
+            component.input(self._saver(key), [component], None, preprocess=False, **SAVES)
         self.acceptance.input(self.save_acceptance, [self.acceptance], None, **SAVES)
         self.system.change(self.save_system, [self.conv_id, self.system], None, **SAVES)
 
@@ -228,7 +215,15 @@ class ChatTab(ConversationEvents, ReplyEvents):
     # -- settings -----------------------------------------------------------------
     def _saver(self, key: str):
         def save(value) -> None:
-            self._keep(lambda: {key: page_number(key, value, SETTINGS[key])})
+            """The latest value typed into the setting's box: saved once the change is
+            over; one it cannot take (a step on the way to another, or a mistake) replaces
+            the one waiting and is not saved (a reply asked with it says why)."""
+            try:
+                checked = page_number(key, value, SETTINGS[key])
+            except QuickdraftError:
+                self.service.page_settings.drop(key)
+                return
+            self._keep(lambda: {key: checked})
         return save
 
     def save_acceptance(self, value) -> None:

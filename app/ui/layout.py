@@ -67,7 +67,8 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
             return
         yield from chat.compare(conv_id, active, max_new, request)
 
+    # (a State's change also fires when the page loads: no overlay for that either)
     switched = train.finished.change(select, [train.finished, chat.active], chat.accel_outputs,
-                                     **ACCEL)
+                                     show_progress="hidden", **ACCEL)
     switched.then(compare, [train.finished, chat.conv_id, chat.active, chat.max_new],
-                  [chat.compare_out, chat.accel_status], **GENERATE)
+                  [chat.compare_out, chat.accel_status], show_progress="hidden", **GENERATE)

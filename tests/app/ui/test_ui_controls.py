@@ -50,6 +50,10 @@ def test_numbers_typed_quickly_are_saved_once_each_with_their_last_value(site, p
         box.click()
         box.press("Control+a")
         box.press_sequentially(text, delay=KEY_MS)
+    polls = 0  # the page has sent what was typed (the file is written once typing pauses)
+    while service.page_settings.pending != {k: v for *_x, k, v in TYPED} and polls < 300:
+        page.wait_for_timeout(50)
+        polls += 1
     page.reload()  # a reload right after typing: what was typed is saved first
     page.wait_for_selector("#qd-conversations input:checked")
     for elem_id, text, key, value in TYPED:
