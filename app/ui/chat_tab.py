@@ -173,8 +173,9 @@ class ChatTab(ConversationEvents, ReplyEvents):
         self.compare_btn.click(self.compare, [self.conv_id, self.active, self.max_new],
                                [self.compare_out, self.accel_status], **GENERATE)
         # the panel says what it checks; no overlay hides the choices meanwhile
+        # the arrow keys may move the choice faster than each check: the last one counts
         self.accel.input(self.select_accel, [self.accel, self.active], self.accel_outputs,
-                         show_progress="minimal", **ACCEL)
+                         show_progress="minimal", trigger_mode="always_last", **ACCEL)
         self._wire_settings()
         self._wire_conversations()
 

@@ -152,7 +152,7 @@ class TrainTab:
                self.acc_plot: gr.LinePlot(value=acc, visible=job is not None)}
         if job is not None and job.running and loss.empty:
             out[self.status] += f'<div class="qd-note">{CHARTS_LATER}</div>'
-        if job is not None and job.state == "failed" and "time budget" in error:
+        if job is not None and job.state == "failed" and "--max-minutes" in job.error:
             out[self.status] += ('<div class="qd-note">The answers generated so far are kept: '
                                  "a run with a larger time budget continues from them.</div>")
         if job is None or job.running:

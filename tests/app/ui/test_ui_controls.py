@@ -132,14 +132,17 @@ def test_the_keyboard_walks_the_page_in_order_one_stop_per_radio_group(site, pag
     page.focus("#qd-accel input[value=auto]")
     page.keyboard.press("Tab")  # one stop for the whole group: the focus leaves it
     assert not page.evaluate(FOCUSED).startswith("qd-accel|"), page.evaluate(FOCUSED)
-    page.focus("#qd-accel input[value=auto]")
-    page.keyboard.press("ArrowDown")  # the arrows move the choice, and the page hears it
-    page.wait_for_selector("#qd-accel-status:has-text('Plain decoding')")
-    assert page.locator("#qd-accel input[value=off]").is_checked()
-    page.keyboard.press("ArrowUp")
-    page.wait_for_function("() => document.querySelector('#qd-accel-status').innerText"
-                           ".startsWith('Auto')")
-    assert page.locator("#qd-accel input[value=auto]").is_checked()
+    try:
+        page.focus("#qd-accel input[value=auto]")
+        page.keyboard.press("ArrowDown")  # the arrows move the choice, and the page hears it
+        page.wait_for_selector("#qd-accel-status:has-text('Plain decoding')")
+        assert page.locator("#qd-accel input[value=off]").is_checked()
+        page.keyboard.press("ArrowUp")
+        page.wait_for_function("() => document.querySelector('#qd-accel-status').innerText"
+                               ".startsWith('Auto')")
+        assert page.locator("#qd-accel input[value=auto]").is_checked()
+    finally:
+        site[0].store.remember(accel="auto")  # what the next tests' pages start with
 
 
 def test_the_focused_conversation_shows_a_plain_ring(site, page):

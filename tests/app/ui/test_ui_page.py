@@ -181,9 +181,10 @@ def test_a_failed_run_looks_failed_and_speaks_of_the_pages_controls(site, page, 
 
 
 # Gradio's "processing" overlays that can be seen (a hidden one stays, at opacity 0)
-OVERLAYS = """() => Array.from(document.querySelectorAll('.wrap')).filter(w =>
-    w.innerText.includes('processing') && parseFloat(getComputedStyle(w).opacity) > 0.05)
-    .map(w => (w.closest('[id]') || {}).id)"""
+OVERLAYS = """() => Array.from(document.querySelectorAll('.progress-text')).filter(t =>
+    t.innerText.includes('processing') &&
+    parseFloat(getComputedStyle(t.closest('.wrap') || t).opacity) > 0.05)
+    .map(t => (t.closest('[id]') || {}).id)"""
 BAR_COLOUR = "() => getComputedStyle(document.querySelector('.qd-progress div')).backgroundColor"
 Y_AXES = """() => Array.from(document.querySelectorAll(
     '#qd-train-loss svg g[aria-label^="Y-axis"], #qd-train-accuracy svg g[aria-label^="Y-axis"]'))
