@@ -15,6 +15,7 @@ from app.quant_words import quant_short
 from app.service import Service
 from app.settings_rules import PAGE_ACCEPTANCE, page_choice, page_number, page_text
 from app.store import StoreError
+from app.ui import readout
 from app.ui.chat_conversations import ConversationEvents
 from app.ui.chat_replies import ReplyEvents
 from engine.drafters.registry import ACCEL_CHOICES
@@ -276,7 +277,7 @@ class ChatTab(ConversationEvents, ReplyEvents):
             return {self.accel: method, self.active: method, self.accel_status: self.panel(status),
                     self.train_btn: gr.Button(visible=False), self.pending: "",
                     self.header: self.header_text(method)}
-        return {self.accel: active, self.accel_status: f"⚠ {status.message}",
+        return {self.accel: active, self.accel_status: f"⚠ {readout.page_words(status.message)}",
                 self.train_btn: gr.Button(f"Train {accel_label(method)} accelerator",
                                           visible=status.train_needed),
                 self.pending: method if status.train_needed else "",
@@ -294,14 +295,15 @@ class ChatTab(ConversationEvents, ReplyEvents):
                     self.train_btn: gr.Button(visible=False)}
         auto = self.service.accels.status("auto")
         return {self.accel: "auto", self.active: "auto",
-                self.accel_status: f"⚠ {status.message} Using Auto.\n\n{self.panel(auto)}",
+                self.accel_status: f"⚠ {readout.page_words(status.message)} Using Auto."
+                                   f"\n\n{self.panel(auto)}",
                 self.header: self.header_text("auto")}
 
     def panel(self, status) -> str:
         """The Acceleration panel: the method's status, then what replies and Compare
         measured with it on this machine."""
         measured = self.service.accels.measured(status.method) if status.ready else []
-        return "\n\n".join([status.message, *measured])
+        return "\n\n".join([readout.page_words(status.message), *measured])
 
     def method_panel(self, method: str) -> str:
         """The panel of `method` now (after a reply or a Compare measured it)."""

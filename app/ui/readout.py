@@ -5,6 +5,7 @@ Pure formatting. Every figure says which reply or run it belongs to."""
 from __future__ import annotations
 
 import html
+import re
 
 import pandas as pd
 
@@ -28,6 +29,22 @@ TIPS = {
     "sources": "which source drafted each full-model step of this reply",
 }
 REPEATED_FLAG = 0.5  # Compare warns when more of the gain than this repeated earlier text
+# The engine and the trainer speak of the command line; the page of its own controls.
+CONTROL_WORDS = [
+    (re.compile(r"run: python launcher\.py train --method (\w+)"),
+     r"train it again on the Train accelerator tab (method: \1)"),
+    (re.compile(r"with --max-minutes"), "with the Time budget slider"),
+    (re.compile(r"--max-minutes"), "the time budget"),
+    (re.compile(r"--prompts"), "Extra prompts"),
+    (re.compile(r"--no-chats"), "Learn from my chats"),
+]
+
+
+def page_words(message: str) -> str:
+    """An engine's or trainer's message with the command line named as the page's controls."""
+    for pattern, words in CONTROL_WORDS:
+        message = pattern.sub(words, message)
+    return message
 
 
 def _chip(text: str, cls: str = "", tip: str = "") -> str:

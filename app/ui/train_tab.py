@@ -14,6 +14,7 @@ from app.service import Service
 from app.settings_rules import page_choice, page_number, page_text
 from app.training import training_summary
 from app.ui import readout
+from app.ui.readout import page_words
 from engine.drafters.registry import TRAINED
 from engine.errors import QuickdraftError
 
@@ -33,10 +34,6 @@ TICK_S = 1.0  # how often the page polls a running job
 # The smallest time budget offered: on a 2-core AMD EPYC (busy with other work), the bundled
 # model's shortest runs that produced an accelerator (docs/usage.md, "Training").
 MIN_MINUTES = 3
-# The trainer speaks of the command line's flags; the page of its own controls.
-CONTROL_WORDS = {"with --max-minutes": "with the Time budget slider",
-                 "--max-minutes": "the time budget", "--prompts": "Extra prompts",
-                 "--no-chats": "Learn from my chats", "--continue": "Retrain"}
 CHARTS_LATER = ("The loss and held-out accuracy charts below fill in once training starts, "
                 "after this stage (the data, then its features).")
 
@@ -168,9 +165,3 @@ class TrainTab:
                                  "trained before is unchanged.</div>")
         return out
 
-
-def page_words(message: str) -> str:
-    """A trainer's message with the command line's flags named as the page's controls."""
-    for flag, control in CONTROL_WORDS.items():
-        message = message.replace(flag, control)
-    return message

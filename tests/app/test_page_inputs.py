@@ -166,3 +166,16 @@ def test_a_training_figure_its_progress_line_gives_is_not_printed_again():
                             "22.7%", 30.0, {"loss": 4.25, "head 1 top-1": 0.227, "lr": 0.0004})
     figures = re.search(r'qd-job-figures">(.*?)</div>', job_html(job)).group(1)
     assert figures == "lr 0.0004"  # 22.7% and 0.227 are one figure: said once
+
+
+def test_the_pages_errors_speak_of_its_controls_not_the_command_line():
+    from app.ui.readout import page_words
+
+    assert page_words("too little training data (13 conversations, 0 held out): give training "
+                      "more time with --max-minutes") == (
+        "too little training data (13 conversations, 0 held out): give training more time "
+        "with the Time budget slider")
+    assert page_words("--max-minutes must be a positive number").startswith("the time budget")
+    stale = page_words("Medusa cannot be used: built for another layout; retrain it: run: "
+                       "python launcher.py train --method medusa")
+    assert "launcher" not in stale and "train it again on the Train accelerator tab" in stale
