@@ -35,7 +35,7 @@ TICK_S = 1.0  # how often the page polls a running job
 # model's shortest runs that produced an accelerator (docs/usage.md, "Training").
 MIN_MINUTES = 3
 CHARTS_LATER = ("The loss and held-out accuracy charts below fill in once training starts, "
-                "after this stage (the data, then its features).")
+                "after the data and features stages.")
 
 
 class TrainTab:
