@@ -172,7 +172,8 @@ class ChatTab(ConversationEvents, ReplyEvents):
         self.regen_btn.click(self.regenerate, send_in[1:], reply_out, **shown)  # no message
         self.stop_btn.click(self.stop, None, None, **INSTANT)
         self.compare_btn.click(self.compare, [self.conv_id, self.active, self.max_new],
-                               [self.compare_out, self.accel_status], **GENERATE)
+                               [self.compare_out, self.accel_status],
+                               show_progress_on=[self.compare_out], **GENERATE)
         # the panel says what it checks; no overlay hides the choices meanwhile
         # the arrow keys may move the choice faster than each check: the last one counts
         self.accel.input(self.select_accel, [self.accel, self.active], self.accel_outputs,
