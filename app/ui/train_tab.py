@@ -33,7 +33,7 @@ CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are 
 TICK_S = 1.0  # how often the page polls a running job
 # The smallest time budget offered: on the page, 3 minutes gave the bundled model (int8w, 2-core
 # AMD EPYC busy with other work) 41 answers, 3 of them held out, and an accelerator; 1 minute
-# gave 13 and none held out (docs/accelerators.md, "Trains its own drafter").
+# (an earlier walk-through) gave 13 and none held out (docs/accelerators.md).
 MIN_MINUTES = 3
 CHARTS_LATER = ("The loss and held-out accuracy charts below fill in once training starts, "
                 "after the data and features stages.")
