@@ -18,6 +18,7 @@ from engine.chat_template import encode
 from engine.config import ChatPrompt, SamplingParams
 from engine.drafters.base import Drafter
 from engine.generate import StepEvent, generate, run
+from engine.grammar import Grammar
 from engine.stats import GenerationStats
 
 
@@ -32,6 +33,8 @@ class Ask:
     # with a notice (the page and the API)
     strict: bool = False
     learn: bool = False  # a finished reply of the model's own goes to its datastore
+    grammar: Grammar | None = None  # what the reply must match (engine/grammar.py)
+    ids: tuple[int, ...] | None = None  # the prompt already encoded (the API's), or None
 
 
 @dataclass
@@ -50,6 +53,7 @@ class ReplyStep:
     # the reply as a conversation stores it (role, content, accel, model, acceptance, and
     # its stats once done): the same dict on every step, growing
     message: dict = field(default_factory=dict)
+    logprobs: list | None = None  # the new tokens' logprobs, when asked (engine StepEvent)
 
 
 class ReplyCore:
@@ -65,13 +69,13 @@ class ReplyCore:
         background) happens once the last step was taken, or the consumer left after it."""
         lm = self.host.lm
         resolved = self.accels.resolve(ask.method, ask.strict)
-        ids = encode(lm.tokenizer, ask.prompt)
+        ids = list(ask.ids) if ask.ids is not None else encode(lm.tokenizer, ask.prompt)
         message = {"role": "assistant", "content": "", "accel": resolved.method,
                    "model": lm.fingerprint, "acceptance": ask.params.acceptance}
         live, tokens, notices = GenerationStats(), [], list(resolved.notices)
         watch = CpuWatch()  # how busy the machine was while this reply decoded
         try:
-            for event in generate(lm, ids, ask.params, resolved.drafter, cancel):
+            for event in generate(lm, ids, ask.params, resolved.drafter, cancel, ask.grammar):
                 tokens += event.token_ids
                 message["content"] = event.full_text
                 if event.done and event.stats.stop_reason != "cancelled":
@@ -91,7 +95,8 @@ class ReplyCore:
             message["accel"] = drafter.used()  # Auto's arm; its stats say which sources drafted
             message["stats"] = event.stats.to_json()
             return ReplyStep(event.text, event.full_text, event.token_ids, message["accel"],
-                             event.stats, True, notices, drafter.reason(event.stats), message)
+                             event.stats, True, notices, drafter.reason(event.stats), message,
+                             event.logprobs)
         if live.tokens == 0:
             live.ttft_s = event.elapsed_s  # the prefill and the first token
         else:
@@ -100,7 +105,7 @@ class ReplyCore:
         live.tokens, live.elapsed_s = event.tokens, event.elapsed_s
         snapshot = dataclasses.replace(live, accepted=list(live.accepted))
         return ReplyStep(event.text, event.full_text, event.token_ids, message["accel"],
-                         snapshot, False, notices, "", message)
+                         snapshot, False, notices, "", message, event.logprobs)
 
     def replay(self, ids: list[int], params: SamplingParams, drafter: Drafter | None,
                cancel: threading.Event | None) -> tuple[list[int], GenerationStats]:

@@ -150,3 +150,9 @@ def _address(name: str):
 def _is_unspecified(host: str) -> bool:
     address = _address(_bare(host))
     return address is not None and address.is_unspecified
+
+
+# The longest API reply when a request sets no max_tokens (--max-reply-tokens): it runs to
+# the context's end or its own stop otherwise, and one request must not hold the queue for
+# a whole long context.
+DEFAULT_REPLY_CAP = 4096

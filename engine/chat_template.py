@@ -16,20 +16,32 @@ def conversation(prompt: str, history: list[dict] | None = None,
 
 
 def encode(tokenizer, conv: ChatPrompt) -> list[int]:
-    """Token ids of the conversation, ending where the assistant's reply starts."""
-    messages = [{"role": m.role, "content": m.content} for m in conv.messages]
+    """Token ids of the conversation, ending where the assistant's reply starts (its tools
+    rendered by the template, which must support them: `supports_tools`)."""
+    messages = [m.as_dict() for m in conv.messages]
     if conv.system:
         messages.insert(0, {"role": "system", "content": conv.system})
-    return render(tokenizer, messages, generation_prompt=True)
+    return render(tokenizer, messages, generation_prompt=True, tools=list(conv.tools) or None)
 
 
-def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+def supports_tools(tokenizer) -> bool:
+    """Whether the model's chat template renders tools (it reads the `tools` variable)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return False
+    from jinja2 import Environment, meta
+
+    return "tools" in meta.find_undeclared_variables(Environment().parse(template))
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool,
+           tools: list[dict] | None = None) -> list[int]:
     """Token ids of {'role', 'content'} messages through the model's chat template, with
     the start of the assistant's reply after them when `generation_prompt`."""
     if getattr(tokenizer, "chat_template", None):
         encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
-        )
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True,
+            return_dict=True)
         return list(encoded["input_ids"])
     # No template (a base model): a plain transcript the model can continue.
     text = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)

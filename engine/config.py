@@ -14,6 +14,7 @@ ACCEPTANCE_CHOICES = ("auto", "greedy", "lossless", "typical")
 # auto: the lean step where the family is covered (compiled once the app starts compiling),
 # else transformers; eager: the lean step, never compiled; transformers: the model's own
 STEP_CHOICES = ("auto", "eager", "transformers")
+MAX_TOP_LOGPROBS = 20  # alternatives a reply may report per token (OpenAI's cap)
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,25 @@ class SamplingParams:
     acceptance: str = "auto"  # drafters only: see ACCEPTANCE_CHOICES and engine.verify
     typical_eps: float = 0.09  # typical acceptance: hard probability floor (Medusa paper)
     typical_delta: float = 0.3  # typical acceptance: entropy-scaled floor (Medusa paper)
+    # OpenAI's penalties, over the reply's own tokens: a token's logit loses presence_penalty
+    # once it occurs and frequency_penalty per occurrence (each in [-2, 2])
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    logprobs: int | None = None  # None: none reported; k: each token's and the k likeliest
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise QuickdraftError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise QuickdraftError("top-p must be in (0, 1]")
+        if not 0 <= self.top_p <= 1:
+            raise QuickdraftError("top-p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise QuickdraftError(f"{name.replace('_', ' ')} must be in [-2, 2]")
+        if any(not -100 <= b <= 100 for _t, b in self.logit_bias):
+            raise QuickdraftError("a logit bias must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise QuickdraftError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_k < 0:
             raise QuickdraftError("top-k must be >= 0")
         if self.max_new_tokens < 1:
@@ -88,6 +102,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def shapes_logits(self) -> bool:
+        """Whether a bias or a penalty changes the model's logits before the choice."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+
+    @property
     def acceptance_mode(self) -> str:
         """The acceptance rule drafters use: greedy at T=0, lossless sampling otherwise."""
         if self.greedy:
@@ -99,8 +118,24 @@ class SamplingParams:
 class ChatMessage:
     """One turn of a conversation."""
 
-    role: str  # "system", "user" or "assistant"
+    role: str  # "system", "user", "assistant" or "tool" (a tool's result)
     content: str
+    # an assistant turn's tool calls, as chat templates read them: {"type": "function",
+    # "function": {"name": str, "arguments": dict}} each
+    tool_calls: tuple[dict, ...] = ()
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None  # a tool turn: the function that answered
+
+    def as_dict(self) -> dict:
+        """The turn as a chat template reads it (only the fields it has)."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 @dataclass(frozen=True)
@@ -109,3 +144,6 @@ class ChatPrompt:
 
     messages: tuple[ChatMessage, ...] = field(default_factory=tuple)
     system: str | None = None  # None = the model template's own default
+    # functions the model may call, as chat templates read them ({"type": "function",
+    # "function": {"name", "description", "parameters"}} each); () = none offered
+    tools: tuple[dict, ...] = ()

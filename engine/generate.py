@@ -19,8 +19,10 @@ from engine.chat_template import fit_to_context
 from engine.config import SamplingParams
 from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
 from engine.errors import PromptError
+from engine.grammar import Grammar
 from engine.loading import LoadedModel
-from engine.sampling import greedy_ids, logits_to_probs, make_generator, next_token
+from engine.logit_rules import LogitRules
+from engine.sampling import greedy_ids, logits_to_probs, make_generator, next_token, top_logprobs
 from engine.stats import GenerationStats
 from engine.textstream import TextStream
 
@@ -38,6 +40,9 @@ class StepEvent:
     stats: GenerationStats | None = None  # on the last event
     full_text: str = ""  # the whole reply so far
     notices: list[str] = field(default_factory=list)  # e.g. prompt truncation
+    # per new token, when params.logprobs asks: (its log-probability, [(token id, log-prob)
+    # of the likeliest tokens]) under the shaped distribution it was chosen from
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 def generate(
@@ -46,11 +51,15 @@ def generate(
     params: SamplingParams,
     drafter: Drafter | None = None,
     cancel: threading.Event | None = None,
+    grammar: Grammar | None = None,
 ) -> Iterator[StepEvent]:
     """Stream a reply to `prompt_ids`. The last event has done=True and the stats.
+    `grammar`: what the reply must match (engine/grammar.py), applied as a mask at every
+    position, as params' bias and penalties are (engine/logit_rules.py).
 
     Greedy decoding with any drafter yields exactly the tokens of plain greedy decoding;
-    sampling with the lossless acceptance rules yields the same distribution.
+    sampling with the lossless acceptance rules yields the same distribution (both under
+    the reply's grammar, bias and penalties).
     """
     if not prompt_ids:
         raise PromptError("the prompt is empty")
@@ -61,7 +70,7 @@ def generate(
     stream = TextStream(lm.tokenizer, params.stop)
     ends = Ends(lm.eos_ids, params.max_new_tokens, stream)
     start = time.perf_counter()
-    state, session = _prefill(lm, ids, params, drafter)
+    state, session, logprobs = _prefill(lm, ids, params, drafter, grammar)
     stats.ttft_s = time.perf_counter() - start
     new = [state.ids[-1]]
     reason = ends.cut(new, 0)[1]
@@ -79,36 +88,43 @@ def generate(
             lm.target.release(state.cache)
             text += stream.flush()
             yield StepEvent(text, new, _last(stats), stats.tokens, elapsed, True, stats,
-                            stream.emitted, notices)
+                            stream.emitted, notices, logprobs)
             return
         yield StepEvent(text, new, _last(stats), stats.tokens, elapsed,
-                        full_text=stream.emitted, notices=notices)
+                        full_text=stream.emitted, notices=notices, logprobs=logprobs)
         notices = []
-        new, reason, accepted, drafted = _step(state, session, ends, stats.tokens)
+        new, reason, accepted, drafted, logprobs = _step(state, session, ends, stats.tokens)
         stats.steps += 1
         stats.accepted.append(accepted)
         stats.drafted.append(drafted)
 
 
-def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams,
-             drafter: Drafter) -> tuple[DecodeState, Session]:
-    """Run the prompt, choose the first token, and start the drafter's session."""
+def _prefill(lm: LoadedModel, ids: list[int], params: SamplingParams, drafter: Drafter,
+             grammar: Grammar | None) -> tuple[DecodeState, Session, list | None]:
+    """Run the prompt, choose the first token, and start the drafter's session:
+    (state, session, the first token's logprobs when asked)."""
     generator = make_generator(params.seed, lm.device)
     target = lm.target
     cache = target.new_cache()
+    rules = LogitRules.start(lm, params, grammar)
     if drafter.drafts:
         target.check_draftable(cache)
     with torch.inference_mode():
         out = target.forward(cache, ids, 0, states=drafter.wants_hidden, last_only=True)
-        first = next_token(out.logits[-1], params, generator)
-        state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator)
+        logits = out.logits[-1] if rules is None else rules.shape_next(out.logits[-1])
+        first = next_token(logits, params, generator)
+        if rules is not None:
+            rules.advance([first])
+        state = DecodeState(lm, params, cache, [*ids, first], len(ids), generator, rules=rules)
         session = start_session(drafter, state, out.states)
-    return state, session
+        logprobs = _logprobs(logits[None], [first], params)
+    return state, session, logprobs
 
 
 def _step(state: DecodeState, session: Session, ends: Ends,
-          produced: int) -> tuple[list[int], str, int, int]:
-    """One full-model forward: (new tokens, stop reason or "", accepted drafts, drafted).
+          produced: int) -> tuple[list[int], str, int, int, list | None]:
+    """One full-model forward: (new tokens, stop reason or "", accepted drafts, drafted,
+    the new tokens' logprobs when asked).
 
     When the reply ends inside the accepted block (EOS, a stop string, the token budget),
     the block is cut there before the drafter commits, so the cache, the ids and every
@@ -117,6 +133,8 @@ def _step(state: DecodeState, session: Session, ends: Ends,
     with torch.inference_mode():
         draft = session.propose(state)
         logits, hidden = session.score(state, draft)
+        if state.rules is not None:  # each row as plain decoding would see it
+            logits = state.rules.shape(logits, draft.children, draft.tokens)
         path, nxt = accept(draft, logits, state.params, state.generator)
         new = [draft.tokens[i] for i in path] + [nxt]
         keep, reason = ends.cut(new, produced)
@@ -124,9 +142,20 @@ def _step(state: DecodeState, session: Session, ends: Ends,
             path, new = path[:keep - 1], new[:keep]
         session.commit(state, draft, path)
         state.ids.extend(new)
+        if state.rules is not None:
+            state.rules.advance(new)
         if hidden is not None:
             state.hidden = hidden[path[-1] if path else 0]
-    return new, reason, len(path), draft.size - 1
+        logprobs = _logprobs(logits[[0, *path]], new, state.params)
+    return new, reason, len(path), draft.size - 1, logprobs
+
+
+def _logprobs(rows: torch.Tensor, tokens: list[int], params: SamplingParams) -> list | None:
+    """The logprobs of `tokens`, each chosen from its row of (m, V) shaped logits, when
+    `params` asks for them."""
+    if params.logprobs is None:
+        return None
+    return top_logprobs(rows, tokens, params.logprobs)
 
 
 def accept(
@@ -185,10 +214,11 @@ def run(
     params: SamplingParams,
     drafter: Drafter | None = None,
     cancel: threading.Event | None = None,
+    grammar: Grammar | None = None,
 ) -> tuple[str, list[int], GenerationStats]:
     """Generate to the end: (text, token ids, stats)."""
     ids: list[int] = []
-    for event in generate(lm, prompt_ids, params, drafter, cancel):
+    for event in generate(lm, prompt_ids, params, drafter, cancel, grammar):
         ids.extend(event.token_ids)
         if event.done:
             return event.full_text, ids, event.stats

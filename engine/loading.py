@@ -48,6 +48,8 @@ class LoadedModel:
     target: Target | None = None  # how decode steps run (set by wrap_model)
     # engine.timing.step_cost's curves by target step name, timed on first use
     step_costs: dict = field(default_factory=dict, repr=False, compare=False)
+    # engine.grammar's tokenizer view for this model, built on first use
+    grammars: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -6,6 +6,10 @@ import torch
 
 from engine.config import SamplingParams
 
+# The smallest temperature divided by (a smaller one samples as this one): logits of a few
+# hundred over it stay finite in float32, and nothing but an exact tie samples otherwise.
+MIN_TEMPERATURE = 1e-5
+
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k and outside the top-p nucleus.
@@ -22,8 +26,10 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     if top_p < 1.0:
         sorted_logits, order = torch.sort(out, dim=-1, descending=True)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p.
+        # Drop a token when the mass before it already reaches top_p; the most likely token
+        # always stays (top_p 0 keeps it alone, as Hugging Face's min_tokens_to_keep=1).
         drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
@@ -38,8 +44,62 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(greedy_ids(logits), logits.shape[-1]).float()
-    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    # Below MIN_TEMPERATURE a float32 logit divided by it can overflow to inf (then NaN).
+    temperature = max(params.temperature, MIN_TEMPERATURE)
+    scaled = filter_logits(logits / temperature, params.top_k, params.top_p)
     return scaled.softmax(dim=-1)
+
+
+def adjust(logits: torch.Tensor, base: torch.Tensor, counts: torch.Tensor,
+           paths: list[list[int]], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's logit bias and penalties at every row of a draft: row i's token follows the
+    reply so far and then `paths[i]` (the draft tokens from the root down to node i, the
+    root excluded), so it is penalised as plain decoding would penalise it there.
+
+    logits: (n, V); counts: (V,) float occurrences of each token in the reply so far; base:
+    (V,) what every row gets, logit_bias - frequency * counts - presence * (counts > 0)
+    (`base_adjustment`). Penalty: frequency per occurrence, presence once per token present.
+    Returns a new float32 (n, V) tensor.
+    """
+    out = logits.float() + base
+    rows, cols, times = [], [], []
+    for i, path in enumerate(paths):
+        for token in set(path):
+            rows.append(i)
+            cols.append(token)
+            times.append(path.count(token))
+    if rows and (presence or frequency):
+        cols_t = torch.tensor(cols, device=logits.device)
+        k = torch.tensor(times, dtype=torch.float32, device=logits.device)
+        before = counts[cols_t]
+        newly = ((before + k) > 0).float() - (before > 0).float()  # 1 where it first appears
+        out[torch.tensor(rows, device=logits.device), cols_t] -= frequency * k + presence * newly
+    return out
+
+
+def base_adjustment(bias: torch.Tensor, counts: torch.Tensor, presence: float,
+                    frequency: float) -> torch.Tensor:
+    """(V,) logit_bias minus the penalties of tokens already in the reply (`adjust`)."""
+    return bias - frequency * counts - presence * (counts > 0).float()
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """(n, V) logits with every token `allowed` (n, V bool) does not allow at -inf."""
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int],
+                 k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of (m, V) logits: (log-probability of tokens[row], the k most likely tokens
+    with theirs), from the softmax of the logits as given (after bias, penalties and a
+    grammar's mask; before temperature and top-p, as OpenAI reports them)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if k <= 0:
+        return [(c, []) for c in chosen]
+    values, ids = logp.topk(k, dim=-1)
+    return [(c, list(zip(i, v, strict=True)))
+            for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -1,5 +1,7 @@
 """OpenAI-compatible routes on the page's own FastAPI app: GET /v1/models and
-POST /v1/chat/completions (whole replies, or server-sent chunks ending with `data: [DONE]`).
+/v1/models/{id}, POST /v1/chat/completions and /v1/completions (whole replies, or
+server-sent chunks ending with `data: [DONE]`) and POST /v1/embeddings; any other /v1 path
+or method answers OpenAI's error object.
 
 Responses carry Quickdraft's figures in an extra `quickdraft` field (the method a reply used,
 tokens per model step) that OpenAI clients ignore; requests choose the acceleration with an
@@ -9,6 +11,7 @@ extra `accel` field (default Auto).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -18,19 +21,28 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.schema import ApiError, check_prompt_size, parse
-from app.api.worker import END, Reply, ReplyWorker
+from app.api import bodies
+from app.api.completions import (
+    encode_vector,
+    parse_completion,
+    parse_embeddings,
+    prompt_ids,
+)
+from app.api.schema import ApiError, check_prompt_size, check_reply_length, parse
+from app.api.worker import Reply, ReplyWorker
 from app.host import model_name
-from app.reply_core import ReplyStep
+from app.reply_core import Ask
+from app.security import DEFAULT_REPLY_CAP
 from app.service import Service
-from engine.config import SamplingParams
+from engine import grammar as grammars
+from engine.chat_template import encode, supports_tools
+from engine.config import ChatPrompt, SamplingParams
+from engine.embed import embed
 from engine.errors import QuickdraftError
 from engine.loading import LoadedModel
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-# What a client is told of a failure that is not its mistake: the exception's own text (paths,
-# internals) stays in the server's log, where the worker writes it with its traceback.
-INTERNAL_ERROR = "the server failed to make this reply: see its log"
+ROUTES = {"/v1/models": ("GET",), "/v1/chat/completions": ("POST",),
+          "/v1/completions": ("POST",), "/v1/embeddings": ("POST",)}
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class ApiOptions:
     """How the API is served."""
 
     api_key: str | None = None  # required as "Authorization: Bearer KEY" when set
+    max_reply_tokens: int = DEFAULT_REPLY_CAP  # a reply's length when a request sets none
 
 
 def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, ReplyWorker]:
@@ -52,27 +65,161 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
             lm = _ready(service)
         except ApiError as exc:
             return _error(exc)
-        card = {"id": lm.model_id, "object": "model", "created": 0, "owned_by": "quickdraft"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [_card(lm)]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        try:
+            _authorize(request, options)
+            lm = _ready(service)
+            _check_model(model_id, lm)
+        except ApiError as exc:
+            return _error(exc)
+        return _card(lm)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         try:
             _authorize(request, options)
-            body = await _json(request)
-            req = parse(body, SamplingParams().max_new_tokens)
+            req = parse(await _json(request), SamplingParams().max_new_tokens)
             lm = _ready(service)
             _check_model(req.model, lm)
             check_prompt_size(req, lm.context_len)
+            ask, prompt_tokens = await _chat_ask(lm, req, options)
         except ApiError as exc:
             return _error(exc)
-        reply = worker.submit(Reply(req, asyncio.get_running_loop()))
-        head = _head(lm, "chat.completion.chunk" if req.stream else "chat.completion")
+        reply = worker.submit(Reply(req, asyncio.get_running_loop(), ask, req.n))
+        tools = req.tools is not None and req.tools.choice != "none"
         if req.stream:
-            return _Stream(reply, _sse(reply, head))
-        return await _whole(reply, head, request)
+            head = _head(lm, "chat.completion.chunk", "chatcmpl")
+            return _Stream(reply, bodies.chat_chunks(reply, head, prompt_tokens, tools,
+                                                     lm.tokenizer))
+        head = _head(lm, "chat.completion", "chatcmpl")
+        choices = await _whole(reply, request)
+        if isinstance(choices, JSONResponse):
+            return choices
+        return JSONResponse(bodies.chat_body(reply, head, choices, prompt_tokens, tools,
+                                             lm.tokenizer))
+
+    @router.post("/completions")
+    async def completions(request: Request):
+        try:
+            _authorize(request, options)
+            req = parse_completion(await _json(request), SamplingParams().max_new_tokens)
+            lm = _ready(service)
+            _check_model(req.model, lm)
+            check_reply_length(req.params.max_new_tokens, req.max_tokens_key, lm.context_len)
+            ids = prompt_ids(lm.tokenizer, req)
+            params = fit_reply(req.params, req.max_tokens_given, len(ids), lm, options,
+                               "prompt")
+        except ApiError as exc:
+            return _error(exc)
+        ask = Ask(ChatPrompt(), params, req.accel, ids=tuple(ids))
+        reply = worker.submit(Reply(req, asyncio.get_running_loop(), ask, req.n))
+        if req.stream:
+            head = _head(lm, "text_completion", "cmpl")
+            return _Stream(reply, bodies.text_chunks(reply, head, len(ids), lm.tokenizer))
+        choices = await _whole(reply, request)
+        if isinstance(choices, JSONResponse):
+            return choices
+        head = _head(lm, "text_completion", "cmpl")
+        return JSONResponse(bodies.text_body(reply, head, choices, len(ids), lm.tokenizer))
+
+    @router.post("/embeddings")
+    async def embeddings(request: Request):
+        try:
+            _authorize(request, options)
+            req = parse_embeddings(await _json(request))
+            lm = _ready(service)
+            _check_model(req.model, lm)
+            return JSONResponse(await asyncio.to_thread(_embeddings, service, lm, req))
+        except ApiError as exc:
+            return _error(exc)
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE",
+                                               "HEAD", "OPTIONS"], include_in_schema=False)
+    async def unknown(path: str, request: Request):
+        full = f"/v1/{path}"
+        if full in ROUTES:
+            return _error(ApiError(405, f"{request.method} is not allowed on {full}: use "
+                                   f"{', '.join(ROUTES[full])}", None, "method_not_allowed"))
+        return _error(ApiError(404, f"Unknown request URL: {request.method} {full}. This "
+                               f"server has {', '.join(sorted(ROUTES))}", None, "unknown_url"))
 
     return router, worker
+
+
+async def _chat_ask(lm: LoadedModel, req, options: ApiOptions) -> tuple[Ask, int]:
+    """The chat request as the worker runs it: the prompt encoded through the model's
+    template (with its tools), the grammar checked, the reply's length fitted; and the
+    prompt's token count."""
+    offered = req.tools.offered if req.tools is not None else ()
+    if offered and not supports_tools(lm.tokenizer):
+        raise ApiError(400, "this model's chat template has no tool support (it never reads "
+                       "`tools`): tool calling needs a model whose template has it, such as "
+                       "Qwen2.5 or SmolLM3", "tools", "unsupported_value")
+    if req.grammar is not None:
+        try:  # llguidance reads the tokenizer once per model (~1 s): off the event loop
+            await asyncio.to_thread(grammars.check, lm, req.grammar)
+        except QuickdraftError as exc:
+            param = "response_format" if req.json_reply else "tool_choice"
+            raise ApiError(400, str(exc), param, "invalid_value") from exc
+    _check_bias(req.params, lm)
+    prompt = ChatPrompt(tuple(req.messages), req.system, tuple(offered))
+    ids = encode(lm.tokenizer, prompt)
+    params = fit_reply(req.params, req.max_tokens_given, len(ids), lm, options, "messages")
+    return Ask(prompt, params, req.accel, grammar=req.grammar, ids=tuple(ids)), len(ids)
+
+
+def fit_reply(params: SamplingParams, given: bool, prompt_tokens: int, lm: LoadedModel,
+              options: ApiOptions, param: str) -> SamplingParams:
+    """The reply's length: as asked when it fits the context with the prompt (else 400
+    context_length_exceeded naming both), or up to the context's end, capped by the
+    server's --max-reply-tokens, when none was asked."""
+    context = lm.context_len
+    room = context - prompt_tokens
+    if given and params.max_new_tokens > room or room < 1:
+        wanted = params.max_new_tokens if given else 1
+        raise ApiError(400, f"This model's maximum context length is {context:,} tokens. "
+                       f"However, you requested {prompt_tokens + wanted:,} tokens "
+                       f"({prompt_tokens:,} in the {param}, {wanted:,} for the reply). "
+                       "Shorten the prompt or ask for a shorter reply.", param,
+                       "context_length_exceeded")
+    if given:
+        return params
+    return dataclasses.replace(params, max_new_tokens=min(options.max_reply_tokens, room))
+
+
+def _check_bias(params: SamplingParams, lm: LoadedModel) -> None:
+    vocab = int(lm.model.config.vocab_size)
+    if any(token >= vocab for token, _bias in params.logit_bias):
+        raise ApiError(400, f"logit_bias names a token id beyond this model's {vocab:,} "
+                       "tokens", "logit_bias", "invalid_value")
+
+
+def _embeddings(service: Service, lm: LoadedModel, req) -> dict:
+    """The embeddings body (run under the host's lock: one model job at a time)."""
+    ids = [list(lm.tokenizer(text)["input_ids"]) for text in req.texts]
+    for i, row in enumerate(ids):
+        if len(row) > lm.context_len:
+            raise ApiError(400, f"input[{i}] holds {len(row):,} tokens: more than this "
+                           f"model's {lm.context_len:,}-token context", "input",
+                           "context_length_exceeded")
+    hidden = int(lm.model.config.hidden_size)
+    if req.dimensions not in (None, hidden):
+        raise ApiError(400, f"dimensions must be {hidden} (this model's size) or left out",
+                       "dimensions", "invalid_value")
+    with service.host.lock:
+        vectors = embed(lm, ids)
+    data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.base64)}
+            for i, v in enumerate(vectors)]
+    tokens = sum(len(row) for row in ids)
+    return {"object": "list", "data": data, "model": lm.model_id,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _card(lm: LoadedModel) -> dict:
+    return {"id": lm.model_id, "object": "model", "created": 0, "owned_by": "quickdraft"}
 
 
 class _Stream(StreamingResponse):
@@ -134,8 +281,8 @@ def _check_model(model: str | None, lm: LoadedModel) -> None:
                        f"{lm.model_id!r} loaded (GET /v1/models)", "model", "model_not_found")
 
 
-def _head(lm: LoadedModel, kind: str) -> dict:
-    return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": kind,
+def _head(lm: LoadedModel, kind: str, prefix: str) -> dict:
+    return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind,
             "created": int(time.time()), "model": lm.model_id,
             "system_fingerprint": f"qd-{lm.fingerprint}"}
 
@@ -144,43 +291,17 @@ def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def _extension(reply: Reply, step: ReplyStep, token_ids: list[int] | None = None) -> dict:
-    """Quickdraft's figures for a finished reply (clients that do not know them ignore them)."""
-    stats = step.stats
-    out = {"accel": step.method, "tokens_per_step": round(stats.mean_accepted, 3),
-           "steps": stats.steps, "tokens_per_s": round(stats.tokens_per_s, 2),
-           "stop_reason": stats.stop_reason, "queue_ticket": reply.ticket}
-    if token_ids is not None:
-        out["token_ids"] = token_ids
-    return out
-
-
-def _usage(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.tokens,
-            "total_tokens": stats.prompt_tokens + stats.tokens}
-
-
-async def _whole(reply: Reply, head: dict, request: Request) -> JSONResponse:
-    """Wait for the whole reply; a client that hangs up cancels it."""
-    ids: list[int] = []
-    last = None
+async def _whole(reply: Reply, request: Request):
+    """Every choice of a whole reply, or its error response; a client that hangs up
+    cancels it."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, reply))
     try:
-        while (item := await reply.events.get()) is not END:
-            if isinstance(item, Exception):
-                return _error(_as_api_error(item))
-            last = item
-            ids.extend(item.token_ids)
+        return await bodies.collect(reply)
+    except ApiError as exc:
+        return _error(exc)
     finally:
         watcher.cancel()
         reply.cancel.set()  # no-op once done; stops the reply if this handler is cancelled
-    if last is None:  # its client left before its turn: nobody reads this
-        return _error(ApiError(400, "the request was cancelled before it started"))
-    message = {"role": "assistant", "content": last.full_text}
-    choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": FINISH.get(last.stats.stop_reason, "stop")}
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(last.stats),
-                         "quickdraft": _extension(reply, last, ids)})
 
 
 async def _cancel_on_disconnect(request: Request, reply: Reply) -> None:
@@ -188,38 +309,3 @@ async def _cancel_on_disconnect(request: Request, reply: Reply) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     reply.cancel.set()
-
-
-async def _sse(reply: Reply, head: dict):
-    """Server-sent chunks. A client that disconnects cancels this generator (Starlette
-    watches the connection): `finally` sets the reply's cancel flag, the decode loop ends at
-    its next step and the queue moves on."""
-    try:
-        yield _chunk(head, {"role": "assistant", "content": ""})
-        while (item := await reply.events.get()) is not END:
-            if isinstance(item, Exception):
-                yield f"data: {json.dumps(_as_api_error(item).body())}\n\n"
-                continue
-            if item.text:
-                yield _chunk(head, {"content": item.text})
-            if item.done:
-                finish = FINISH.get(item.stats.stop_reason, "stop")
-                yield _chunk(head, {}, finish, quickdraft=_extension(reply, item))
-                if reply.request.include_usage:  # OpenAI's extra last chunk, no choices
-                    usage = {**head, "choices": [], "usage": _usage(item.stats)}
-                    yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        reply.cancel.set()
-
-
-def _chunk(head: dict, delta: dict, finish: str | None = None, **extra) -> str:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    return f"data: {json.dumps({**head, 'choices': [choice], **extra})}\n\n"
-
-
-def _as_api_error(exc: Exception) -> ApiError:
-    if isinstance(exc, QuickdraftError):
-        return ApiError(400, str(exc), None, "generation_refused")
-    return ApiError(500, INTERNAL_ERROR, None, "internal_error", "server_error")
-

@@ -8,6 +8,7 @@ replies take the same service lock, so a page reply and an API reply never inter
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from app.api.schema import CompletionRequest
 from app.reply_core import Ask
 from app.service import Service
-from engine.config import ChatPrompt
 from engine.errors import QuickdraftError
 
 log = logging.getLogger(__name__)
@@ -25,11 +25,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Reply:
-    """One API request on its way through the worker."""
+    """One API request on its way through the worker: its `n` choices are made one after
+    another, each a reply to `ask` (a seeded one with seed + its index)."""
 
-    request: CompletionRequest
+    request: CompletionRequest | object  # what the route parsed (its shape is the route's)
     loop: asyncio.AbstractEventLoop  # the server's loop, where `events` is read
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ReplyStep | error
+    ask: Ask | None = None  # the reply to make (the prompt encoded, the length fitted)
+    n: int = 1  # choices
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (index, ReplyStep) | error
     cancel: threading.Event = field(default_factory=threading.Event)  # set: stop soon
     ticket: int = 0  # arrival number at this server: replies run in ticket order
 
@@ -40,6 +43,16 @@ class Reply:
 
 
 END = object()  # put after the last event (or the error) of a reply
+
+
+def choice(ask: Ask, index: int) -> Ask:
+    """The ask of choice `index`: a seeded reply's seed moves on by the index, so choices
+    differ and each one repeats."""
+    seed = ask.params.seed
+    if index == 0 or seed is None:
+        return ask
+    seed = (seed + index) % 2**64  # manual_seed takes 0..2**64-1
+    return dataclasses.replace(ask, params=dataclasses.replace(ask.params, seed=seed))
 
 
 class ReplyWorker:
@@ -68,10 +81,12 @@ class ReplyWorker:
                 reply.put(END)
                 continue
             try:
-                req = reply.request
-                ask = Ask(ChatPrompt(tuple(req.messages), req.system), req.params, req.accel)
-                for step in self.service.replies.complete(ask, reply.cancel):
-                    reply.put(step)
+                for index in range(reply.n):
+                    for step in self.service.replies.complete(choice(reply.ask, index),
+                                                              reply.cancel):
+                        reply.put((index, step))
+                    if reply.cancel.is_set():
+                        break
             except QuickdraftError as exc:
                 reply.put(exc)
             except Exception as exc:  # the worker must outlive any one request

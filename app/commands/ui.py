@@ -8,7 +8,7 @@ import math
 import os
 
 from app.commands.common import add_model_args, model_spec
-from app.security import Limits
+from app.security import DEFAULT_REPLY_CAP, Limits
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "comma-separated)")
     parser.add_argument("--max-body-mb", type=float, default=Limits().max_body_bytes / 2**20,
                         help="largest request body accepted, in MiB (default %(default)g)")
+    parser.add_argument("--max-reply-tokens", type=int, default=DEFAULT_REPLY_CAP,
+                        help="longest API reply when a request sets no max_tokens (it runs to "
+                             "the context's end or its stop otherwise; default %(default)s)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     add_model_args(parser, start=True)
 
@@ -54,6 +57,8 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
                               "add --model NAME")
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):  # "inf" parses
         raise QuickdraftError("--max-body-mb must be a positive number")
+    if args.max_reply_tokens < 1:
+        raise QuickdraftError("--max-reply-tokens must be a positive number")
     model = model_spec(args) or _last_model_as_asked(args)
     if open_browser is None:
         open_browser = not args.no_browser
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace, open_browser: bool | None = None) -> int:
                             open_browser=open_browser, model=model, api_key=api_key,
                             allowed_hosts=tuple(args.allowed_host),
                             allowed_origins=tuple(args.allowed_origin), limits=limits,
-                            step=args.step)
+                            step=args.step, max_reply_tokens=args.max_reply_tokens)
     launch(options, block=True)
     return 0
 

@@ -10,7 +10,7 @@ import socket
 from dataclasses import dataclass
 
 from app.http_timeouts import install_head_timeout
-from app.security import Limits, Policy, make_policy
+from app.security import DEFAULT_REPLY_CAP, Limits, Policy, make_policy
 from app.uploads import use_upload_folder
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
@@ -36,6 +36,7 @@ class LaunchOptions:
     allowed_origins: tuple[str, ...] = ()  # web origins allowed to call (plus QUICKDRAFT_ORIGINS)
     limits: Limits = Limits()  # body cap, timeouts, login lockout
     step: str = "auto"  # how decode steps run for every model loaded (engine/config.py)
+    max_reply_tokens: int = DEFAULT_REPLY_CAP  # an API reply's length when it sets none
 
 
 def is_loopback(host: str) -> bool:
@@ -174,7 +175,8 @@ def _server_app(service, options: LaunchOptions, policy: Policy):
 
     app = GuardedApp(default_response_class=ORJSONResponse, openapi_url=None, docs_url=None,
                      redoc_url=None)
-    mount(app, service, ApiOptions(api_key=options.api_key))
+    mount(app, service, ApiOptions(api_key=options.api_key,
+                                   max_reply_tokens=options.max_reply_tokens))
     _hide_gradio_schema(app)
     return app
 

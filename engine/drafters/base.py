@@ -20,6 +20,7 @@ from engine.config import SamplingParams
 
 if TYPE_CHECKING:
     from engine.loading import LoadedModel
+    from engine.logit_rules import LogitRules
     from engine.stats import GenerationStats
 
 
@@ -34,6 +35,8 @@ class DecodeState:
     prompt_len: int
     generator: torch.Generator
     hidden: torch.Tensor | None = None  # (H,) final hidden state that predicted ids[-1]
+    # the reply's bias, penalties and grammar (engine/logit_rules.py); None: none apply
+    rules: LogitRules | None = None
 
     @property
     def model(self):

@@ -55,11 +55,20 @@ def test_parse_defaults():
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     ({"messages": [USER], "temperature": True}, "temperature"),
-    ({"messages": [USER], "top_p": 0}, "top_p"),
+    ({"messages": [USER], "top_p": -0.1}, "top_p"),
     ({"messages": [USER], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [USER], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": [USER], "seed": 1.5}, "seed"),
-    ({"messages": [USER], "n": 2}, "n"),
+    ({"messages": [USER], "n": 5}, "n"),
+    ({"messages": [USER], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": [USER], "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": [USER], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": [USER], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [USER], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [USER], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [USER], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [USER], "functions": [{"name": "f"}]}, "functions"),
     ({"messages": [USER], "stream": "yes"}, "stream"),
 ])
 def test_parse_refuses_with_the_parameter_named(body, param):
@@ -87,14 +96,24 @@ def test_a_number_that_is_not_finite_is_refused_naming_it(raw, param):
 
 
 @pytest.mark.parametrize("extra,param,words", [
-    ({"temperature": 1e-300}, "temperature", "0 (greedy) or in [0.01, 2]"),
-    ({"temperature": 0.001}, "temperature", "0 (greedy) or in [0.01, 2]"),
-    ({"temperature": 1, "top_p": 1e-300}, "top_p", "in [0.01, 1]"),
+    ({"temperature": 2.5}, "temperature", "in [0, 2]"),
+    ({"temperature": -1e-300}, "temperature", "in [0, 2]"),
+    ({"temperature": 1, "top_p": 1.5}, "top_p", "in [0, 1]"),
 ])
-def test_values_the_sampler_cannot_use_are_refused_like_the_page_does(extra, param, words):
+def test_values_outside_openais_ranges_are_refused_naming_them(extra, param, words):
     with pytest.raises(ApiError) as err:
         parse({"messages": [USER], **extra}, 256)
     assert err.value.param == param and words in err.value.message
+
+
+def test_openais_full_ranges_and_sampling_options_are_taken():
+    req = parse({"messages": [USER], "temperature": 1e-300, "top_p": 0, "n": 2,
+                 "presence_penalty": -2, "frequency_penalty": 1.5, "logit_bias": {"17": -100},
+                 "logprobs": True, "top_logprobs": 3, "unknown_field": [1]}, 256)
+    p = req.params
+    assert (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty) == \
+        (1e-300, 0.0, -2.0, 1.5)
+    assert p.logit_bias == ((17, -100.0),) and p.logprobs == 3 and req.n == 2
 
 
 @pytest.mark.parametrize("messages,param", [

@@ -10,12 +10,14 @@ from engine.config import SamplingParams
 from engine.datastore_memory import Datastore
 from engine.drafters import registry
 from engine.drafters.datastore_source import StoreDrafter
+from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_CHOICES, Method, compose, load_drafter
 from engine.generate import generate, run
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, repetitive_prompt
 from tests.engine.drafters.toy_source import ToyDrafter
+from tests.engine.toy_grammar import PATTERN, ToyGrammar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +35,8 @@ def sources(lm) -> dict:
     store.add_all(run(lm, p, SamplingParams(max_new_tokens=30))[1]
                   for p in (repetitive_prompt(64, seed=2), repetitive_prompt(64, seed=3)))
     return {"lookup": LookupDrafter(LookupParams(max_ngram=2)), "medusa": medusa_of(lm),
-            "kangaroo": kangaroo_of(lm), "datastore": StoreDrafter(store)}
+            "kangaroo": kangaroo_of(lm), "datastore": StoreDrafter(store),
+            "grammar": GrammarDrafter()}
 
 
 def outcome(events) -> tuple:
@@ -44,9 +47,9 @@ def outcome(events) -> tuple:
             s.datastore_accepted)
 
 
-def interleaved(lm, drafter, asks) -> list[tuple]:
+def interleaved(lm, drafter, asks, grammar=None) -> list[tuple]:
     """The replies to `asks` (prompt, params) advanced one step each in turn."""
-    streams = [generate(lm, p, params, drafter) for p, params in asks]
+    streams = [generate(lm, p, params, drafter, grammar=grammar) for p, params in asks]
     events: list[list] = [[] for _ in asks]
     live = set(range(len(asks)))
     while live:
@@ -66,8 +69,11 @@ def test_two_replies_interleaved_on_one_drafter_equal_them_one_after_the_other(t
             (repetitive_prompt(64, seed=4), SamplingParams(temperature=1.0, seed=7,
                                                            max_new_tokens=32)),
             (repetitive_prompt(64, seed=5), SamplingParams(max_new_tokens=24))]
-    alone = [outcome(list(generate(tiny, p, params, drafter))) for p, params in asks]
-    assert interleaved(tiny, drafter, asks) == alone
+    # the grammar's source drafts only in replies that have one
+    grammar = ToyGrammar(PATTERN) if method == "grammar" else None
+    alone = [outcome(list(generate(tiny, p, params, drafter, grammar=grammar)))
+             for p, params in asks]
+    assert interleaved(tiny, drafter, asks, grammar) == alone
     if method != "off":
         assert any(sum(a[1]) for a in alone)  # drafts were kept: the sessions did work
 
