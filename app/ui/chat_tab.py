@@ -176,7 +176,7 @@ class ChatTab(ConversationEvents, ReplyEvents):
                                show_progress_on=[self.compare_out], **GENERATE)
         # the panel says what it checks; no overlay hides the choices meanwhile
         # the arrow keys may move the choice faster than each check: the last one counts
-        self.accel.input(self.select_accel, [self.accel, self.active], self.accel_outputs,
+        self.accel.input(self.pick_accel, [self.accel, self.active], self.accel_outputs,
                          show_progress="minimal", trigger_mode="always_last", **ACCEL)
         self._wire_settings()
         self._wire_conversations()
@@ -283,6 +283,14 @@ class ChatTab(ConversationEvents, ReplyEvents):
                                           visible=status.train_needed),
                 self.pending: method if status.train_needed else "",
                 self.header: self.header_text(active)}
+
+    def pick_accel(self, method, active):
+        """The radio's own choice: as `select_accel`, without setting the radio to a choice it
+        shows already (that update could land after a later arrow key and undo it)."""
+        out = self.select_accel(method, active)
+        if out.get(self.accel) == method:
+            del out[self.accel]
+        return out
 
     def check_accel(self, method):
         """After the page restored itself: whether the saved acceleration is ready for this
