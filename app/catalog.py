@@ -18,8 +18,8 @@ import torch
 from app.model_folders import ModelFolders, find_models
 from engine import devices, gguf, hub, quant, quant_auto
 from engine.config import ModelSpec
-from engine.errors import QuickdraftError
-from engine.loading import LoadedModel, bundled_folder, weights_bytes
+from engine.errors import ModelLoadError, QuickdraftError
+from engine.loading import LoadedModel, bundled_folder, missing_source, weights_bytes
 from engine.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,9 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
     free memory; `loaded`: the model loaded from `spec` now, whose bytes are measured."""
     folder = local_folder(spec)
     if folder is None:
+        if gguf.parse_hub(spec.source.strip()) is None and (
+                why := missing_source(spec.source)) is not None:
+            raise ModelLoadError(why)  # a path with nothing there: no download to wait for
         return "Size unknown until downloaded (the download shows its size as it goes)."
     device = devices.pick_device(spec.device)
     if folder.is_file():

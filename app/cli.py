@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 
 from app.commands import bench, chat, serve, train, ui
 from engine.errors import QuickdraftError
 
 COMMANDS = {"chat": chat, "train": train, "bench": bench, "serve": serve, "ui": ui}
+# Warnings libraries raise about their own code, which nobody running Quickdraft can act on:
+# torch's pytree trips its own deprecation of LeafSpec while steps compile, and printed it
+# again after every change to the warning filters (five times in a first start).
+LIBRARY_WARNINGS = [(FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_library_warnings() -> None:
+    """Leave out the console warnings of LIBRARY_WARNINGS (every other warning stays)."""
+    for category, message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def main(argv: list[str]) -> int:
     """Run one sub-command; user errors print one line, never a traceback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    quiet_library_warnings()
     parser = build_parser()
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["ui", *argv]  # the bare command and its flags start the app

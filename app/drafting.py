@@ -6,12 +6,15 @@ drafters that load it are rebuilt then."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.conversation import own_reply
 from app.host import ModelHost, model_name
 from app.settings_rules import text_problem
+from app.speed_record import CpuWatch, SpeedRecord
+from app.speed_words import Taken, measured_lines, ready_line, slower, speed_words, what_auto_does
 from app.store import Store
 from app.store_writer import StoreWriter
 from engine.accelerators import (
@@ -77,6 +80,10 @@ class Accelerators:
         self._found: dict[str, tuple] = {}  # checkpoint -> (folder stamp, describe())
         self._datastore = None  # the datastore of host.lm's own outputs, once opened
         self._for: LoadedModel | None = None  # the model all of the above were built for
+        # when each source and method was built (its estimates timed) and how busy the
+        # machine was meanwhile, and what replies measured: for host.lm's step as it is now
+        self.taken: dict[str, Taken] = {}
+        self.record = SpeedRecord()
         self.writer = StoreWriter()  # the datastore's disk writes, outside replies
         host.on_swap.append(self.forget)
 
@@ -84,6 +91,7 @@ class Accelerators:
         """Drop everything built for the model (it is being swapped)."""
         self._drafters, self._sources, self._found = {}, {}, {}
         self._datastore, self._for = None, None
+        self.taken, self.record = {}, SpeedRecord()
 
     def _sync(self) -> LoadedModel:
         """The host's model, after dropping what was built for another: a build that was
@@ -115,7 +123,7 @@ class Accelerators:
         except AcceleratorError as exc:
             return AccelStatus(method, False, trained in TRAINED, f"{label} cannot be used: {exc}")
         speed = self._speed(label, trained, drafter) if trained in TRAINED else ""
-        return AccelStatus(method, True, False, _ready_line(label, speed, drafter.pays))
+        return AccelStatus(method, True, False, ready_line(label, speed, drafter))
 
     def _auto_status(self) -> AccelStatus:
         """How Auto drafts with what is trained here, and how fast its trained arm is (a
@@ -139,7 +147,21 @@ class Accelerators:
         info = self._describe(checkpoint) or {}
         shipped = "folder" in info and is_shipped(info["folder"])
         return speed_words(label, measured_speedup(info.get("metrics", {})),
-                           drafter.retimed_speedup, shipped)
+                           drafter.retimed_speedup, shipped, self.taken.get(checkpoint))
+
+    def measured(self, method: str) -> list[str]:
+        """What replies and Compare measured for `method` here (app/speed_words.py), and,
+        where that is slower than Off, what Auto does about it."""
+        lines = measured_lines(method, accel_label(method), self.record)
+        ratio = slower(method, self.record) if method != "off" else None
+        return lines + ([self.slower_note(method, ratio)] if ratio is not None else [])
+
+    def slower_note(self, method: str, ratio: float) -> str:
+        """`method` ran at `ratio` (< 1) times Off here: what Auto does about it."""
+        trained = base_method(method) if method != "auto" else None
+        drafter = self.source(trained) if trained else self.drafter(method)
+        return what_auto_does(method, accel_label(method), ratio, drafter,
+                              self.taken.get(trained or method))
 
     def drafter(self, method: str) -> Drafter:
         """The ready drafter of `method` (AcceleratorError when it cannot be built)."""
@@ -150,15 +172,19 @@ class Accelerators:
             self._describe(checkpoint)  # drops drafters whose checkpoint changed
         if method not in self._drafters:
             # Methods share the sources held here.
+            watch = CpuWatch()
             self._drafters[method] = compose(lm, method, self.source)
+            self.taken.setdefault(method, Taken(time.time(), watch.busy()))
         return self._drafters[method]
 
     def source(self, name: str) -> Drafter:
         """The shared drafter of the source `name` (the datastore's over the one kept here)."""
         if name not in self._sources:
             lm = self._sync()
+            watch = CpuWatch()  # a trained source re-times itself while it loads
             self._sources[name] = (over_store(self.datastore, lm)
                                    if name == "datastore" else load_source(lm, name))
+            self.taken[name] = Taken(time.time(), watch.busy())
         return self._sources[name]
 
     def resolve(self, method: str, strict: bool = False) -> Resolved:
@@ -236,26 +262,3 @@ def _identity(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return found.st_ino, found.st_mtime_ns
-
-
-def speed_words(label: str, calibrated: float | None, retimed: float | None,
-                shipped: bool) -> str:
-    """Where an accelerator's speed figure comes from: calibration when it was trained (on
-    the machine it was built on, for a shipped one), and the figure re-timed when this model
-    loaded (in another dtype or on another device), which moves with the machine's load."""
-    where = "on the machine it was built on" if shipped else "when it was trained"
-    measured = f"calibration measured {calibrated:.2f}× {where}" if calibrated else ""
-    if retimed is None:
-        return f"{label}: {measured[0].upper() + measured[1:]}." if measured else ""
-    line = f"{label}: {retimed:.2f}× plain decoding as re-timed when the model loaded"
-    line += f" ({measured})" if measured else ""
-    return line + "; a re-timing moves with what else this machine is doing."
-
-
-def _ready_line(label: str, speed: str, pays: bool) -> str:
-    """Status of a trained accelerator: ready, how fast (speed_words), and whether its
-    drafter pays here (Drafter.pays: calibration's verdict, or the re-timed one)."""
-    line = f"{label} is ready." + (f" {speed}" if speed else "")
-    if not pays:
-        line += " It did not beat plain decoding on this machine: Off may be faster."
-    return line

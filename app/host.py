@@ -163,18 +163,6 @@ def model_name(lm: LoadedModel) -> str:
     return Path(lm.model_id).name or lm.model_id
 
 
-def quant_verdict(lm: LoadedModel) -> str:
-    """One line on the loaded weights: their quantization and, when Auto chose it, why
-    (its measured verdict). The Models tab and the Chat tab's header both show this line."""
-    where = f"{lm.quant} on {lm.device.type}"
-    if lm.spec.quant != "auto":
-        return f"{where}, as asked"
-    if lm.quant_choice is not None and lm.quant_choice.records:
-        return f"{where}, chosen by Auto on answers and speed: {lm.quant_choice.line()}"
-    reason = lm.quant_reason.removeprefix(f"{lm.quant}: ")  # the verdict names it already
-    return f"{where}, chosen by Auto: {reason}" if reason else f"{where}, chosen by Auto"
-
-
 STEP_WORDS = {
     "lean-compiled": "compiled (the lean step, built once for this model and machine)",
     "lean-graphs": "CUDA graphs (the lean step, captured once per step size)",

@@ -15,6 +15,7 @@ from app.conversation import Conversation
 from app.drafting import Accelerators, accel_label
 from app.host import ModelHost
 from app.reply_core import Ask, ReplyCore, ReplyStep
+from app.speed_record import CpuWatch, measure_of
 from app.store import Store, StoreError
 from engine import neartie
 from engine.chat_template import conversation, fit_to_context
@@ -61,6 +62,7 @@ class CompareResult:
     # dtype's rounding (measured, not assumed); None while identical, running or stopped
     divergence: Divergence | None = None
     dtype: str = "float32"  # the weights' compute dtype, named in the verdict
+    busy: float | None = None  # share of the CPU other programs used while it ran
 
     @property
     def ratio(self) -> float | None:
@@ -180,10 +182,15 @@ class Replies:
             warm = dataclasses.replace(params, max_new_tokens=2)
             for each in (None, drafter):  # untimed: neither side pays first-call costs
                 self.core.replay(ids, warm, each, self._cancel)
+            watch = CpuWatch()  # how busy the machine was while both ran
             off_ids, off = self.core.replay(ids, params, None, self._cancel)
             yield CompareResult(method, prompt, off, dtype=dtype)
             on_ids, on = self.core.replay(ids, params, drafter, self._cancel)
-            result = CompareResult(method, prompt, off, on, off_ids == on_ids, dtype=dtype)
+            result = CompareResult(method, prompt, off, on, off_ids == on_ids, dtype=dtype,
+                                   busy=watch.busy())
+            if not result.stopped and result.ratio is not None:
+                self.accels.record.add_compare(method, measure_of(on, result.busy,
+                                                                  result.ratio))
             if not result.identical and not result.stopped:  # measure the verdict, never assume
                 fitted = fit_to_context(ids, lm.context_len, params.max_new_tokens)[0]  # as run()
                 result.divergence = neartie.measure(lm, fitted, off_ids, on_ids)

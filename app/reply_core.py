@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from app.drafting import Accelerators
 from app.host import ModelHost
+from app.speed_record import CpuWatch, measure_of
 from engine.chat_template import encode
 from engine.config import ChatPrompt, SamplingParams
 from engine.drafters.base import Drafter
@@ -72,10 +73,14 @@ class ReplyCore:
         message = {"role": "assistant", "content": "", "accel": resolved.method,
                    "model": lm.fingerprint, "acceptance": ask.params.acceptance}
         live, tokens, notices = GenerationStats(), [], list(resolved.notices)
+        watch = CpuWatch()  # how busy the machine was while this reply decoded
         try:
             for event in generate(lm, ids, ask.params, resolved.drafter, cancel, ask.grammar):
                 tokens += event.token_ids
                 message["content"] = event.full_text
+                if event.done and event.stats.stop_reason != "cancelled":
+                    self.accels.record.add_reply(resolved.method,
+                                                 measure_of(event.stats, watch.busy()))
                 yield self._step(event, resolved.drafter, message, live, notices + event.notices)
                 notices = []
         finally:  # after the final step was taken: never inside its latency

@@ -7,6 +7,7 @@ from __future__ import annotations
 from app.drafting import Accelerators
 from app.host import ModelHost
 from app.replies import Replies
+from app.settings_saves import PageSettings
 from app.store import Store
 from app.training import Training
 from engine.config import ModelSpec
@@ -23,6 +24,7 @@ class Service:
         self.accels = Accelerators(store, self.host)
         self.replies = Replies(store, self.host, self.accels)
         self.training = Training(store, self.host)
+        self.page_settings = PageSettings(store)  # the page's settings, saved as changes end
 
     @classmethod
     def open(cls, store: Store, spec: ModelSpec | None = None, step: str = "auto",

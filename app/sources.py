@@ -5,7 +5,7 @@ repeated. Read from a reply's stats JSON (GenerationStats.to_json), live or stor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # A composite's step kind ("medusa+lookup+datastore": the offers it joined, the one that
 # drafts the step first) -> the source the step counts for.
@@ -27,6 +27,8 @@ class SourceMix:
     steps: dict[str, int]  # source -> model steps it drafted (plain: steps nothing drafted)
     gained: dict[str, int]  # source -> draft tokens the model accepted from its steps
     store_joined: int = 0  # datastore tokens accepted inside steps another source drafted
+    # source -> steps another source drafted first and it joined (its tokens grafted on)
+    joined: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_steps(self) -> int:
@@ -61,18 +63,21 @@ def mix_of(method: str, stats: dict) -> SourceMix | None:
         return None
     kinds = stats.get("step_kinds") or {}
     if kinds:
-        steps, gained = {}, {}
+        steps, gained, joined = {}, {}, {}
         joined_kept = 0  # tokens kept in steps another source drafted first
         for kind, n in kinds.items():
-            first = kind.split("+")[0]
+            first, *rest = kind.split("+")
             source = KIND_SOURCE.get(first, first)
             kept = stats.get("kind_accepted", {}).get(kind, 0)
             steps[source] = steps.get(source, 0) + n
             gained[source] = gained.get(source, 0) + kept
-            joined_kept += kept if "+datastore" in kind else 0
+            joined_kept += kept if "datastore" in rest else 0
+            for part in dict.fromkeys(KIND_SOURCE.get(r, r) for r in rest):
+                if part != source:
+                    joined[part] = joined.get(part, 0) + n
         # datastore tokens beyond those of its own steps came inside joined steps
         beyond = stats.get("datastore_accepted", 0) - gained.get("datastore", 0)
-        return SourceMix(steps, gained, min(max(0, beyond), joined_kept))
+        return SourceMix(steps, gained, min(max(0, beyond), joined_kept), joined)
     source = METHOD_SOURCE.get(method.split(":")[0], method)
     total, drafting = stats.get("steps", 0), stats["drafting_steps"]
     accepted = sum(a * n for a, n in enumerate(stats.get("accepted_histogram", [])[1:]))

@@ -255,18 +255,28 @@ def resolve_folder(spec: ModelSpec, report: Callable[[str], None] | None = None
         repo_id, filename = hub_gguf
         return gguf.converted_folder(gguf.hub_file(repo_id, filename, spec.revision),
                                      report), source
-    if path.exists() or _looks_like_path(source):
-        if not path.is_dir():
-            kind = "GGUF file" if source.lower().endswith(".gguf") else "model folder"
-            raise ModelLoadError(f"{kind} not found: {path}")
+    if (why := missing_source(source)) is not None:
+        raise ModelLoadError(why)
+    if path.exists():
         _check_folder(path)
         return path, str(path.resolve())
-    if source.count("/") != 1:
-        raise ModelLoadError(
-            f"{source!r} is neither a local folder, a GGUF file nor a Hugging Face repo id "
-            "(owner/name, or owner/name:file.gguf)"
-        )
     return _hub_folder(source, spec.revision), source
+
+
+def missing_source(source: str) -> str | None:
+    """Why `source` (neither "default" nor a hub GGUF) names nothing that could load: a
+    path-shaped name with no folder there, or a name that is no repo id either; None when
+    it is a folder here or may be a repo on the hub. Nothing is downloaded to tell."""
+    path = Path(source.strip()).expanduser()
+    if path.exists() or _looks_like_path(source.strip()):
+        if not path.is_dir():
+            kind = "GGUF file" if source.lower().endswith(".gguf") else "model folder"
+            return f"{kind} not found: {path}"
+        return None
+    if source.strip().count("/") != 1:
+        return (f"{source.strip()!r} is neither a local folder, a GGUF file nor a Hugging Face "
+                "repo id (owner/name, or owner/name:file.gguf)")
+    return None
 
 
 def _looks_like_path(source: str) -> bool:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
+REPLY_MS = 120_000  # a reply of the tiny model on a busy 2-core machine
+BOTS = "() => document.querySelectorAll('#qd-chatbot [data-testid=bot]').length"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -71,3 +73,15 @@ def open_page(chrome, url: str, width: int = 1400, height: int = 960):
     page.wait_for_selector("#qd-msg textarea")
     page.wait_for_selector("#qd-conversations input:checked")
     return page
+
+
+def send(page, text: str, replies: int) -> None:
+    """Send `text` and wait until reply number `replies` has ended."""
+    page.fill("#qd-msg textarea", text)
+    page.click("#qd-send")
+    page.wait_for_function(f"() => ({BOTS})() == {replies}", timeout=REPLY_MS)
+    page.wait_for_selector("#qd-readout .qd-done", timeout=REPLY_MS)
+
+
+def open_conv_id(service) -> str:
+    return service.store.load_settings().last_conversation

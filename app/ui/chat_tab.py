@@ -6,11 +6,13 @@ handled in app/ui/chat_replies.py, conversations in app/ui/chat_conversations.py
 from __future__ import annotations
 
 import html
+import threading
 
 import gradio as gr
 
 from app.drafting import accel_label
-from app.host import model_name, quant_verdict
+from app.host import model_name
+from app.quant_words import quant_short
 from app.service import Service
 from app.settings_rules import (
     PAGE_ACCEPTANCE,
@@ -19,6 +21,8 @@ from app.settings_rules import (
     page_number,
     page_text,
 )
+from app.store import StoreError
+from app.ui import readout
 from app.ui.chat_conversations import ConversationEvents
 from app.ui.chat_replies import ReplyEvents
 from engine.drafters.registry import ACCEL_CHOICES
@@ -32,6 +36,11 @@ INSTANT = dict(concurrency_limit=None)
 # Acceleration checks (they may build drafters: seconds after a model load) run one at a
 # time and in order, so a user's choice always lands after the page's own check at load.
 ACCEL = dict(concurrency_id="accel", concurrency_limit=1)
+# Settings typed key by key: one event per trigger at a time, the latest value last (the
+# page holds later keys back until the event before has run), saved once typing pauses
+# (app/settings_saves.py).
+SAVES = dict(concurrency_id="settings", concurrency_limit=1, trigger_mode="always_last",
+             show_progress="hidden")
 # How a drafter's tokens are accepted when sampling (SamplingParams.acceptance). "auto" is
 # the lossless rule (greedy at temperature 0); Medusa's typical acceptance is faster but
 # changes the output distribution, and says so.
@@ -43,7 +52,8 @@ EMPTY_BOX = """(...args) => {
     if (box) { box.value = ''; box.dispatchEvent(new Event('input', {bubbles: true})); }
     return args;
 }"""
-FIGURES = """**tok/s**: tokens of the reply per second, from sending it to its last token.
+FIGURES = """**tok/s**: tokens of the reply per second, from when the model took it up to its
+last token (a message that waited in the queue is timed from when its turn came).
 **TTFT**: time to first token: reading the prompt and choosing the first token.
 **tokens/step**: tokens each full-model step added: the draft tokens the model accepted plus
 its own (plain decoding adds 1). **steps**: which source drafted the reply's steps: copies
@@ -51,7 +61,9 @@ from this conversation, the datastore of the model's earlier replies, a trained 
 (Medusa, Kangaroo), or none (plain steps). **Tokens added per step**: how many steps added
 1, 2, 3… tokens. **CTAR(w)**: the share of steps whose first w drafted tokens were all
 accepted. **Compare** replays the chat's last prompt greedily with acceleration Off, then
-on, and says whether the texts match and how much of the gain repeated earlier text."""
+on, and says whether the texts match and how much of the gain repeated earlier text. The
+**Acceleration** panel keeps what your last replies and Compare measured with each method on
+this machine, and marks a figure taken while other programs kept the processor busy."""
 SETTINGS = {"temperature": False, "top_p": False, "top_k": True, "max_new_tokens": True}
 
 
@@ -65,6 +77,8 @@ class ChatTab(ConversationEvents, ReplyEvents):
         self.active = gr.State("off")  # the acceleration replies use
         self.pending = gr.State("")  # an untrained method the user picked: Train offers it
         self.undo_id = gr.State("")  # the conversation Undo brings back
+        self.waiting: dict[str, list[str]] = {}  # browser session -> its queued messages
+        self.waiting_lock = threading.Lock()
         self.header = gr.Markdown(elem_id="qd-chat-header", elem_classes="qd-header")
         # While the start-up model loads (the page is served first) or its compiled step is
         # built, the header says what is going on, once a second; the timer stops after.
@@ -105,9 +119,10 @@ class ChatTab(ConversationEvents, ReplyEvents):
                                   buttons=["copy", "copy_all"], feedback_options=None)
         self.readout = gr.HTML(elem_id="qd-readout")
         with gr.Row(equal_height=True, elem_id="qd-msg-row"):
+            # no autofocus: the keyboard starts where the page does (tabs, conversations,
+            # then the message box), not past the conversation list
             self.msg = gr.Textbox(show_label=False, placeholder="Message the model…", scale=6,
-                                  min_width=200, lines=1, max_lines=8, autofocus=True,
-                                  elem_id="qd-msg")
+                                  min_width=200, lines=1, max_lines=8, elem_id="qd-msg")
             self.send_btn = gr.Button("Send", variant="primary", scale=1, min_width=70,
                                       elem_id="qd-send")
             self.stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=70,
@@ -119,11 +134,13 @@ class ChatTab(ConversationEvents, ReplyEvents):
                                          elem_id="qd-compare")
         self.compare_out = gr.HTML(elem_id="qd-compare-out")
         with gr.Row(visible=False) as self.plots:  # after an accelerated reply
+            # this reply's (the readout above says so); short titles: a half-width chart
+            # cuts a long one
             self.hist_plot = gr.BarPlot(x="tokens per step", y="steps", y_lim=[0, None],
-                                        height=170, title="This reply: tokens added per step",
+                                        height=170, title="Tokens added per step",
                                         elem_id="qd-hist-plot")
             self.ctar_plot = gr.BarPlot(x="window", y="CTAR", y_lim=[0, 1], height=170,
-                                        title="This reply: CTAR(w)", elem_id="qd-ctar-plot")
+                                        title="CTAR(w)", elem_id="qd-ctar-plot")
         with gr.Accordion("What these figures mean", open=False):
             gr.Markdown(FIGURES, elem_id="qd-figures-help")
 
@@ -152,7 +169,8 @@ class ChatTab(ConversationEvents, ReplyEvents):
     # -- wiring -------------------------------------------------------------------
     def wire(self) -> None:
         reply_out = [self.chatbot, self.readout, self.plots, self.hist_plot, self.ctar_plot,
-                     self.conv_list, self.conv_id, self.queued, self.undo_row, self.title_box]
+                     self.conv_list, self.conv_id, self.queued, self.undo_row, self.title_box,
+                     self.accel_status]
         send_in = [self.msg, self.conv_id, self.system, *self.sampling, self.active]
         # The queue position and progress show on the chat itself, not on every output; a
         # message sent while a reply runs is queued behind it ("multiple"), not dropped.
@@ -160,14 +178,18 @@ class ChatTab(ConversationEvents, ReplyEvents):
         sent = [self.msg.submit, self.send_btn.click]
         # the note first: the page dispatches a trigger's events in order, the next only once
         # the one before has been taken up, and a queued Send waits
-        gr.on(sent, self.note_queued, None, [self.queued], show_progress="hidden", **INSTANT)
+        gr.on(sent, self.note_queued, [self.msg], [self.queued], show_progress="hidden",
+              **INSTANT)
         gr.on(sent, self.send, send_in, reply_out, js=EMPTY_BOX, **shown)
         self.regen_btn.click(self.regenerate, send_in[1:], reply_out, **shown)  # no message
         self.stop_btn.click(self.stop, None, None, **INSTANT)
         self.compare_btn.click(self.compare, [self.conv_id, self.active, self.max_new],
-                               [self.compare_out], **GENERATE)
-        self.accel.input(self.select_accel, [self.accel, self.active], self.accel_outputs,
-                         **ACCEL)
+                               [self.compare_out, self.accel_status],
+                               show_progress_on=[self.compare_out], **GENERATE)
+        # the panel says what it checks; no overlay hides the choices meanwhile
+        # the arrow keys may move the choice faster than each check: the last one counts
+        self.accel.input(self.pick_accel, [self.accel, self.active], self.accel_outputs,
+                         show_progress="minimal", trigger_mode="always_last", **ACCEL)
         self._wire_settings()
         self._wire_conversations()
         self.activity.tick(self.show_activity, [self.active, self.model_ready],
@@ -176,19 +198,24 @@ class ChatTab(ConversationEvents, ReplyEvents):
         self.model_ready.change(self.check_accel, [self.accel], self.accel_outputs, **ACCEL)
 
     def _wire_settings(self) -> None:
-        """Each setting is saved as it changes (a reload keeps it without sending)."""
+        """Each setting is saved once a change to it is over (a reload keeps it without
+        sending). The system prompt follows `change`: Gradio sends a text box's `input`
+        only for keys that type a character, never for Backspace or Delete."""
+        # A number typed key by key passes through values out of the slider's range ("0" on
+        # the way to 0.8): Gradio's own check would fail that event, and the page then drops
+        # the keys held back behind it. The handler checks each value itself instead.
         for key, component in zip(SETTINGS, self.sampling, strict=False):
-            component.input(self._saver(key), [component], None, **INSTANT)
-        self.acceptance.input(self.save_acceptance, [self.acceptance], None, **INSTANT)
-        self.system.input(self.save_system, [self.conv_id, self.system], None,
-                          trigger_mode="always_last", **INSTANT)
+            component.input(self._saver(key), [component], None, preprocess=False, **SAVES)
+        self.acceptance.input(self.save_acceptance, [self.acceptance], None, **SAVES)
+        self.system.change(self.save_system, [self.conv_id, self.system], None, **SAVES)
 
     def _wire_conversations(self) -> None:
         view = self.view_outputs
         self.conv_list.input(self.open_conv, [self.conv_list, self.conv_id], view, **INSTANT)
         self.new_btn.click(self.new_conv, [self.conv_id, self.system], view, **INSTANT)
-        self.search_box.input(self.search, [self.search_box, self.conv_id], [self.conv_list],
-                              trigger_mode="always_last", **INSTANT)
+        # `change`, not `input`: clearing the search key by key must list everything again
+        self.search_box.change(self.search, [self.search_box, self.conv_id], [self.conv_list],
+                               trigger_mode="always_last", **INSTANT)
         self.rename_btn.click(self.rename, [self.conv_id, self.title_box], [self.conv_list],
                               **INSTANT)
         self.delete_btn.click(self.delete, [self.conv_id], view, **INSTANT)
@@ -207,28 +234,52 @@ class ChatTab(ConversationEvents, ReplyEvents):
     # -- settings -----------------------------------------------------------------
     def _saver(self, key: str):
         def save(value) -> None:
+            """The latest value typed into the setting's box: saved once the change is
+            over; one it cannot take (a step on the way to another, or a mistake) replaces
+            the one waiting and is not saved (a reply asked with it says why)."""
             try:
-                self.service.store.remember(**{key: page_number(key, value, SETTINGS[key])})
-            except QuickdraftError as exc:
-                gr.Warning(str(exc))
+                checked = page_number(key, value, SETTINGS[key])
+            except QuickdraftError:
+                self.service.page_settings.drop(key)
+                return
+            self._keep(lambda: {key: checked})
         return save
 
     def save_acceptance(self, value) -> None:
-        try:
-            self.service.store.remember(acceptance=page_choice("acceptance", value,
-                                                                PAGE_ACCEPTANCE))
-        except QuickdraftError as exc:
-            gr.Warning(str(exc))
+        self._keep(lambda: {"acceptance": page_choice("acceptance", value, PAGE_ACCEPTANCE)})
 
     def save_system(self, conv_id, system) -> None:
-        """The open conversation's system prompt, and the one new conversations start with."""
+        """The open conversation's system prompt, and the one new conversations start with
+        (a conversation opened with its own prompt changes neither)."""
         try:
             system = page_text("the system prompt", system)
-            if conv_id:
-                self.service.store.set_system(conv_id, system)
-            self.service.store.remember(system=system)
+            conv = self.service.store.get(conv_id) if conv_id else None
         except QuickdraftError as exc:
             gr.Warning(str(exc))
+            return
+        if conv is not None and conv.system == system.strip():
+            return
+        if conv is not None:
+            self.service.page_settings.put_save(f"system:{conv.id}",
+                                                lambda: self._set_system(conv.id, system))
+        self._keep(lambda: {"system": system})
+
+    def _set_system(self, conv_id: str, system: str) -> None:
+        try:
+            self.service.store.set_system(conv_id, system)
+        except StoreError:  # deleted meanwhile: nothing to keep it in
+            pass
+
+    def _keep(self, check) -> None:
+        """Save the settings `check()` returns (checked page values) once the change is
+        over; a refused value is said in one line and kept from the file."""
+        saves = self.service.page_settings
+        try:
+            saves.put(**check())
+        except QuickdraftError as exc:
+            gr.Warning(str(exc))
+        if problem := saves.take_problem():
+            gr.Warning(problem)
 
     # -- acceleration -------------------------------------------------------------
     def select_accel(self, method, active):
@@ -240,14 +291,22 @@ class ChatTab(ConversationEvents, ReplyEvents):
             return {self.accel: active, self.accel_status: f"⚠ {exc}"}
         if status.ready:
             self.service.store.remember(accel=method)
-            return {self.accel: method, self.active: method, self.accel_status: status.message,
+            return {self.accel: method, self.active: method, self.accel_status: self.panel(status),
                     self.train_btn: gr.Button(visible=False), self.pending: "",
                     self.header: self.header_text(method)}
-        return {self.accel: active, self.accel_status: f"⚠ {status.message}",
+        return {self.accel: active, self.accel_status: f"⚠ {readout.page_words(status.message)}",
                 self.train_btn: gr.Button(f"Train {accel_label(method)} accelerator",
                                           visible=status.train_needed),
                 self.pending: method if status.train_needed else "",
                 self.header: self.header_text(active)}
+
+    def pick_accel(self, method, active):
+        """The radio's own choice: as `select_accel`, without setting the radio to a choice it
+        shows already (that update could land after a later arrow key and undo it)."""
+        out = self.select_accel(method, active)
+        if out.get(self.accel) == method:
+            del out[self.accel]
+        return out
 
     def check_accel(self, method):
         """After the page restored itself: whether the saved acceleration is ready for this
@@ -257,17 +316,31 @@ class ChatTab(ConversationEvents, ReplyEvents):
         except QuickdraftError as exc:
             return {self.accel_status: f"⚠ {exc}"}
         if status.ready:
-            return {self.accel_status: status.message, self.header: self.header_text(method),
+            return {self.accel_status: self.panel(status), self.header: self.header_text(method),
                     self.train_btn: gr.Button(visible=False)}
         auto = self.service.accels.status("auto")
         return {self.accel: "auto", self.active: "auto",
-                self.accel_status: f"⚠ {status.message} Using Auto.\n\n{auto.message}",
+                self.accel_status: f"⚠ {readout.page_words(status.message)} Using Auto."
+                                   f"\n\n{self.panel(auto)}",
                 self.header: self.header_text("auto")}
 
+    def panel(self, status) -> str:
+        """The Acceleration panel: the method's status, then what replies and Compare
+        measured with it on this machine."""
+        measured = self.service.accels.measured(status.method) if status.ready else []
+        return "\n\n".join([readout.page_words(status.message), *measured])
+
+    def method_panel(self, method: str) -> str:
+        """The panel of `method` now (after a reply or a Compare measured it)."""
+        try:
+            return self.panel(self.service.accels.status(method))
+        except QuickdraftError as exc:
+            return f"⚠ {exc}"
+
     def header_text(self, method: str) -> str:
-        """Model · quantization and its verdict · acceleration, for the top of the tab, and
-        below it what is being prepared (the start-up load's stage, the compiled step's
-        build) while it is."""
+        """Model · quantization · acceleration, for the top of the tab (what Auto measured
+        to choose the quantization is on the Models tab), and below it what is being
+        prepared (the start-up load's stage, the compiled step's build) while it is."""
         host = self.service.host
         lm, doing = host.current, host.activity()
         status = f'\n\n<span id="qd-activity">⏳ {html.escape(doing)}</span>' if doing else ""
@@ -276,7 +349,7 @@ class ChatTab(ConversationEvents, ReplyEvents):
                 return f"**Loading {html.escape(host.loading.title)}…** (the page works "\
                        f"meanwhile; replies wait for it){status}"
             return "**No model loaded**: load one on the Models tab."
-        return (f"**{model_name(lm)}** · {quant_verdict(lm)} · "
+        return (f"**{model_name(lm)}** · {quant_short(lm)} · "
                 f"Acceleration: **{accel_label(method)}**{status}")
 
     def show_activity(self, method: str, ready: bool) -> dict:
@@ -293,6 +366,7 @@ class ChatTab(ConversationEvents, ReplyEvents):
         """On page load: the last conversation, the settings and the saved acceleration.
         Nothing here builds a drafter (check_accel follows, queued with the user's own
         acceleration choices): a slow check must never land after what the user did."""
+        self.service.page_settings.flush()  # what was typed just before a reload
         s = self.service.store.load_settings()
         convs = self.service.store.list()
         last = next((c for c in convs if c.id == s.last_conversation), None)

@@ -151,6 +151,7 @@ def launch(options: LaunchOptions, block: bool = True):
           + (" (key required)" if options.api_key else ""), flush=True)
     if block:
         demo.block_thread()  # until Ctrl-C
+        service.page_settings.flush()  # a setting typed just before quitting
         service.accels.writer.flush()  # the last reply's datastore record lands first
     return demo, url, service
 
@@ -165,14 +166,14 @@ def _terminal_line():
 
 
 def page_style() -> dict:
-    """The theme and style sheet every launch of the page uses (tests' servers too)."""
+    """The theme, style sheet and script every launch of the page uses (tests' servers too)."""
     import gradio as gr
 
-    from app.ui.style import CSS
+    from app.ui.style import CSS, RADIO_GROUPS
 
     theme = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
                            font_mono=["ui-monospace", "monospace"])  # no web fonts: offline
-    return {"theme": theme, "css": CSS}
+    return {"theme": theme, "css": CSS, "js": RADIO_GROUPS}
 
 
 @contextlib.contextmanager

@@ -33,12 +33,16 @@ def build_app(service: Service) -> gr.Blocks:
         loaded = models.wire()
         train.wire()
         _wire_across(chat, models, train, tabs, loaded)
+        # The page's own loading shows no "processing" overlay over the controls: the chat
+        # is usable at once, and the Acceleration panel says it is checking
+        quiet = dict(show_progress="hidden")
         restored = demo.load(chat.restore, None,
-                             chat.view_outputs + chat.sampling + chat.accel_outputs, **INSTANT)
-        restored.then(chat.check_accel, [chat.accel], chat.accel_outputs, **ACCEL)
+                             chat.view_outputs + chat.sampling + chat.accel_outputs, **INSTANT,
+                             **quiet)
+        restored.then(chat.check_accel, [chat.accel], chat.accel_outputs, **ACCEL, **quiet)
         demo.load(models.refresh, None, [models.current, models.source, models.estimate,
-                                         models.status], **INSTANT)
-        demo.load(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT)
+                                         models.status], **INSTANT, **quiet)
+        demo.load(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT, **quiet)
     return demo
 
 
@@ -48,9 +52,12 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
     chat.train_btn.click(lambda pending: (gr.Tabs(selected="train"), pending or gr.skip()),
                          [chat.pending], [tabs, train.method], **INSTANT)
     # A new model: re-check the acceleration (its accelerators are its own) and retarget.
-    loaded.then(chat.select_accel, [chat.active, chat.active], chat.accel_outputs, **ACCEL)
-    loaded.then(lambda: gr.Timer(active=True), None, [chat.activity], **INSTANT)  # its build
-    loaded.then(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT)
+    loaded.then(chat.select_accel, [chat.active, chat.active], chat.accel_outputs, **ACCEL,
+                show_progress="hidden")
+    loaded.then(lambda: gr.Timer(active=True), None, [chat.activity], **INSTANT,
+                show_progress="hidden")  # its build
+    loaded.then(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT,
+                show_progress="hidden")
 
     # A finished training run: switch its accelerator on and show what it does.
     def select(finished: str, active: str):
@@ -60,11 +67,12 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
 
     def compare(finished: str, conv_id: str, active: str, max_new: int, request: gr.Request):
         if not finished or active != finished.split("@")[0]:
-            yield gr.skip()
+            yield {chat.compare_out: gr.skip()}
             return
         yield from chat.compare(conv_id, active, max_new, request)
 
+    # (a State's change also fires when the page loads: no overlay for that either)
     switched = train.finished.change(select, [train.finished, chat.active], chat.accel_outputs,
-                                     **ACCEL)
+                                     show_progress="hidden", **ACCEL)
     switched.then(compare, [train.finished, chat.conv_id, chat.active, chat.max_new],
-                  [chat.compare_out], **GENERATE)
+                  [chat.compare_out, chat.accel_status], show_progress="hidden", **GENERATE)

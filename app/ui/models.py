@@ -9,17 +9,25 @@ import html
 import time
 
 import gradio as gr
+import torch
 
 from app import catalog
-from app.host import model_name, quant_verdict, step_line
+from app.host import model_name, step_line
+from app.quant_words import kernel_words, quant_record
 from app.service import Service
 from app.ui import readout
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
-QUANT_LABELS = [("Auto", "auto"), ("4-bit (PyTorch kernels)", "int4"),
-                ("8-bit (PyTorch kernels)", "int8w"), ("4-bit NF4", "nf4"), ("8-bit", "int8"),
-                ("bf16", "bf16"), ("fp32", "fp32")]
+
+def quant_labels(device: str) -> list[tuple[str, str]]:
+    """The quantization choices, each with the kernels that run it on `device` here."""
+    return [("Auto", "auto"), (f"4-bit ({kernel_words('int4', device)})", "int4"),
+            (f"8-bit ({kernel_words('int8w', device)})", "int8w"),
+            ("4-bit NF4 (bitsandbytes)", "nf4"), ("8-bit (bitsandbytes)", "int8"),
+            ("bf16", "bf16"), ("fp32", "fp32")]
+
+
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
 QUANT_INFO = ("Auto: on a CPU, measured the first time a model loads (bf16, 8-bit or 4-bit "
               "weights; what it chose and why shows above); on a GPU, bf16, or NF4 where bf16 "
@@ -42,7 +50,9 @@ class ModelsTab:
                                            "of a local folder or of a .gguf file")
             self.refresh_btn = gr.Button("Refresh list", scale=0, min_width=110, size="sm",
                                          elem_id="qd-model-refresh")
-        self.quant = gr.Radio(QUANT_LABELS, value=s.quant, label="Quantization", info=QUANT_INFO)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.quant = gr.Radio(quant_labels(device), value=s.quant, label="Quantization",
+                              info=QUANT_INFO, elem_id="qd-model-quant")
         self.estimate = gr.Markdown(elem_id="qd-model-estimate")
         gr.Markdown(trust_note(service.host.trusted), elem_id="qd-model-trust")
         with gr.Row():
@@ -79,7 +89,7 @@ class ModelsTab:
                 f"<span id='qd-model-params'>{params / 1e6:,.1f} M parameters</span> · "
                 f"<span id='qd-model-bytes'>{size / 2**20:,.1f} MB in memory</span> · "
                 f"{lm.context_len} tokens of context · loaded in {lm.load_seconds:.1f} s\n\n"
-                f"Quantization: {quant_verdict(lm)}\n\nDecode step: {step_line(lm)}")
+                f"Quantization: {quant_record(lm)}\n\nDecode step: {step_line(lm)}")
 
     def choices(self, value: str | None = None) -> gr.Dropdown:
         """The bundled model, every model already in the Hugging Face cache, and the GGUF
@@ -92,7 +102,9 @@ class ModelsTab:
         try:
             spec = ModelSpec(source=source or "default", quant=quant)
             return catalog.memory_estimate(spec, self._loaded_from(spec))
-        except (QuickdraftError, OSError, ValueError) as exc:
+        except QuickdraftError as exc:  # what loading it would say: a path with nothing there
+            return f"⚠ {exc}"
+        except (OSError, ValueError) as exc:
             return f"Cannot estimate the size: {exc}"
 
     def _loaded_from(self, spec: ModelSpec):

@@ -5,6 +5,7 @@ Pure formatting. Every figure says which reply or run it belongs to."""
 from __future__ import annotations
 
 import html
+import re
 
 import pandas as pd
 
@@ -12,6 +13,7 @@ from app.drafting import accel_label
 from app.jobs import Job
 from app.replies import CompareResult, ReplyUpdate
 from app.sources import SourceMix, label, mix_of
+from app.speed_record import BUSY_SHARE
 from engine.progress import Progress
 from engine.stats import CTAR_WINDOWS, GenerationStats
 
@@ -19,13 +21,30 @@ STOP_REASONS = {"eos": "finished", "length": "hit the token limit", "stop": "sto
                 "cancelled": "stopped"}
 # What each figure means, on hover (the page's "What these figures mean" says more).
 TIPS = {
-    "tps": "tokens of this reply per second, from the request to its last token",
+    "tps": "tokens of this reply per second, from when the model took it up to its last "
+           "token (time waiting in the queue is not counted)",
     "ttft": "time to first token: reading the prompt and choosing the first token",
     "step": "tokens added per full-model step: accepted draft tokens plus the model's own "
             "(1.00 is plain decoding)",
     "sources": "which source drafted each full-model step of this reply",
 }
 REPEATED_FLAG = 0.5  # Compare warns when more of the gain than this repeated earlier text
+# The engine and the trainer speak of the command line; the page of its own controls.
+CONTROL_WORDS = [
+    (re.compile(r"run: python launcher\.py train --method (\w+)"),
+     r"train it again on the Train accelerator tab (method: \1)"),
+    (re.compile(r"with --max-minutes"), "with the Time budget slider"),
+    (re.compile(r"--max-minutes"), "the time budget"),
+    (re.compile(r"--prompts"), "Extra prompts"),
+    (re.compile(r"--no-chats"), "Learn from my chats"),
+]
+
+
+def page_words(message: str) -> str:
+    """An engine's or trainer's message with the command line named as the page's controls."""
+    for pattern, words in CONTROL_WORDS:
+        message = pattern.sub(words, message)
+    return message
 
 
 def _chip(text: str, cls: str = "", tip: str = "") -> str:
@@ -54,12 +73,17 @@ def _speed_chips(which: str, method: str, tokens_per_s: float, ttft_s: float,
 
 
 def sources_chip(mix: SourceMix | None) -> str:
-    """The share of the reply's steps each source made, the largest (named first) in bold."""
+    """The share of the reply's steps each source made, the largest (named first) in bold,
+    and the sources that drafted no step of their own but joined steps another drafted
+    (their tokens grafted on): no source that drafted is left out."""
     if mix is None or not mix.total_steps:
         return ""
     shares = [f"{html.escape(label(s))} {100 * f:.0f}%" for s, f in mix.shares()]
     shares[0] = f"<b>{shares[0]}</b>"
-    return _chip("steps: " + " · ".join(shares), "qd-sources", TIPS["sources"])
+    joined = [f"{html.escape(label(s))} joined {n} of them" for s, n in
+              sorted(mix.joined.items(), key=lambda kv: (-kv[1], kv[0]))
+              if n and not mix.steps.get(s)]
+    return _chip("steps: " + " · ".join(shares + joined), "qd-sources", TIPS["sources"])
 
 
 def histogram_counts(accepted: list[int]) -> list[int]:
@@ -137,9 +161,10 @@ def ctar_frame(stats: GenerationStats) -> pd.DataFrame:
                          "CTAR": stats.ctar()})
 
 
-def compare_html(result: CompareResult) -> str:
-    """Compare's verdict: both speeds, their ratio, whether the texts match, and what the
-    accelerated run's speed came from (flagged when mostly repeated text)."""
+def compare_html(result: CompareResult, slower_note: str = "") -> str:
+    """Compare's verdict: both speeds, their ratio (with `slower_note`, what Auto does,
+    when it is below 1), whether the texts match, what the accelerated run's speed came from
+    (flagged when mostly repeated text) and whether other programs were busy meanwhile."""
     label_ = accel_label(result.method)
     prompt = html.escape(result.prompt if len(result.prompt) < 80 else result.prompt[:77] + "…")
     head = f'<div class="qd-compare-prompt">Greedy replay of “{prompt}”</div>'
@@ -149,20 +174,56 @@ def compare_html(result: CompareResult) -> str:
     if result.on is None:
         return head + _row(off + _chip(f"running {label_}…", "qd-live"))
     on = _chip(f"{label_} <b>{result.on.tokens_per_s:.1f}</b> tok/s")
-    ratio = _chip(f"<b>{result.ratio:.2f}×</b>", "qd-ratio")
-    d = result.divergence
-    if result.identical:
-        same = _chip("identical text", "qd-same")
-    elif d is None:  # stopped early: the replies were not compared
-        same = _chip("texts differ", "qd-differ")
-    else:  # a near-tie is within the dtype's rounding; anything else is a defect
-        same = _chip("texts differ: " + html.escape(d.verdict(result.dtype)),
-                     "qd-differ" if d.near_tie else "qd-mismatch")
+    ratio = ratio_chip(result.ratio)
     steps = _chip(f"{result.on.mean_accepted:.2f} tokens/step", tip=TIPS["step"])
     tail = _chip("stopped early: figures are partial", "qd-differ") if result.stopped else ""
+    if result.busy is not None and result.busy > BUSY_SHARE:
+        tail += _chip(f"taken while other programs used {100 * result.busy:.0f}% of the CPU",
+                      "qd-differ", "a busy machine slows both runs unevenly: Compare again "
+                      "when it is idle")
     mix = mix_of(result.method, result.on.to_json())
-    return (head + _row(off + on + ratio + same + steps + sources_chip(mix) + tail)
-            + repeated_note(mix))
+    note = f'<div class="qd-slower">{html.escape(slower_note)}</div>' if slower_note else ""
+    return (head + _row(off + on + ratio + sameness(result) + steps + sources_chip(mix) + tail)
+            + note + tie_details(result) + repeated_note(mix))
+
+
+def ratio_chip(ratio: float | None) -> str:
+    """The accelerated run's speed over Off's: green only when faster."""
+    if ratio is None:
+        return ""
+    tip = "accelerated speed over Off's, same prompt, one run each"
+    if ratio >= 1.0:
+        return _chip(f"<b>{ratio:.2f}×</b>", "qd-ratio", tip)
+    return _chip(f"<b>{ratio:.2f}×</b>", "qd-ratio qd-slow", tip) + _chip(
+        "slower than Off", "qd-slow")
+
+
+def sameness(result: CompareResult) -> str:
+    """Whether the texts match: identical, the same up to a rounding tie (calm: batched
+    verification may round a near-tie the other way outside fp32), or a real mismatch."""
+    d = result.divergence
+    if result.identical:
+        return _chip("identical text", "qd-same")
+    if d is None:  # stopped early: the replies were not compared
+        return _chip("texts not compared (stopped)", "qd-differ")
+    if d.near_tie:
+        return _chip(f"same reply up to a rounding tie at token {d.position + 1}", "qd-same")
+    return _chip("texts differ: " + html.escape(d.verdict(result.dtype)), "qd-mismatch")
+
+
+def tie_details(result: CompareResult) -> str:
+    """What a rounding tie means, behind a click."""
+    d = result.divergence
+    if result.identical or d is None or not d.near_tie:
+        return ""
+    return (f'<details class="qd-details"><summary>What a rounding tie is</summary>At token '
+            f"{d.position + 1} the model's two best next tokens were within "
+            f"{result.dtype}'s rounding of each other (gap {d.gap:.3g}, rounding "
+            f"{d.tolerance:.3g}), and verifying several tokens at once rounds a little "
+            "differently from one at a time, so the accelerated reply took the other one "
+            "and went on from there. Both are the model's own choices. In fp32 the texts "
+            "are identical: Quickdraft's tests check every method token for token there."
+            "</details>")
 
 
 def repeated_note(mix: SourceMix | None) -> str:
@@ -175,8 +236,10 @@ def repeated_note(mix: SourceMix | None) -> str:
             "mostly from repetition, and a reply in fresh words will gain less.</div>")
 
 
-def job_html(job: Job | None) -> str:
-    """A progress bar over the whole job (it never goes back), its stage, ETA and figures."""
+def job_html(job: Job | None, error: str | None = None) -> str:
+    """A progress bar over the whole job (it never goes back, and stops in grey or red once
+    the job was cancelled or failed), its stage, ETA and figures (those its message does not
+    already give). `error`: the failure in the page's words, where they differ."""
     if job is None:
         return ""
     p = job.progress or Progress("starting", 0, 0)
@@ -184,11 +247,11 @@ def job_html(job: Job | None) -> str:
         eta = f" · about {_duration(p.eta_s)} left" if p.eta_s else ""
         state = f"{html.escape(p.stage)}{eta}"
     elif job.state == "failed":
-        state = f"failed: {html.escape(job.error)}"
+        state = f"failed: {html.escape(error or job.error)}"
     else:
         state = job.state
     figures = " · ".join(f"{html.escape(k)} {v:.3g}" for k, v in p.metrics.items()
-                         if _is_number(v))
+                         if _is_number(v) and k not in p.message)
     return (f'<div class="qd-job qd-{job.state}"><div class="qd-job-title">'
             f"{html.escape(job.title)}: {state}</div>"
             f'<div class="qd-progress" title="the whole run">'

@@ -14,6 +14,7 @@ from app.service import Service
 from app.settings_rules import page_choice, page_number, page_text
 from app.training import training_summary
 from app.ui import readout
+from app.ui.readout import page_words
 from engine.drafters.registry import TRAINED
 from engine.errors import QuickdraftError
 
@@ -30,6 +31,12 @@ CHATS_INFO = ("The model's own replies in your conversations with it are trainin
 CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are slower "
             "while a run is going.")
 TICK_S = 1.0  # how often the page polls a running job
+# The smallest time budget offered: on the page, 3 minutes gave the bundled model (int8w, 2-core
+# AMD EPYC busy with other work) 41 answers, 3 of them held out, and an accelerator; 1 minute
+# (an earlier walk-through) gave 13 and none held out (docs/accelerators.md).
+MIN_MINUTES = 3
+CHARTS_LATER = ("The loss and held-out accuracy charts below fill in once training starts, "
+                "after the data and features stages.")
 
 
 class TrainTab:
@@ -42,8 +49,8 @@ class TrainTab:
         with gr.Row():
             self.method = gr.Radio([(accel_label(m), m) for m in TRAINED], value=TRAINED[0],
                                    label="Method", elem_id="qd-train-method")
-            self.minutes = gr.Slider(1, 240, 20, step=1, label="Time budget (minutes)",
-                                     elem_id="qd-train-minutes")
+            self.minutes = gr.Slider(MIN_MINUTES, 240, 20, step=1,
+                                     label="Time budget (minutes)", elem_id="qd-train-minutes")
         self.prompts = gr.File(label="Extra prompts (optional): JSONL with one "
                                      '{"prompt": ...} per line, or one prompt per line',
                                file_types=[".jsonl", ".txt"], type="filepath", height=120)
@@ -60,10 +67,13 @@ class TrainTab:
         self.status = gr.HTML(elem_id="qd-train-status")
         with gr.Row():  # shown once the run has figures to draw
             self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
-                                         title="Training loss (this run)", visible=False,
-                                         elem_id="qd-train-loss")
+                                         title="Training loss (this run)", y_title="loss",
+                                         x_title="minutes into the run", color_title="",
+                                         visible=False, elem_id="qd-train-loss")
             self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                         y_lim=[0, 1], title="Held-out accuracy (this run)",
+                                        y_title="share of held-out tokens right",
+                                        x_title="minutes into the run", color_title="",
                                         visible=False, elem_id="qd-train-accuracy")
         self.timer = gr.Timer(TICK_S, active=False)
         # "<method>@<start time>" of the last run that finished; the chat tab follows it
@@ -113,7 +123,7 @@ class TrainTab:
                                   continue_training=continue_training)
             job = self.service.training.start(options, learn_from_chats=bool(chats))
         except QuickdraftError as exc:
-            return readout.error_html(str(exc)), gr.Timer(active=False)
+            return readout.error_html(page_words(str(exc))), gr.Timer(active=False)
         return readout.job_html(job), gr.Timer(active=True)
 
     def retrain(self, method, minutes, prompts, chats):
@@ -130,11 +140,19 @@ class TrainTab:
                                        "so far is kept for the next run…</div>"
 
     def tick(self) -> dict:
+        """The run's bar and charts: shown from its start (the charts fill in once training
+        starts), its failure in the page's words."""
         job = self.service.training.job
         loss, acc = readout.metric_frames(job)
-        out = {self.status: readout.job_html(job),
-               self.loss_plot: gr.LinePlot(value=loss, visible=not loss.empty),
-               self.acc_plot: gr.LinePlot(value=acc, visible=not acc.empty)}
+        error = page_words(job.error) if job is not None else None
+        out = {self.status: readout.job_html(job, error),
+               self.loss_plot: gr.LinePlot(value=loss, visible=job is not None),
+               self.acc_plot: gr.LinePlot(value=acc, visible=job is not None)}
+        if job is not None and job.running and loss.empty:
+            out[self.status] += f'<div class="qd-note">{CHARTS_LATER}</div>'
+        if job is not None and job.state == "failed" and "--max-minutes" in job.error:
+            out[self.status] += ('<div class="qd-note">The answers generated so far are kept: '
+                                 "a run with a larger time budget continues from them.</div>")
         if job is None or job.running:
             return out
         out[self.timer] = gr.Timer(active=False)
@@ -147,3 +165,4 @@ class TrainTab:
                                  "are kept: the next run continues from them. The accelerator "
                                  "trained before is unchanged.</div>")
         return out
+

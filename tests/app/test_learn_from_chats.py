@@ -337,7 +337,7 @@ def test_the_train_tab_says_chats_are_used_and_retrain_continues(lm, monkeypatch
     monkeypatch.setattr(service.training, "start",
                         lambda options, learn_from_chats: asked.append((options,
                                                                          learn_from_chats)))
-    monkeypatch.setattr("app.ui.train_tab.readout.job_html", lambda job: "")
+    monkeypatch.setattr("app.ui.train_tab.readout.job_html", lambda job, error=None: "")
     with gr.Blocks():
         tab = TrainTab(service)
         tab.wire()

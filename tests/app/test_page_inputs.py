@@ -5,13 +5,17 @@ built for the model that is loaded now, not for the one a swap replaced."""
 
 from __future__ import annotations
 
+import re
+import time
+import warnings
+
 import gradio as gr
 import pytest
 
-from app.drafting import speed_words
 from app.replies import CompareResult
 from app.service import Service
 from app.settings_rules import SettingError, page_choice, page_number, page_text
+from app.speed_words import Taken, speed_words
 from app.store import Store
 from app.ui.chat_tab import ChatTab
 from app.ui.readout import compare_html
@@ -75,13 +79,16 @@ def test_a_training_run_asked_with_hostile_values_is_refused_in_one_line(tab):
     assert tab.service.training.job is None
 
 
-def test_speed_figures_say_where_they_come_from():
+def test_speed_figures_say_where_when_and_under_what_load_they_were_taken():
     assert speed_words("Medusa", 1.4, None, False) == (
         "Medusa: Calibration measured 1.40× when it was trained.")
-    retimed = speed_words("Kangaroo", 1.4, 1.16, True)
-    assert retimed.startswith("Kangaroo: 1.16× plain decoding as re-timed when the model loaded "
-                              "(calibration measured 1.40× on the machine it was built on)")
-    assert "moves with what else this machine is doing" in retimed
+    at = time.mktime((2026, 12, 7, 14, 2, 0, 0, 0, -1))
+    idle = speed_words("Kangaroo", 1.4, 1.16, True, Taken(at, 0.05))
+    assert idle == ("Kangaroo: estimated 1.16× plain decoding when the model loaded (at 14:02); "
+                    "calibration measured 1.40× on the machine it was built on.")
+    busy = speed_words("Kangaroo", 1.4, 2.38, True, Taken(at, 0.63))
+    assert "(at 14:02, while other programs used 63% of the CPU)" in busy
+    assert "Taken on a busy machine" in busy
 
 
 def test_the_auto_status_is_about_the_method_never_a_past_reply(tab):
@@ -133,3 +140,42 @@ def test_a_drafter_built_while_the_model_was_swapped_is_not_kept(tab, bundled_to
     service.accels.drafter("lookup")  # built for the model that was loaded when it started
     service.accels.drafter("lookup")
     assert built[-1] is other  # asked again, it is built for the model loaded now
+
+
+def test_the_console_leaves_out_a_librarys_warning_about_itself_and_keeps_the_rest():
+    from app.cli import quiet_library_warnings
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        quiet_library_warnings()
+        for _ in range(5):  # torch's pytree, once per compiled step
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance("
+                          "treespec, TreeSpec) and treespec.is_leaf()` instead.", FutureWarning,
+                          stacklevel=1)
+        warnings.warn("something a user can act on", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in shown] == ["something a user can act on"]
+
+
+def test_a_training_figure_its_progress_line_gives_is_not_printed_again():
+    from app.jobs import Job
+    from app.ui.readout import job_html
+    from engine.progress import Progress
+
+    job = Job("train", "Medusa for tiny", "medusa")
+    job.progress = Progress("train", 50, 100, "step 50/100, loss 4.250; held-out head 1 top-1 "
+                            "22.7%", 30.0, {"loss": 4.25, "head 1 top-1": 0.227, "lr": 0.0004})
+    figures = re.search(r'qd-job-figures">(.*?)</div>', job_html(job)).group(1)
+    assert figures == "lr 0.0004"  # 22.7% and 0.227 are one figure: said once
+
+
+def test_the_pages_errors_speak_of_its_controls_not_the_command_line():
+    from app.ui.readout import page_words
+
+    assert page_words("too little training data (13 conversations, 0 held out): give training "
+                      "more time with --max-minutes") == (
+        "too little training data (13 conversations, 0 held out): give training more time "
+        "with the Time budget slider")
+    assert page_words("--max-minutes must be a positive number").startswith("the time budget")
+    stale = page_words("Medusa cannot be used: built for another layout; retrain it: run: "
+                       "python launcher.py train --method medusa")
+    assert "launcher" not in stale and "train it again on the Train accelerator tab" in stale

@@ -12,6 +12,7 @@ import pytest
 from app.replies import ReplyRequest
 from app.service import Service
 from app.store import Store
+from app.ui import readout
 from engine import datastore_file, datastore_load
 from engine.config import SamplingParams
 from engine.drafters.datastore_source import store_file
@@ -75,3 +76,29 @@ def test_api_replies_are_kept_out_of_the_datastore(service):
     service.accels.writer.flush()
     assert steps[-1].done and steps[-1].message["stats"]["tokens"] == steps[-1].stats.tokens
     assert service.accels.datastore.tokens == 0
+
+
+def test_a_reply_that_waited_for_the_model_is_timed_from_when_its_turn_came(service,
+                                                                            monkeypatch):
+    """Injects timings: a clock that moves 100 s while the reply waits for the model (another
+    reply holds it) and a millisecond per reading after that."""
+    import engine.generate
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    monkeypatch.setattr(engine.generate, "time", type("Clock", (), {"perf_counter": clock}))
+    conv = service.store.new()
+    done = []
+    with service.host.lock:  # the model is busy: the reply waits for it
+        waiting = threading.Thread(target=lambda: done.extend(
+            u for u in service.replies.chat(ReplyRequest(conv.id, GREEDY), "Hello") if u.done))
+        waiting.start()
+        now[0] += 100.0
+    waiting.join(120)
+    stats = done[-1].stats
+    assert stats.tokens > 0 and stats.elapsed_s < 1.0  # its turn, not its wait
+    assert "waiting in the queue is not counted" in readout.TIPS["tps"]

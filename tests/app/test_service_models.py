@@ -34,6 +34,25 @@ def test_models_tab_figures_before_loading(tiny, tmp_path, monkeypatch):
     assert catalog.cached_models() == ["org/tiny"]
 
 
+def test_a_source_that_names_nothing_says_so_before_loading(tmp_path):
+    from types import SimpleNamespace
+
+    from app import catalog
+    from app.ui.models import ModelsTab
+
+    tab = ModelsTab.__new__(ModelsTab)  # its size line alone, with no model loaded
+    tab.service = SimpleNamespace(host=SimpleNamespace(current=None))
+    missing = tmp_path / "no" / "such-model"
+    for source, why in ((str(missing), f"model folder not found: {missing}"),
+                        (f"{missing}.gguf", f"GGUF file not found: {missing}.gguf"),
+                        ("justaword", "is neither a local folder, a GGUF file nor")):
+        with pytest.raises(ModelLoadError, match=why):
+            catalog.memory_estimate(ModelSpec(source=source))
+        shown = tab.memory(source, "auto")
+        assert why in shown and "until downloaded" not in shown
+    assert "until downloaded" in catalog.memory_estimate(ModelSpec(source="org/absent"))
+
+
 def test_download_progress_reports_bytes_on_disk(monkeypatch, tmp_path):
     """The hub client drives two byte bars; the one with the files' sizes is reported."""
     from app import catalog

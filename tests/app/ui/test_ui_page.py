@@ -15,67 +15,19 @@ import threading
 import pytest
 
 from app.jobs import Job
-from app.service import Service
 from app.sources import label, mix_of
-from app.store import Store
+from app.ui.train_tab import MIN_MINUTES
 from engine import quant
-from engine.config import ModelSpec
-from engine.loading import wrap_model
+from engine.errors import QuickdraftError
 from engine.progress import Progress
-from tests.conftest import make_tiny_model
-from tests.page_server import browser, open_page, serve
+from tests.page_server import BOTS, REPLY_MS, open_conv_id, open_page, send
 
 pytestmark = pytest.mark.browser
-REPLY_MS = 120_000
-BOTS = "() => document.querySelectorAll('#qd-chatbot [data-testid=bot]').length"
-
-
-@pytest.fixture(scope="module")
-def tiny_int4(bundled_tokenizer):
-    """A tiny Llama quantized to int4, and its parameter count before quantizing."""
-    lm = make_tiny_model("llama-mha", bundled_tokenizer)
-    params = sum(p.numel() for p in lm.model.parameters())
-    model = quant.quantize_model(lm.model, "int4", wide_rows=4)  # bf16 copies kept
-    return wrap_model(model, lm.tokenizer, ModelSpec(source="tiny", quant="int4"), "tiny",
-                      "int4", model_fingerprint=lm.fingerprint), params
-
-
-@pytest.fixture(scope="module")
-def site(tiny_int4, tmp_path_factory):
-    """(service, url, browser): one server and one Chromium for the whole module."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("QUICKDRAFT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        store = Store(tmp_path_factory.mktemp("page-data"))
-        # the tiny model's window is 512; its name is no folder (the Models tab sizes no other)
-        store.remember(max_new_tokens=16, temperature=0.0, model="tiny")
-        service = Service(store, tiny_int4[0])
-        with serve(service) as url, browser() as chrome:
-            yield service, url, chrome
-
-
-@pytest.fixture
-def page(site):
-    _service, url, chrome = site
-    page = open_page(chrome, url)
-    page.click("#qd-new")
-    yield page
-    page.close()
-
-
-def _send(page, text: str, replies: int) -> None:
-    page.fill("#qd-msg textarea", text)
-    page.click("#qd-send")
-    page.wait_for_function(f"() => ({BOTS})() == {replies}", timeout=REPLY_MS)
-    page.wait_for_selector("#qd-readout .qd-done", timeout=REPLY_MS)
 
 
 def _saved(service, **values) -> bool:
     saved = json.loads(service.store.settings_path.read_text())
     return all(saved.get(k) == v for k, v in values.items())
-
-
-def _open_conv_id(service) -> str:
-    return service.store.load_settings().last_conversation
 
 
 def test_clear_forgets_the_conversation_and_can_be_undone(site, page, monkeypatch):
@@ -85,18 +37,18 @@ def test_clear_forgets_the_conversation_and_can_be_undone(site, page, monkeypatc
     monkeypatch.setattr(service.replies, "chat", lambda ask, message: seen.append(
         [m["content"] for m in service.store.get(ask.conv_id).messages] + [message])
         or real(ask, message))
-    _send(page, "The secret word is banana.", 1)
+    send(page, "The secret word is banana.", 1)
     page.click("#qd-chatbot button[aria-label=Clear]")
     page.wait_for_selector("#qd-undo-row:has-text('Cleared')")
     assert page.evaluate(BOTS) == 0
-    conv_id = _open_conv_id(service)
+    conv_id = open_conv_id(service)
     assert service.store.get(conv_id).messages == []  # forgotten on disk, not only on screen
     page.click("#qd-undo")
     page.wait_for_function(f"() => ({BOTS})() == 1")
     assert "banana" in json.dumps(service.store.get(conv_id).messages)
     page.click("#qd-chatbot button[aria-label=Clear]")
     page.wait_for_selector("#qd-undo-row:has-text('Cleared')")
-    _send(page, "What was the secret word?", 1)
+    send(page, "What was the secret word?", 1)
     assert seen[-1] == ["What was the secret word?"]  # the model saw nothing from before
     assert [m["role"] for m in service.store.get(conv_id).messages] == ["user", "assistant"]
 
@@ -137,13 +89,13 @@ def test_the_models_tab_shows_the_loaded_modules_parameters_and_bytes(site, page
     shown = page.inner_text("#qd-model-current")
     assert f"{params_before / 1e6:,.1f} M parameters" in shown  # the logical weights
     assert f"{sum(storages.values()) / 2**20:,.1f} MB in memory" in shown  # what is held
-    assert "int4 on cpu, as asked" in shown
+    assert "4-bit weights (int4) on cpu" in shown and "as asked" in shown
 
 
 def test_the_readout_names_the_source_that_made_most_steps(site, page):
     service = site[0]
-    _send(page, "one two three one two three one two three one two three one two", 1)
-    reply = service.store.get(_open_conv_id(service)).messages[-1]
+    send(page, "one two three one two three one two three one two three one two", 1)
+    reply = service.store.get(open_conv_id(service)).messages[-1]
     mix = mix_of(reply["accel"], reply["stats"])
     assert mix.total_steps == reply["stats"]["steps"]
     top = page.inner_text("#qd-readout .qd-sources b")
@@ -163,6 +115,8 @@ class FakeRun:
     def start(self, options, learn_from_chats=True):
         def work():
             while (report := self.reports.get()) is not None:
+                if isinstance(report, Exception):
+                    raise report  # the run fails with it
                 self.job.report(report)
         return self.job.start(work)
 
@@ -191,6 +145,10 @@ def test_training_progress_never_goes_back_and_its_charts_are_numeric(site, page
         page.wait_for_selector(f".qd-job-msg:text-is('{message}')")
         style = page.get_attribute(".qd-progress div", "style")
         widths.append(float(re.search(r"width:\s*([\d.]+)%", style).group(1)))
+        if n == 0:  # the charts are there from the start, saying when they fill in
+            page.wait_for_selector("#qd-train-loss", state="visible")
+            assert page.locator("#qd-train-accuracy").is_visible()
+            assert "fill in once training starts" in page.inner_text("#qd-train-status")
         if n == 6:  # both charts drawn: loss and held-out accuracy
             page.wait_for_function(f"() => ({Y_AXES})().length == 2")
             axes = page.evaluate(Y_AXES)
@@ -198,9 +156,36 @@ def test_training_progress_never_goes_back_and_its_charts_are_numeric(site, page
     run.reports.put(None)
     assert widths == sorted(widths) and widths[-1] == 100.0
     assert all("linear scale" in a for a in axes), axes  # numbers, not a list of labels
+    assert "titled 'loss'" in axes[0] and "titled 'share of held-out" in axes[1], axes
     assert lines >= 1
 
 
+def test_a_failed_run_looks_failed_and_speaks_of_the_pages_controls(site, page, monkeypatch):
+    service = site[0]
+    run = FakeRun()
+    monkeypatch.setattr(service.training, "start", lambda options, learn_from_chats:
+                        setattr(service.host, "training", run.job) or run.start(options))
+    page.click("button[role=tab]:has-text('Train')")
+    assert page.get_attribute("#qd-train-minutes input[type=range]", "min") == str(MIN_MINUTES)
+    page.click("#qd-train-start")
+    run.reports.put(Progress("data", 2, 3, "13 conversations", 20.0))
+    page.wait_for_selector(".qd-job-msg:text-is('13 conversations')")
+    running = page.evaluate(BAR_COLOUR)
+    run.reports.put(QuickdraftError("too little training data (13 conversations, 0 held out): "
+                                    "give training more time with --max-minutes"))
+    page.wait_for_selector("#qd-train-status .qd-failed")
+    shown = page.inner_text("#qd-train-status")
+    assert "give training more time with the Time budget slider" in shown
+    assert "--" not in shown and "continues from them" in shown
+    assert page.evaluate(BAR_COLOUR) not in (running, "")  # no longer the running colour
+
+
+# Gradio's "processing" overlays that can be seen (a hidden one stays, at opacity 0)
+OVERLAYS = """() => Array.from(document.querySelectorAll('.progress-text')).filter(t =>
+    t.innerText.includes('processing') &&
+    parseFloat(getComputedStyle(t.closest('.wrap') || t).opacity) > 0.05)
+    .map(t => (t.closest('[id]') || {}).id)"""
+BAR_COLOUR = "() => getComputedStyle(document.querySelector('.qd-progress div')).backgroundColor"
 Y_AXES = """() => Array.from(document.querySelectorAll(
     '#qd-train-loss svg g[aria-label^="Y-axis"], #qd-train-accuracy svg g[aria-label^="Y-axis"]'))
     .map(e => e.getAttribute('aria-label'))"""
@@ -212,6 +197,9 @@ def test_a_narrow_window_shows_the_message_box_on_its_first_screen(site):
     try:
         box = narrow.locator("#qd-msg textarea").bounding_box()
         assert box["y"] + box["height"] <= 800 and box["width"] >= 200
+        for button in ("#qd-send", "#qd-stop"):  # beside the box, not under it
+            b = narrow.locator(button).bounding_box()
+            assert b["y"] < box["y"] + box["height"] and box["y"] < b["y"] + b["height"], b
     finally:
         narrow.close()
 
@@ -231,15 +219,15 @@ def test_a_message_sent_during_a_reply_is_queued_and_the_box_emptied(site, page)
         service.host.lock.release()
     page.wait_for_function(f"() => ({BOTS})() == 2", timeout=REPLY_MS)
     page.wait_for_selector("#qd-readout .qd-done", timeout=REPLY_MS)  # saved when it ends
-    users = [m["content"] for m in service.store.get(_open_conv_id(service)).messages
+    users = [m["content"] for m in service.store.get(open_conv_id(service)).messages
              if m["role"] == "user"]
     assert users == ["First question", "Second question"]
 
 
 def test_delete_can_be_undone_and_the_export_names_its_file(site, page):
     service = site[0]
-    _send(page, "Remember this chat", 1)
-    conv_id = _open_conv_id(service)
+    send(page, "Remember this chat", 1)
+    conv_id = open_conv_id(service)
     page.click("text=Rename · delete · export")
     page.click("button:text-is('JSON')")
     assert re.search(r"Download .+-" + conv_id + r"\.json", page.inner_text("#qd-export-file"))
@@ -271,9 +259,15 @@ def test_a_slow_acceleration_check_never_overrides_the_users_choices(site):
         page = open_page(chrome, url)  # the view is restored while the check waits
         # (a loaded machine may show the page's first selection before the restored one)
         page.wait_for_selector(f"#qd-conversations input[value='{earlier.id}']:checked")
+        polls = 0
+        while not calls and polls < 600:  # the page's check has reached the server
+            page.wait_for_timeout(50)
+            polls += 1
+        assert page.evaluate(OVERLAYS) == []  # no "processing" over the page
+        assert "Checking the accelerators" in page.inner_text("#qd-accel-status")
         page.click("#qd-new")
         page.wait_for_selector("#qd-conversations label:has-text('New chat') input:checked")
-        chosen = _open_conv_id(service)
+        chosen = open_conv_id(service)
         page.click("#qd-accel label:has(input[value=lookup])")
         gate.set()
         page.wait_for_selector("#qd-accel-status:has-text('Lookup is ready')")
