@@ -30,7 +30,7 @@ from engine.generate import run
 from engine.loading import wrap_model
 from engine.tree import build_tree
 from tests.cache_util import held
-from tests.engine.drafters.test_composite import kangaroo_of, medusa_of
+from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, pin_costs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,6 +72,7 @@ def make_drafter(lm, method: str):
     it drafts 4 tokens), both estimated to pay a little (the step costs pinned), so the
     store's and lookup's drafts win steps too; the adapter's interplay with other sources'
     rounds is the most involved (it reads the states of their tokens at its next round)."""
+    pin_costs(lm)  # whether a source drafts must not depend on what the machine is doing
     built = {
         "lookup": LookupDrafter,
         "grammar": GrammarDrafter,
