@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from app.speed_record import BUSY_SHARE, Measure, SpeedRecord
 from engine.drafters.base import Drafter
-from engine.drafters.payoff import PAY_MARGIN
 
 
 @dataclass(frozen=True)
@@ -60,12 +59,8 @@ def ready_line(label: str, speed: str, drafter: Drafter) -> str:
     says it does not pay here, that it does not draft and why."""
     if not drafter.pays:
         x = drafter.speedup
-        if x is None:
-            why = "it did not beat plain decoding here"
-        elif x > 1.0:  # faster, but not by the margin that would pay for its misses
-            why = f"estimated {x:.2f}× here, short of the {PAY_MARGIN:.2f}× it must reach"
-        else:
-            why = f"estimated {x:.2f}× here"
+        why = ("it did not beat plain decoding here" if x is None
+               else f"estimated {x:.2f}× here")
         return (f"{label} is loaded but not drafting: {why}, so it decodes plainly "
                 f"(Off is as fast).{' ' + speed if speed else ''}")
     return f"{label} is ready." + (f" {speed}" if speed else "")
