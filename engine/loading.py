@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, lowbit_folder, quant_auto
+from engine import devices, gguf, gguf_model, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
@@ -57,12 +57,16 @@ class LoadedModel:
 
 def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> LoadedModel:
     """Load the model `spec` names; raises ModelLoadError with a one-line reason. `report`
-    hears about slow first-time steps (converting a GGUF file)."""
+    hears about slow steps (reading a GGUF file, converting one the first time)."""
     start = time.perf_counter()
-    folder, model_id = resolve_folder(spec, report)
     device = devices.pick_device(spec.device)
-    if lowbit_folder.is_lowbit(folder):
-        return _load_lowbit(folder, spec, model_id, device, start)
+    stored = _load_stored(spec, device, start, report)
+    if stored is not None:
+        return stored
+    if spec.quant == gguf_model.QUANT:
+        raise ModelLoadError(f"--quant {gguf_model.QUANT} runs a GGUF file's own blocks: "
+                             f"{spec.source} is not a GGUF file")
+    folder, model_id = resolve_folder(spec, report)
     quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
@@ -94,15 +98,40 @@ def release_freed_memory() -> None:
         pass
 
 
-def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: float):
-    """A GGUF file's folder that kept its low bits (engine/lowbit_folder.py)."""
-    loaded = lowbit_folder.load(folder, spec.quant, device)
-    tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
-    lm = wrap_model(loaded.model, tokenizer, spec, model_id, loaded.quant,
-                    time.perf_counter() - start, loaded.fingerprint)
-    lm.quant_reason = loaded.reason
+def _load_stored(spec: ModelSpec, device: torch.device, start: float,
+                 report: Callable[[str], None] | None) -> LoadedModel | None:
+    """A GGUF file on its own blocks (engine/gguf_model.py) where `spec` asks for that
+    (`gguf`, or `auto`: a file's own format is its default); None for any other source or
+    choice, and for a file that cannot run that way under `auto` (it is converted)."""
+    path, model_id = gguf_source(spec)
+    if path is None or spec.quant not in ("auto", gguf_model.QUANT):
+        return None
+    try:
+        opened = gguf_model.open_stored(path, device, report)
+    except gguf_model.NotStored as why:
+        if spec.quant == gguf_model.QUANT:
+            raise ModelLoadError(f"{path.name} cannot run on its own blocks here: {why}") from why
+        (report or log.info)(f"{path.name}: {why}; converting it instead")
+        return None
+    lm = wrap_model(opened.model, opened.tokenizer, spec, model_id, gguf_model.QUANT,
+                    time.perf_counter() - start, opened.fingerprint)
+    lm.quant_reason = opened.reason
     release_freed_memory()
     return lm
+
+
+def gguf_source(spec: ModelSpec) -> tuple[Path | None, str]:
+    """(the GGUF file `spec` names, its model id), or (None, "") when it names none: a local
+    file (whatever its name: Ollama's blobs have no extension) or "owner/name:file.gguf",
+    fetched from the hub."""
+    source = spec.source.strip()
+    path = Path(source).expanduser()
+    if source != "default" and path.is_file():
+        return path, str(path.resolve())
+    hub_gguf = None if path.exists() else gguf.parse_hub(source)
+    if hub_gguf is not None:
+        return gguf.hub_file(*hub_gguf, spec.revision), source
+    return None, ""
 
 
 def _auto_choice(model, tokenizer, spec, model_id, weights_print, report) -> quant_auto.Choice:
@@ -178,14 +207,10 @@ def resolve_folder(spec: ModelSpec, report: Callable[[str], None] | None = None
     source = spec.source.strip()
     if source == "default":
         return bundled_folder(), BUNDLED_ID
+    file, model_id = gguf_source(spec)
+    if file is not None:
+        return gguf.converted_folder(file, report), model_id
     path = Path(source).expanduser()
-    if path.is_file():  # a GGUF file, whatever its name (Ollama's blobs have no extension)
-        return gguf.converted_folder(path, report), str(path.resolve())
-    hub_gguf = None if path.exists() else gguf.parse_hub(source)
-    if hub_gguf is not None:
-        repo_id, filename = hub_gguf
-        return gguf.converted_folder(gguf.hub_file(repo_id, filename, spec.revision),
-                                     report), source
     if path.exists() or _looks_like_path(source):
         if not path.is_dir():
             kind = "GGUF file" if source.lower().endswith(".gguf") else "model folder"
@@ -236,7 +261,7 @@ def bundled_folder() -> Path:
         )
     # Expanded to fp32 (not kept low-bit): the bundled model is the reference every
     # accelerator was trained on and every test decodes; --quant auto requantizes it to int4.
-    gguf.convert(source, target, keep_bits=False)
+    gguf.convert(source, target)
     return target
 
 

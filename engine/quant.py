@@ -189,8 +189,11 @@ class LowBitLinear(nn.Module):
 
 def lowbit_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for:
-    Quickdraft's where int8 codes have float32 scales and int4 ones float16 scales,
+    Quickdraft's where int8 codes have float32 scales and int4 ones float16 scales, or
+    where a GGUF file's blocks carry their type (int64 "scales", engine/gguf_blocks.py);
     PyTorch's where they have bf16 ones."""
+    if scales.dtype == torch.int64:
+        return torch.ops.quickdraft.block_linear(x, packed, scales)
     if packed.dtype == torch.int8:
         if scales.dtype == torch.float32:
             return torch.ops.quickdraft.q8_linear(x, packed, scales)
@@ -221,6 +224,10 @@ def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
         return None
     if any(m.scales.dtype != first.scales.dtype for m in layers):  # kernels differ
         return None
+    blocks = first.scales.dtype == torch.int64  # GGUF blocks: `scales` names their type
+    if blocks and any(m.packed.shape[0] != m.out_features
+                      or not torch.equal(m.scales, first.scales) for m in layers):
+        return None
     # PyTorch's int4 scales: (K/group, N, 2); the others' rows come first
     axis = 1 if first.kind == "int4" and first.scales.dtype == torch.bfloat16 else 0
     if axis and not _packing_concatenates([m.out_features for m in layers],
@@ -233,13 +240,15 @@ def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
     fused.bias = None if first.bias is None else nn.Parameter(
         torch.cat([m.bias for m in layers]), False)
     fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
-    fused.register_buffer("scales", torch.cat([m.scales for m in layers], dim=axis))
+    fused.register_buffer("scales", first.scales if blocks else
+                          torch.cat([m.scales for m in layers], dim=axis))
     fused.wide, fused.wide_rows = None, 0
     start = 0
     for m in layers:
         rows = slice(start, start + m.out_features)
         m.packed = fused.packed[rows]
-        m.scales = fused.scales[:, rows] if axis else fused.scales[rows]
+        if not blocks:
+            m.scales = fused.scales[:, rows] if axis else fused.scales[rows]
         if m.bias is not None:
             m.bias = nn.Parameter(fused.bias[rows], False)
         start = rows.stop

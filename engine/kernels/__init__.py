@@ -1,10 +1,12 @@
-"""Quickdraft's own CPU kernels (lowbit.cpp), compiled on first use with the C++ compiler
-that torch.compile already needs, and registered as torch operators (`quickdraft::...`), so
-eager code, torch.export and AOTInductor packages call them like any other operator.
+"""Quickdraft's own CPU kernels, compiled on first use with the C++ compiler that
+torch.compile already needs, and registered as torch operators (`quickdraft::...`), so
+eager code, torch.export and AOTInductor packages call them like any other operator:
+lowbit.cpp (Quickdraft's int8 and int4 layouts) and blocks.cpp (GGUF files' own block
+formats, formats.h), over activations quantized as activations.h does.
 
-The library is built once per machine into the user cache, under a key of its source, torch
-and the compiler flags (VNNI's where the CPU has it); a later start loads it in
-milliseconds. Where it cannot be built or loaded (no compiler, no AVX2, a failed build)
+The library is built once per machine into the user cache, under a key of its sources,
+torch and the compiler flags (VNNI's and AVX-512's where the CPU has them); a later start
+loads it in milliseconds. Where it cannot be built or loaded (no compiler, no AVX2, a failed build)
 `available()` is False and the callers keep PyTorch's own kernels; the reason is logged
 once and kept in `problem`.
 """
@@ -25,7 +27,9 @@ from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("lowbit.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "lowbit.cpp", HERE / "blocks.cpp")  # compiled into one library
+HEADERS = (HERE / "activations.h", HERE / "lanes.h", HERE / "formats.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-w", "-shared", "-fPIC")
 BUILD_SECONDS = 300  # a build that takes longer is abandoned (the kernels stay PyTorch's)
 
@@ -70,13 +74,21 @@ def _cpu_flags() -> set[str]:
 
 
 def vnni_flags() -> tuple[str, ...]:
-    """Compiler flags for the CPU's VNNI dot product, where it has one (lowbit.cpp then
-    uses it; the library's key includes the flags)."""
+    """Compiler flags for the CPU's VNNI dot product, where it has one (the kernels then
+    use it; the library's key includes the flags)."""
     cpu = _cpu_flags()
     if "avx_vnni" in cpu:
         return ("-mavxvnni",)
     if {"avx512_vnni", "avx512vl"} <= cpu:
         return ("-mavx512vnni", "-mavx512vl")
+    return ()
+
+
+def wide_flags() -> tuple[str, ...]:
+    """Compiler flags for the block kernels' 512-bit form (16 outputs per register, lanes.h),
+    where the CPU has AVX-512 with VNNI."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= _cpu_flags():
+        return ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DQUICKDRAFT_WIDE")
     return ()
 
 
@@ -88,9 +100,11 @@ def _library() -> Path:
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++)")
     includes, links = _torch_flags()
-    command = [compiler, *FLAGS, *vnni_flags(), *includes, str(SOURCE),
-               *links]  # libraries after the source
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(command).encode()
+    flags = dict.fromkeys([*vnni_flags(), *wide_flags()])  # in order, once each
+    command = [compiler, *FLAGS, *flags, *includes, *map(str, SOURCES),
+               *links]  # libraries after the sources
+    text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + repr(command).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / key / "quickdraft_lowbit.so"
     if path.is_file():
@@ -102,7 +116,7 @@ def _library() -> Path:
         done = subprocess.run([*command, "-o", str(partial)], capture_output=True, text=True,
                               timeout=BUILD_SECONDS)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: "
+            raise RuntimeError(f"compiling {', '.join(p.name for p in SOURCES)} failed: "
                                f"{(done.stderr or done.stdout).strip()[-300:]}")
         os.replace(partial, path)
     finally:
