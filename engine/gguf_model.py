@@ -86,18 +86,26 @@ def _check(header: gguf_header.Header, device: torch.device) -> None:
     if end > header.size:
         raise ModelLoadError(f"{header.path} is truncated ({header.size:,} of {end:,} bytes): "
                              "download it again")
+    why = why_not(header, device)
+    if why:
+        raise NotStored(why)
+
+
+def why_not(header: gguf_header.Header, device: torch.device) -> str | None:
+    """Why this file cannot run on its own blocks on `device` (None: it can)."""
     if header.architecture not in FAMILIES:
-        raise NotStored(f"GGUF architecture {header.architecture!r} is not opened as stored")
+        return f"GGUF architecture {header.architecture!r} is not opened as stored"
     if device.type != "cpu":
-        raise NotStored("GGUF blocks run on the CPU's kernels")
+        return "GGUF blocks run on the CPU's kernels"
     if not kernels.available():
-        raise NotStored(f"the block kernels are not available here ({kernels.problem})")
+        return f"the block kernels are not available here ({kernels.problem})"
     have = set(gguf_blocks.formats().values()) | set(FLOATS)
     odd = sorted({gguf.type_name(t.type) for t in header.tensors if t.type not in have})
     if odd:
-        raise NotStored(f"no block kernel for its {', '.join(odd)} tensors")
+        return f"no block kernel for its {', '.join(odd)} tensors"
     if all(t.type in FLOATS for t in header.tensors if len(t.shape) == 2):
-        raise NotStored("it holds no quantized blocks")
+        return "it holds no quantized blocks"
+    return None
 
 
 # --- settings and tokenizer, kept in the cache ----------------------------------------------

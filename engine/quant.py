@@ -154,6 +154,13 @@ class LowBitLinear(nn.Module):
         """The dequantized (N, K) bf16 weights (drafters read the LM head's rows)."""
         return self.wide if self.wide is not None else self.dequantized()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), K) float32 weights of outputs `ids` (a draft vocabulary's LM-head
+        rows), without a dense copy of the others where the layout allows it."""
+        if self.kind == "int8w":
+            return self.packed[ids].float() * self.scales[ids].float()[:, None]
+        return self.dequantized()[ids].float()
+
     def dequantized(self) -> torch.Tensor:
         if self.kind == "int8w":
             return (self.packed.float() * self.scales.float()[:, None]).to(torch.bfloat16)

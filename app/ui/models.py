@@ -17,13 +17,14 @@ from app.ui import readout
 from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
-QUANT_LABELS = [("Auto", "auto"), ("4-bit (PyTorch kernels)", "int4"),
+QUANT_LABELS = [("Auto", "auto"), ("GGUF file's own blocks", "gguf"),
+                ("4-bit (PyTorch kernels)", "int4"),
                 ("8-bit (PyTorch kernels)", "int8w"), ("4-bit NF4", "nf4"), ("8-bit", "int8"),
                 ("bf16", "bf16"), ("fp32", "fp32")]
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
-QUANT_INFO = ("Auto: on a CPU, measured the first time a model loads (bf16, 8-bit or 4-bit "
-              "weights; what it chose and why shows above); on a GPU, bf16, or NF4 where bf16 "
-              "would not fit")
+QUANT_INFO = ("Auto: a quantized GGUF file runs on its own blocks, as stored; other models, "
+              "on a CPU, measured the first time they load (bf16, 8-bit or 4-bit weights; what "
+              "it chose and why shows above); on a GPU, bf16, or NF4 where bf16 would not fit")
 POLL_S = 0.3  # how often the page hears about a load in progress
 
 
