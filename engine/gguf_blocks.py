@@ -14,40 +14,39 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.quant import LowBitLinear
+from engine.quant import LowBitLinear, repack
 
 
 def formats() -> dict[str, int]:
-    """{GGML type name: type id} the block kernels read ({} where they are unavailable)."""
+    """{GGML type name: type id} the block kernels read ({} where they are unavailable;
+    Quickdraft's own int8w format, not a GGML type, is not listed)."""
     if not kernels.available():
         return {}
     from gguf import GGMLQuantizationType
 
-    return {GGMLQuantizationType(t).name: t for t in torch.ops.quickdraft.block_types()}
-
-
-def group_rows() -> int:
-    """Rows a repacked group holds side by side (8 in 256-bit kernels, 16 in 512-bit ones):
-    a layer's stored rows are a multiple of it."""
-    return int(torch.ops.quickdraft.block_group_rows())
+    ggml = {t.value for t in GGMLQuantizationType}
+    return {GGMLQuantizationType(t).name: t for t in torch.ops.quickdraft.block_types()
+            if t in ggml}
 
 
 class BlockLinear(LowBitLinear):
-    """An nn.Linear whose weights are a GGUF file's own blocks of one GGML type (`kind`).
+    """An nn.Linear whose weights are a GGUF file's own blocks of one GGML type (`kind`):
+    a low-bit layer on Quickdraft's block kernels, built from the file's rows rather than
+    from codes.
 
-    `packed`: (N', bytes per row) uint8, the file's rows repacked for the kernel (N' is N
-    rounded up to whole groups; rows past N are zero blocks); `scales` holds the kernel's
-    selector, (type id, rows per group) as int64, in place of a low-bit layer's scales, so
-    the lean step and compiled packages call it as they call the other low-bit layers."""
+    `packed`: (N', bytes per row) uint8, the file's rows repacked for the kernel in groups
+    of 8 or 16 rows (N' is N rounded up to whole groups; rows past N are zero blocks);
+    `scales`: (type id, rows per group) as int64, what selects the kernel
+    (engine.quant.lowbit_mm)."""
 
-    def __init__(self, packed: torch.Tensor, kind: str, out_features: int, in_features: int,
-                 bias: torch.Tensor | None = None):
+    def __init__(self, packed: torch.Tensor, meta: torch.Tensor, kind: str, out_features: int,
+                 in_features: int, bias: torch.Tensor | None = None):
         nn.Module.__init__(self)
         self.kind = kind
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), False)
         self.register_buffer("packed", packed)
-        self.register_buffer("scales", torch.tensor([formats()[kind], group_rows()]))
+        self.register_buffer("scales", meta)  # (type id, rows per group)
         self.wide, self.wide_rows = None, 0  # no float copies of block weights
 
     @classmethod
@@ -55,24 +54,8 @@ class BlockLinear(LowBitLinear):
                   bias: torch.Tensor | None = None) -> BlockLinear:
         """From the file's rows, (N, bytes per row) uint8, in the order the layer's outputs
         take them."""
-        packed = torch.ops.quickdraft.block_repack(rows, formats()[kind])
-        return cls(packed, kind, rows.shape[0], in_features, bias)
-
-    @property
-    def padded(self) -> bool:
-        """Whether rows past N fill the last group (such a layer is not fused or compiled)."""
-        return self.packed.shape[0] != self.out_features
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """(len(ids), K) float32 values of rows `ids`: gguf's own dequantized values."""
-        return torch.ops.quickdraft.block_rows(self.packed, self.scales, ids)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.out_features)).to(torch.bfloat16)
-
-    def low_bit(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.quickdraft.block_linear(x, self.packed, self.scales)
-        return out[:, :self.out_features] if self.padded else out
+        packed, meta = repack(rows, formats()[kind])
+        return cls(packed, meta, kind, rows.shape[0], in_features, bias)
 
 
 class BlockEmbedding(nn.Module):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine import gguf, gguf_blocks, gguf_header, kernels
+from engine import gguf, gguf_blocks, gguf_header, kernels, quant
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
 from engine.gguf_blocks import BlockEmbedding, BlockLinear
@@ -256,11 +256,12 @@ class _Reader:
         raw = self._read(tensor, 0, gguf.tensor_bytes(tensor))
         return quants.dequantize(raw, GGMLQuantizationType(tensor.type)).reshape(tensor.shape)
 
-    def rows(self, tensor: gguf_header.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-        """A block tensor repacked for the kernels, (N rounded up to whole groups, bytes per
-        row) uint8, row r being the file's row order[r]."""
+    def rows(self, tensor: gguf_header.Tensor, order: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block tensor repacked for the kernels: ((N rounded up to whole groups, bytes per
+        row) uint8, row r being the file's row order[r]; its (type, rows per group))."""
         rows, row_bytes = tensor.shape[0], gguf.tensor_bytes(tensor) // tensor.shape[0]
-        group = gguf_blocks.group_rows()
+        group = quant.group_rows(rows)
         step = rows if order is not None else max(1, READ_BYTES // row_bytes // group) * group
         packed = torch.empty((rows + group - 1) // group * group, row_bytes, dtype=torch.uint8)
         for first in range(0, rows, step):
@@ -269,9 +270,9 @@ class _Reader:
             raw = raw.view(count, row_bytes)
             if order is not None:
                 raw = raw[order]
-            part = torch.ops.quickdraft.block_repack(raw, tensor.type)
+            part = torch.ops.quickdraft.block_repack(raw, tensor.type, group)
             packed[first:first + part.shape[0]] = part
-        return packed
+        return packed, torch.tensor([tensor.type, group])
 
     def done(self) -> None:
         self.file.close()
@@ -287,11 +288,10 @@ def _assemble(model: nn.Module, values: dict, blocks: dict) -> dict[str, str]:
     table_key = _embedding_key(model)
     tied = f"{head_name}.weight" not in blocks and f"{head_name}.weight" not in values
     types = {}
-    for key, (tensor, packed) in blocks.items():
+    for key, (tensor, (packed, meta)) in blocks.items():
         module_name = key.removesuffix(".weight")
-        in_features = tensor.shape[1]
-        layer = BlockLinear(packed, gguf.type_name(tensor.type), tensor.shape[0], in_features,
-                            values.pop(f"{module_name}.bias", None))
+        layer = BlockLinear(packed, meta, gguf.type_name(tensor.type), tensor.shape[0],
+                            tensor.shape[1], values.pop(f"{module_name}.bias", None))
         types[module_name] = layer.kind
         if key != table_key:
             _set_module(model, module_name, layer)

@@ -1,8 +1,8 @@
-"""Quickdraft's own CPU kernels, compiled on first use with the C++ compiler that
-torch.compile already needs, and registered as torch operators (`quickdraft::...`), so
-eager code, torch.export and AOTInductor packages call them like any other operator:
-lowbit.cpp (Quickdraft's int8 and int4 layouts) and blocks.cpp (GGUF files' own block
-formats, formats.h), over activations quantized as activations.h does.
+"""Quickdraft's own CPU kernels (blocks.cpp: low-bit weights in blocks, formats.h: GGUF
+files' own formats and Quickdraft's int4 and int8w), compiled on first use with the C++
+compiler that torch.compile already needs, and registered as torch operators
+(`quickdraft::...`), so eager code, torch.export and AOTInductor packages call them like any
+other operator.
 
 The library is built once per machine into the user cache, under a key of its sources,
 torch and the compiler flags (VNNI's and AVX-512's where the CPU has them); a later start
@@ -28,7 +28,7 @@ from engine.paths import cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "lowbit.cpp", HERE / "blocks.cpp")  # compiled into one library
+SOURCES = (HERE / "blocks.cpp",)  # compiled into one library
 HEADERS = (HERE / "activations.h", HERE / "lanes.h", HERE / "formats.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-w", "-shared", "-fPIC")
 BUILD_SECONDS = 300  # a build that takes longer is abandoned (the kernels stay PyTorch's)
@@ -58,7 +58,7 @@ def available() -> bool:
 
 def _registered() -> bool:
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("quickdraft::q8_linear", "CPU")
+        return torch._C._dispatch_has_kernel_for_dispatch_key("quickdraft::block_linear", "CPU")
     except RuntimeError:  # no such operator yet
         return False
 

@@ -1,5 +1,6 @@
-// GGUF block formats (formats.h) x int8 activations, for steps of 1..n tokens, read from a
-// repack of the file's own blocks that is exactly their size: no weight is ever expanded.
+// Quickdraft's CPU kernels: low-bit weights in blocks (formats.h: GGUF files' own formats,
+// and Quickdraft's int4 (Q4_1) and int8w) x int8 activations, for steps of 1..n tokens, read
+// from a repack of the blocks that is exactly their size: no weight is ever expanded.
 //
 // The arithmetic is lowbit.cpp's: each activation row quantized per block of 32 (a float
 // scale and int8 values), then for each block of 32 weights an exact integer dot product of
@@ -32,10 +33,22 @@ namespace {
 using namespace quickdraft;
 
 #if defined(QUICKDRAFT_LANES16) && defined(QUICKDRAFT_WIDE)
-using Lanes = Lanes16;
+constexpr int64_t kWidest = 16;  // rows a group may hold: 16 with AVX-512, else 8
 #else
-using Lanes = Lanes8;
+constexpr int64_t kWidest = 8;
 #endif
+
+// fn(lanes) for the lanes a matrix was repacked for (groups of `rows` rows): 16-row groups
+// where the library is built for them and a layer fills them, 8-row ones everywhere.
+template <class Fn>
+auto with_lanes(int64_t rows, Fn&& fn) {
+#if defined(QUICKDRAFT_LANES16) && defined(QUICKDRAFT_WIDE)
+  if (rows == 16) return fn(Lanes16{});
+#endif
+  TORCH_CHECK(rows == 8, "blocks were repacked for groups of ", rows,
+              " rows; this CPU's kernels take 8 or ", kWidest);
+  return fn(Lanes8{});
+}
 
 constexpr int kTile = 4;  // activation rows per pass over a group's weights
 
@@ -118,20 +131,26 @@ void tile(const uint8_t* group, const uint8_t* next, const Quantized& a, int64_t
           int64_t k, typename V::F acc[R]) {
   constexpr int64_t unit_bytes = V::kRows * F::kBytes;
   constexpr int blocks = F::kElems / kBlock;
+  const int64_t units = k / F::kElems;
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
-  for (int64_t u = 0; u < k / F::kElems; ++u) {
+  for (int64_t u = 0; u < units; ++u) {
     for (int64_t at = 0; at < unit_bytes; at += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + u * unit_bytes + at), _MM_HINT_T0);
     const typename F::template Unit<V> unit(group + u * unit_bytes);
     for (int j = 0; j < blocks; ++j) multiply_block<V, F, R>(unit, j, a, r0, k, u * blocks + j, acc);
+  }
+  if constexpr (F::kTail > 0) {  // each row's float scale, after the group's units
+    const typename V::F scale = V::fload(group + units * unit_bytes);
+    for (int r = 0; r < R; ++r) acc[r] = V::fmul(acc[r], scale);
   }
 }
 
 template <class V, class F>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks) {
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % F::kElems == 0 && blocks.size(1) == k / F::kElems * F::kBytes,
-              "block_linear: x (M, K) and blocks (N, K / ", F::kElems, " * ", F::kBytes, ")");
+  TORCH_CHECK(k % F::kElems == 0 && blocks.size(1) == k / F::kElems * F::kBytes + F::kTail,
+              "block_linear: x (M, K) and blocks (N, K / ", F::kElems, " * ", F::kBytes,
+              (F::kTail ? " + a row scale" : ""), ")");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const at::Tensor xc = x.contiguous();
@@ -170,39 +189,40 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks) {
   return out;
 }
 
-// (type, kRows) of a repacked matrix, checked against this library's lanes.
-int64_t checked_type(const at::Tensor& meta) {
-  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.numel() == 2,
+// meta: (type, rows per group) of a repacked matrix.
+const int64_t* checked_meta(const at::Tensor& meta) {
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.numel() == 2 && meta.is_contiguous(),
               "block kernels: meta must be int64 (type, rows per group)");
-  const int64_t* v = meta.data_ptr<int64_t>();
-  TORCH_CHECK(v[1] == Lanes::kRows, "blocks were repacked for groups of ", v[1],
-              " rows; this CPU's kernels take ", Lanes::kRows);
-  return v[0];
+  return meta.data_ptr<int64_t>();
 }
 
-// out (M, N) = x (M, K) times the repacked blocks (N, bytes per row); meta: (type, kRows).
+// out (M, N) = x (M, K) times the repacked blocks (N, bytes per row); meta: (type, rows).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& meta) {
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
               "block_linear: x (M, K) and uint8 blocks (N, bytes)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "block_linear: float32 or bfloat16 activations");
-  TORCH_CHECK(blocks.size(0) % Lanes::kRows == 0 && blocks.is_contiguous(),
-              "block_linear: repacked blocks (rows a multiple of ", Lanes::kRows, ")");
-  return with_format(checked_type(meta), [&](auto f) {
-    return linear<Lanes, decltype(f)>(x, blocks);
+  const int64_t* m = checked_meta(meta);
+  TORCH_CHECK(m[1] > 0 && blocks.size(0) % m[1] == 0 && blocks.is_contiguous(),
+              "block_linear: repacked blocks (rows a multiple of ", m[1], ")");
+  return with_format(m[0], [&](auto f) {
+    return with_lanes(m[1], [&](auto v) { return linear<decltype(v), decltype(f)>(x, blocks); });
   });
 }
 
-// The file's rows (N, bytes per row) as the kernels read them: groups of kRows rows, each
-// field's words side by side (formats.h); rows past N (up to a multiple of kRows) are zero
-// blocks, whose values are all zero.
-at::Tensor block_repack(const at::Tensor& raw, int64_t type) {
+// The file's rows (N, bytes per row) as the kernels read them: groups of `rows` rows (8 or
+// 16), each field's words side by side (formats.h); rows past N (up to a multiple of
+// `rows`) are zero blocks, whose values are all zero.
+at::Tensor block_repack(const at::Tensor& raw, int64_t type, int64_t rows) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte, "block_repack: uint8 (N, bytes)");
+  with_lanes(rows, [](auto) { return 0; });  // a width the kernels take
   return with_format(type, [&](auto f) {
     using F = decltype(f);
-    constexpr int kRows = Lanes::kRows;
-    const int64_t n = raw.size(0), row_bytes = raw.size(1), units = row_bytes / F::kBytes;
-    TORCH_CHECK(row_bytes % F::kBytes == 0, "block_repack: rows of whole blocks");
+    const int kRows = static_cast<int>(rows);
+    const int64_t n = raw.size(0), row_bytes = raw.size(1);
+    const int64_t units = (row_bytes - F::kTail) / F::kBytes;
+    TORCH_CHECK(row_bytes >= F::kTail && (row_bytes - F::kTail) % F::kBytes == 0,
+                "block_repack: rows of whole blocks");
     const int64_t padded = (n + kRows - 1) / kRows * kRows;
     at::Tensor out = at::zeros({padded, row_bytes}, raw.options());
     const at::Tensor src = raw.contiguous();
@@ -220,6 +240,9 @@ at::Tensor block_repack(const at::Tensor& raw, int64_t type) {
                 std::memcpy(unit + kRows * (fd.offset + w * fd.unit) + c * fd.unit,
                             row + u * F::kBytes + fd.offset + w * fd.unit, fd.unit);
           }
+          if constexpr (F::kTail > 0)
+            std::memcpy(group + units * kRows * F::kBytes + c * F::kTail,
+                        row + units * F::kBytes, F::kTail);
         }
       }
     });
@@ -231,7 +254,8 @@ at::Tensor block_repack(const at::Tensor& raw, int64_t type) {
 template <class V, class F>
 void row_values(const uint8_t* group, int lane, int64_t units, float* out) {
   alignas(64) int32_t words[V::kRows], first[V::kRows], second[V::kRows];
-  alignas(64) float scale[V::kRows], low[V::kRows];
+  alignas(64) float scale[V::kRows], low[V::kRows], tail[V::kRows];
+  if constexpr (F::kTail > 0) V::store(tail, V::fload(group + units * V::kRows * F::kBytes));
   for (int64_t u = 0; u < units; ++u) {
     const typename F::template Unit<V> unit(group + u * V::kRows * F::kBytes);
     for (int j = 0; j < F::kElems / kBlock; ++j) {
@@ -255,6 +279,7 @@ void row_values(const uint8_t* group, int lane, int64_t units, float* out) {
           const int32_t code = F::kSigned ? static_cast<int8_t>(byte) : byte - F::kBias;
           float value = step * static_cast<float>(code);
           if constexpr (F::kLow) value = value + low[lane];
+          if constexpr (F::kTail > 0) value = value * tail[lane];
           values[4 * g + i] = value;
         }
       }
@@ -262,31 +287,39 @@ void row_values(const uint8_t* group, int lane, int64_t units, float* out) {
   }
 }
 
+// (len(index), K) float32 values of rows `index` of blocks repacked for V's groups.
+template <class V, class F>
+at::Tensor rows_of(const at::Tensor& blocks, const at::Tensor& index) {
+  const int64_t units = (blocks.size(1) - F::kTail) / F::kBytes, n = blocks.size(0);
+  at::Tensor out = at::empty({index.numel(), units * F::kElems}, blocks.options().dtype(at::kFloat));
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < index.numel(); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "block_rows: row ", id[i], " of ", n);
+  at::parallel_for(0, index.numel(), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* group = blocks.data_ptr<uint8_t>() + id[i] / V::kRows * V::kRows *
+                             blocks.size(1);
+      row_values<V, F>(group, id[i] % V::kRows, units,
+                       out.data_ptr<float>() + i * units * F::kElems);
+    }
+  });
+  return out;
+}
+
 // (len(ids), K) float32 values of rows `ids` of repacked blocks (embedding lookups).
 at::Tensor block_rows(const at::Tensor& blocks, const at::Tensor& meta, const at::Tensor& ids) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "block_rows: repacked uint8 blocks (N, bytes)");
   const at::Tensor index = ids.to(at::kLong).contiguous().view({-1});
-  return with_format(checked_type(meta), [&](auto f) {
-    using F = decltype(f);
-    const int64_t units = blocks.size(1) / F::kBytes, n = blocks.size(0);
-    at::Tensor out = at::empty({index.numel(), units * F::kElems}, blocks.options().dtype(at::kFloat));
-    const int64_t* id = index.data_ptr<int64_t>();
-    for (int64_t i = 0; i < index.numel(); ++i)
-      TORCH_CHECK(id[i] >= 0 && id[i] < n, "block_rows: row ", id[i], " of ", n);
-    at::parallel_for(0, index.numel(), 8, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const uint8_t* group = blocks.data_ptr<uint8_t>() + id[i] / Lanes::kRows * Lanes::kRows *
-                               blocks.size(1);
-        row_values<Lanes, F>(group, id[i] % Lanes::kRows, units, out.data_ptr<float>() +
-                             i * units * F::kElems);
-      }
+  const int64_t* m = checked_meta(meta);
+  return with_format(m[0], [&](auto f) {
+    return with_lanes(m[1], [&](auto v) {
+      return rows_of<decltype(v), decltype(f)>(blocks, index);
     });
-    return out;
   });
 }
 
-int64_t block_group_rows() { return Lanes::kRows; }
+int64_t block_group_rows() { return kWidest; }
 
 std::vector<int64_t> block_types() {
   std::vector<int64_t> types;
@@ -306,9 +339,9 @@ at::Tensor block_linear_meta(const at::Tensor& x, const at::Tensor& blocks, cons
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(quickdraft, m) {
+TORCH_LIBRARY(quickdraft, m) {
   m.def("block_linear(Tensor x, Tensor blocks, Tensor meta) -> Tensor");
-  m.def("block_repack(Tensor raw, int type) -> Tensor");
+  m.def("block_repack(Tensor raw, int type, int rows) -> Tensor");
   m.def("block_rows(Tensor blocks, Tensor meta, Tensor ids) -> Tensor");
   m.def("block_group_rows() -> int", block_group_rows);
   m.def("block_types() -> int[]", block_types);

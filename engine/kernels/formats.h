@@ -14,7 +14,8 @@
 //
 // The repack puts each field's words (2 bytes for halves, 4 for the rest) of a group's kRows
 // rows side by side, unit by unit: the bytes a row stores at offset o of a unit lie, for all
-// kRows rows, at kRows * o of the repacked unit. A repacked group has the file's size.
+// kRows rows, at kRows * o of the repacked unit (a row's kTail bytes after its units, a
+// float, likewise after the group's units). A repacked group has the rows' own size.
 #pragma once
 
 #include <array>
@@ -29,9 +30,10 @@ struct Field {
   int unit;  // bytes a lane holds: 2 (a half) or 4
 };
 
-// What most formats share: unsigned codes, one scale per block of 32, no low.
+// What most formats share: unsigned codes, one scale per block of 32, no low, nothing
+// stored per row after the units.
 struct Plain {
-  static constexpr int kBias = 0;
+  static constexpr int kBias = 0, kTail = 0;
   static constexpr bool kLow = false, kSigned = false, kSixteens = false;
 };
 
@@ -240,7 +242,25 @@ struct Q6_K : Plain {
   };
 };
 
+// Quickdraft's own int8w (engine/quant.py): int8 codes in blocks of 32 and one float32
+// scale per row, stored after the row's units (kTail bytes, side by side for a group's
+// rows); w = code * row scale. The row scale multiplies the finished sums, each block's
+// scale being 1. (Quickdraft's int4 is Q4_1.)
+struct I8 : Plain {
+  static constexpr int kType = 256, kElems = 32, kBytes = 32, kTail = 4;
+  static constexpr bool kSigned = true;
+  static constexpr std::array<Field, 1> kFields{{{0, 32, 4}}};
+  template <class V>
+  struct Unit {
+    const uint8_t* p;
+    explicit Unit(const uint8_t* unit) : p(unit) {}
+    typename V::F scale(int) const { return V::fset(1.f); }
+    typename V::F low(int) const { return V::fzero(); }
+    typename V::I word(int, int g) const { return V::load(p + V::kRows * 4 * g); }
+  };
+};
+
 // Every format the kernels read. Adding one: its struct above and its name here.
-using Formats = std::tuple<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K>;
+using Formats = std::tuple<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8>;
 
 }  // namespace quickdraft

@@ -42,6 +42,7 @@ struct Lanes8 {
   static I abs8(I a) { return _mm256_sign_epi8(a, a); }
   static I sign8(I a, I b) { return _mm256_sign_epi8(a, b); }
   static I dot(I acc, I u, I s) { return dpbusd(acc, u, s); }
+  static F fload(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F fset(float v) { return _mm256_set1_ps(v); }
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
@@ -81,6 +82,7 @@ struct Lanes16 {
     return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F));
   }
   static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static F fload(const uint8_t* p) { return _mm512_loadu_ps(p); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset(float v) { return _mm512_set1_ps(v); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }

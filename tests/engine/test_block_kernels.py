@@ -59,35 +59,39 @@ def quantized(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", FORMATS)
 def test_a_layer_reads_gguf_values_and_multiplies_by_them(kind):
     k = 512
-    rows = random_rows(kind, 40, k, seed=FORMATS.index(kind))  # 40: the last group padded
+    rows = random_rows(kind, 44, k, seed=FORMATS.index(kind))  # 44: the last group padded
     want = gguf_values(kind, rows, k)
     layer = BlockLinear.from_rows(torch.from_numpy(rows), kind, k)
-    assert layer.packed.shape[0] % gguf_blocks.group_rows() == 0
-    assert layer.packed.numel() == -(-40 // gguf_blocks.group_rows()) * gguf_blocks.group_rows() \
-        * rows.shape[1]  # the file's bytes, no more (padding aside)
-    assert torch.equal(layer.rows(torch.arange(40)), want)  # bit for bit, signs of zero too
-    assert torch.equal(layer.rows(torch.arange(40)).view(torch.int32), want.view(torch.int32))
+    assert int(layer.scales[1]) == 8  # groups of 16 rows only where the rows fill them
+    assert layer.packed.shape == (48, rows.shape[1])  # the file's bytes, and 4 zero rows
+    assert torch.equal(layer.rows(torch.arange(44)), want)  # bit for bit, signs of zero too
+    assert torch.equal(layer.rows(torch.arange(44)).view(torch.int32), want.view(torch.int32))
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)) * 2
     x[0, :32] = 0  # a block of zeros has scale 0
     for dtype, tolerance in ((torch.float32, 2e-6), (torch.bfloat16, 8e-3)):
         out = layer.low_bit(x.to(dtype))  # the kernel itself (the layer casts to bf16)
-        assert out.dtype == dtype and out.shape == (6, 40)
+        assert out.dtype == dtype and out.shape == (6, 44)
         reference = quantized(x.to(dtype)) @ want.double().t()
         assert ((out.double() - reference).abs().max() / reference.abs().max()) < tolerance
 
 
 @built
 @pytest.mark.parametrize("kind", FORMATS)
-def test_a_row_gives_the_same_bits_in_a_step_of_any_size(kind):
+def test_a_row_gives_the_same_bits_in_a_step_of_any_size_and_group_width(kind):
     """Drafted steps verify several tokens at once: each must get exactly what a plain step
-    of that token alone would (the arithmetic of a row never depends on the others)."""
-    rows = random_rows(kind, 32, 768, seed=7)
-    layer = BlockLinear.from_rows(torch.from_numpy(rows), kind, 768)
+    of that token alone would (the arithmetic of a row never depends on the others), and
+    groups of 8 or 16 rows (256- or 512-bit registers) compute the same lanes alike."""
+    rows = torch.from_numpy(random_rows(kind, 32, 768, seed=7))
+    layer = BlockLinear.from_rows(rows, kind, 768)
     x = torch.randn(13, 768, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     whole = layer(x)
     for size in (1, 2, 3, 4, 5):
         for i in range(0, 13 - size + 1, size):
             assert torch.equal(whole[i:i + size], layer(x[i:i + size]))
+    kind_id = gguf_blocks.formats()[kind]
+    narrow = torch.ops.quickdraft.block_repack(rows, kind_id, 8)
+    assert torch.equal(torch.ops.quickdraft.block_linear(x, narrow, torch.tensor([kind_id, 8])),
+                       layer.low_bit(x))
 
 
 NARROW = '''
@@ -95,7 +99,7 @@ import sys, torch
 from engine import gguf_blocks, kernels
 kernels._cpu_flags = lambda: {"avx2"}
 assert kernels.vnni_flags() == () and kernels.wide_flags() == () and kernels.available()
-assert gguf_blocks.group_rows() == 8, kernels.problem
+assert torch.ops.quickdraft.block_group_rows() == 8, kernels.problem
 rows, x = torch.load(sys.argv[1])
 out = {kind: gguf_blocks.BlockLinear.from_rows(r, kind, 512)(x) for kind, r in rows.items()}
 torch.save(out, sys.argv[1])
@@ -127,4 +131,4 @@ def test_the_format_table_is_the_libraries_and_bad_input_is_refused():
     with pytest.raises(RuntimeError, match="repacked for groups of 4 rows"):
         torch.ops.quickdraft.block_linear(torch.randn(1, 64), layer.packed, other)
     with pytest.raises(RuntimeError, match="no kernel for GGML block type 99"):
-        torch.ops.quickdraft.block_repack(torch.zeros(8, 18, dtype=torch.uint8), 99)
+        torch.ops.quickdraft.block_repack(torch.zeros(8, 18, dtype=torch.uint8), 99, 8)
