@@ -1,7 +1,6 @@
-// Activations as every low-bit kernel here reads them: each row quantized to int8 in blocks
-// of 32 with a float scale per block (llama.cpp's Q8_0 form), and the integer dot product
-// of 4-byte groups those kernels are built on. Shared by lowbit.cpp (Quickdraft's own int8
-// and int4 layouts) and blocks.cpp (GGUF block formats).
+// Activations as the block kernels (blocks.cpp) read them: each row quantized to int8 in
+// blocks of 32 with a float scale per block (llama.cpp's Q8_0 form), and the integer dot
+// product of 4-byte groups those kernels are built on (256 bits; lanes.h has both widths).
 #pragma once
 
 #include <immintrin.h>

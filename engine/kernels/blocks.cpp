@@ -2,7 +2,7 @@
 // and Quickdraft's int4 (Q4_1) and int8w) x int8 activations, for steps of 1..n tokens, read
 // from a repack of the blocks that is exactly their size: no weight is ever expanded.
 //
-// The arithmetic is lowbit.cpp's: each activation row quantized per block of 32 (a float
+// Each activation row is quantized per block of 32 (llama.cpp's Q8_0 form: a float
 // scale and int8 values), then for each block of 32 weights an exact integer dot product of
 // codes and activations, corrected for the codes' offset with the activations' block sum
 // (for Q6_K, each half of 16 first multiplied by its integer scale), and
@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <type_traits>
 
 #include "activations.h"
@@ -76,7 +77,7 @@ constexpr int chains() {
 // group's rows, for R rows: see the file's comment for the arithmetic.
 template <class V, class F, int R>
 inline void multiply_block(const typename F::template Unit<V>& unit, int j, const Quantized& a,
-                       int64_t r0, int64_t k, int64_t b, typename V::F acc[R]) {
+                           int64_t r0, int64_t k, int64_t b, typename V::F acc[R]) {
   using I = typename V::I;
   constexpr int C = chains<F, R>();
   const int64_t nb = k / kBlock;
@@ -98,7 +99,7 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
   }
   // signed codes under VNNI were offset by 128 to be unsigned
   constexpr int bias = F::kSigned ? (V::kVnni ? 128 : 0) : F::kBias;
-  const typename V::F scale = unit.scale(j);
+  const typename V::F scale = unit.scale(j), low = F::kLow ? unit.low(j) : V::fzero();
   I first, second;
   if constexpr (F::kSixteens) unit.sixteens(j, first, second);
   for (int r = 0; r < R; ++r) {
@@ -119,7 +120,7 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
       if constexpr (bias != 0) dot = V::sub(dot, V::words(bias * a.sum[at]));
     }
     acc[r] = V::fma(V::cvt(dot), V::fmul(scale, V::fset(a.d[at])), acc[r]);
-    if constexpr (F::kLow) acc[r] = V::fma(unit.low(j), V::fset(a.dsum[at]), acc[r]);
+    if constexpr (F::kLow) acc[r] = V::fma(low, V::fset(a.dsum[at]), acc[r]);
   }
 }
 
@@ -137,7 +138,8 @@ void tile(const uint8_t* group, const uint8_t* next, const Quantized& a, int64_t
     for (int64_t at = 0; at < unit_bytes; at += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + u * unit_bytes + at), _MM_HINT_T0);
     const typename F::template Unit<V> unit(group + u * unit_bytes);
-    for (int j = 0; j < blocks; ++j) multiply_block<V, F, R>(unit, j, a, r0, k, u * blocks + j, acc);
+    for (int j = 0; j < blocks; ++j)
+      multiply_block<V, F, R>(unit, j, a, r0, k, u * blocks + j, acc);
   }
   if constexpr (F::kTail > 0) {  // each row's float scale, after the group's units
     const typename V::F scale = V::fload(group + units * unit_bytes);
@@ -210,6 +212,58 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const at:
   });
 }
 
+// Every word of a block of F, field by field: its offset in the block and its size (2 or 4).
+struct Word {
+  int at = 0, size = 0;
+};
+template <class F>
+constexpr int word_count() {
+  int n = 0;
+  for (const Field& field : F::kFields) n += field.bytes / field.unit;
+  return n;
+}
+template <class F>
+constexpr std::array<Word, word_count<F>()> words_of() {
+  std::array<Word, word_count<F>()> out{};
+  int i = 0;
+  for (const Field& field : F::kFields)
+    for (int w = 0; w < field.bytes / field.unit; ++w)
+      out[i++] = Word{field.offset + w * field.unit, field.unit};
+  return out;
+}
+
+// Copies `size` (2 or 4) bytes: typed moves, not a call per word.
+inline void move_word(uint8_t* to, const uint8_t* from, int size) {
+  if (size == 4) {
+    uint32_t v;
+    std::memcpy(&v, from, 4);
+    std::memcpy(to, &v, 4);
+  } else {
+    uint16_t v;
+    std::memcpy(&v, from, 2);
+    std::memcpy(to, &v, 2);
+  }
+}
+
+// One group of `count` (<= kRows) rows, repacked into `group` (zeroed: missing rows stay
+// zero blocks): for each unit, each word of the block for every row side by side.
+template <class F>
+void repack_group(const uint8_t* const* rows, int count, int kRows, int64_t units,
+                  uint8_t* group) {
+  constexpr auto kWords = words_of<F>();
+  for (int64_t u = 0; u < units; ++u) {
+    uint8_t* unit = group + u * kRows * F::kBytes;
+    for (const Word& word : kWords) {
+      uint8_t* to = unit + kRows * word.at;
+      for (int c = 0; c < count; ++c)
+        move_word(to + c * word.size, rows[c] + u * F::kBytes + word.at, word.size);
+    }
+  }
+  for (int c = 0; c < count && F::kTail > 0; ++c)
+    std::memcpy(group + units * kRows * F::kBytes + c * F::kTail,
+                rows[c] + units * F::kBytes, F::kTail);
+}
+
 // The file's rows (N, bytes per row) as the kernels read them: groups of `rows` rows (8 or
 // 16), each field's words side by side (formats.h); rows past N (up to a multiple of
 // `rows`) are zero blocks, whose values are all zero.
@@ -229,21 +283,11 @@ at::Tensor block_repack(const at::Tensor& raw, int64_t type, int64_t rows) {
     const uint8_t* from = src.data_ptr<uint8_t>();
     uint8_t* to = out.data_ptr<uint8_t>();
     at::parallel_for(0, padded / kRows, 16, [&](int64_t begin, int64_t end) {
+      const uint8_t* group_rows[16];
       for (int64_t grp = begin; grp < end; ++grp) {
-        uint8_t* group = to + grp * kRows * row_bytes;
-        for (int c = 0; c < kRows && grp * kRows + c < n; ++c) {
-          const uint8_t* row = from + (grp * kRows + c) * row_bytes;
-          for (int64_t u = 0; u < units; ++u) {
-            uint8_t* unit = group + u * kRows * F::kBytes;
-            for (const Field& fd : F::kFields)
-              for (int w = 0; w < fd.bytes / fd.unit; ++w)
-                std::memcpy(unit + kRows * (fd.offset + w * fd.unit) + c * fd.unit,
-                            row + u * F::kBytes + fd.offset + w * fd.unit, fd.unit);
-          }
-          if constexpr (F::kTail > 0)
-            std::memcpy(group + units * kRows * F::kBytes + c * F::kTail,
-                        row + units * F::kBytes, F::kTail);
-        }
+        const int count = static_cast<int>(std::min<int64_t>(kRows, n - grp * kRows));
+        for (int c = 0; c < count; ++c) group_rows[c] = from + (grp * kRows + c) * row_bytes;
+        repack_group<F>(group_rows, count, kRows, units, to + grp * kRows * row_bytes);
       }
     });
     return out;
