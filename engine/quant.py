@@ -270,8 +270,6 @@ def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:
         return True
     if device.type == "cuda":
         return _inner_tiles(k) > 0 and n % 8 == 0 and k % GROUP_SIZE == 0
-    if kind == "int8w":
-        return True
     # Quickdraft's kernels take whole groups of rows, PyTorch's CPU packing N % 16
     return own_kernels(device, k, n, kind) or (k % GROUP_SIZE == 0 and n % 16 == 0)
 
