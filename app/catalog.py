@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from app.model_folders import ModelFolders, find_models
-from engine import devices, gguf, hub, quant, quant_auto
+from engine import devices, gguf, gguf_header, gguf_model, hub, quant, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError, QuickdraftError
 from engine.loading import LoadedModel, bundled_folder, missing_source, weights_bytes
@@ -66,7 +66,7 @@ def gguf_models(folders: ModelFolders | None = None) -> list[tuple[str, str]]:
         try:
             stat = found.path.stat()
             params = _gguf_parameters(str(found.path), stat.st_size, stat.st_mtime_ns)
-            need = _gguf_need(params, "auto")[1]
+            need = _gguf_need(found.path, params, "auto")[1]
             memory = f"~{_size(need)} to run"
         except QuickdraftError as exc:  # listed anyway, with why it cannot be opened
             memory = str(exc).replace(str(found.path), "").strip(" :").split(";")[0]
@@ -82,11 +82,19 @@ def _gguf_parameters(path: str, _size: int, _mtime_ns: int) -> int:
     return gguf.inspect(Path(path)).parameters
 
 
-def _gguf_need(params: int, quant: str) -> tuple[str, int]:
-    """(resolved quantization, bytes needed) for a GGUF model once converted (fp32 on disk)."""
+def _gguf_need(path: Path, params: int, quant: str) -> tuple[str, int]:
+    """(resolved quantization, bytes needed) for a GGUF model: on its own blocks (about the
+    file's size) where it runs that way, else once converted (fp32 on disk)."""
     device = devices.pick_device("auto")
+    if quant in ("auto", gguf_model.QUANT) and _stored(path, device):
+        return gguf_model.QUANT, int(path.stat().st_size * RUNTIME_OVERHEAD)
     resolved = devices.resolve_quant(quant, device, params * 4)
     return resolved, estimate_bytes(params, resolved)
+
+
+def _stored(path: Path, device: torch.device) -> bool:
+    """Whether the GGUF file runs on its own blocks on `device`."""
+    return gguf_model.why_not(gguf_header.read(path), device) is None
 
 
 def local_folder(spec: ModelSpec) -> Path | None:
@@ -167,18 +175,20 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
     device = devices.pick_device(spec.device)
     if folder.is_file():
         info = gguf.inspect(folder)  # a one-line error when the file cannot be used
-        quant, need = _gguf_need(info.parameters, spec.quant)
+        quant, need = _gguf_need(folder, info.parameters, spec.quant)
         params = info.parameters
+        how = ("runs on its own blocks" if quant == gguf_model.QUANT
+               else "converted once to safetensors")
         model = (f"GGUF {info.architecture} ({'/'.join(info.tensor_types)}), "
                  f"{info.parameters / 1e6:,.0f} M parameters, {_size(info.file_bytes)} file · "
-                 "converted once to safetensors")
+                 f"{how}")
     else:
         params = count_parameters(folder)
         quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
         need = estimate_bytes(params, quant)
         model = f"{params / 1e6:,.0f} M parameters"
     free = available_bytes(device)
-    if spec.quant == "auto" and device.type == "cpu":
+    if spec.quant == "auto" and device.type == "cpu" and quant != gguf_model.QUANT:
         choices = quant_auto.CANDIDATES
         sizes = ", ".join(f"{q} ~{_size(estimate_bytes(params, q))}" for q in choices)
         need = max(estimate_bytes(params, q) for q in choices)

@@ -13,7 +13,8 @@ from engine.quant_auto import PPL_TOLERANCE, RIGHT_SLACK
 
 NAMES = {"fp32": "32-bit floats (fp32)", "bf16": "16-bit floats (bf16)",
          "int8w": "8-bit weights (int8w)", "int4": "4-bit weights (int4)",
-         "nf4": "4-bit NF4 (bitsandbytes)", "int8": "8-bit (bitsandbytes)"}
+         "nf4": "4-bit NF4 (bitsandbytes)", "int8": "8-bit (bitsandbytes)",
+         "gguf": "the GGUF file's own blocks (gguf)"}
 
 
 def name(quant: str) -> str:
@@ -22,7 +23,7 @@ def name(quant: str) -> str:
 
 def kernel_words(quant: str, device: str) -> str:
     """Which kernels multiply `quant` weights on `device` here."""
-    if quant in ("int4", "int8w"):
+    if quant in ("int4", "int8w", "gguf"):
         if device == "cuda":
             return "PyTorch's CUDA kernels"
         return "PyTorch's kernels" if kernels.problem else "Quickdraft's own CPU kernels"

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from engine.errors import QuickdraftError
 
-# int4 / int8w: weight-only low-bit through PyTorch's kernels (engine/quant.py);
-# nf4 / int8: bitsandbytes.
-QUANT_CHOICES = ("auto", "int4", "int8w", "nf4", "int8", "bf16", "fp32")
+# int4 / int8w: weight-only low-bit on Quickdraft's or PyTorch's kernels (engine/quant.py);
+# gguf: a GGUF file's own blocks, as stored (engine/gguf_model.py); nf4 / int8: bitsandbytes.
+QUANT_CHOICES = ("auto", "gguf", "int4", "int8w", "nf4", "int8", "bf16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ACCEPTANCE_CHOICES = ("auto", "greedy", "lossless", "typical")
 # auto: the lean step where the family is covered (compiled once the app starts compiling),

@@ -1,7 +1,6 @@
-"""GGUF files (LM Studio, Ollama, llama.cpp downloads): check them, and convert them once into
-a folder in the user cache. A file of float weights becomes a safetensors model folder; a
-quantized one keeps its bits (engine/lowbit_folder.py): its linear layers are stored as
-4- or 8-bit codes and load into the low-bit kernels.
+"""GGUF files (LM Studio, Ollama, llama.cpp downloads): check them, and, where a file cannot
+run on its own blocks (engine/gguf_model.py: another architecture or block type, a GPU, or
+a choice that expands it), convert it once into a safetensors folder in the user cache.
 
 transformers reads and dequantizes GGUF for the architectures it knows (names, layouts);
 the converted folder reloads in about a second, where reading the GGUF again would take
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -19,15 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import lowbit_folder
+from engine import gguf_header
 from engine.errors import ModelLoadError
-from engine.fingerprint import fingerprint
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"GGUF"
-VERSIONS = (2, 3)  # the GGUF versions the gguf reader understands
 # Bytes hashed from the start, middle and end of a file to name its converted folder: cheap
 # on multi-GB files, and a re-downloaded or edited file (other header, other weights) misses.
 SAMPLE_BYTES = 1 << 20
@@ -70,7 +67,7 @@ def is_gguf(path: Path) -> bool:
     """True when the file starts with the GGUF magic (Ollama blobs have no extension)."""
     try:
         with open(path, "rb") as f:
-            return f.read(4) == MAGIC
+            return f.read(4) == gguf_header.MAGIC
     except OSError:
         return False
 
@@ -79,77 +76,48 @@ def inspect(path: Path) -> GGUFInfo:
     """Read and check a GGUF header; ModelLoadError names the file and what is supported."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
-    if not is_gguf(path):
-        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header); give a .gguf file, "
-                             "a model folder or a repo id")
-    _check_version(path)
-    reader = _reader(path)
-    _check_strings(path, reader)
-    size = path.stat().st_size
-    if not reader.tensors:
+    header = gguf_header.read(path)
+    if not header.tensors:
         raise ModelLoadError(f"{path} holds no tensors: it is not a model, or it is corrupt")
-    end = max(t.data_offset + int(t.n_bytes) for t in reader.tensors)
-    if end > size:
-        raise ModelLoadError(f"{path} is truncated ({size:,} of {end:,} bytes): download it again")
-    arch = _field(reader, "general.architecture") or "?"
+    arch = header.architecture
     if arch not in supported_architectures():
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                              f"{', '.join(supported_architectures())}")
-    types = tuple(sorted({t.tensor_type.name for t in reader.tensors}))
+    types = tuple(sorted({type_name(t.type) for t in header.tensors}))
     unknown = [t for t in types if t not in supported_types()]
     if unknown:
         raise ModelLoadError(f"{path}: GGUF tensor type {', '.join(unknown)} is not supported; "
                              f"supported: {', '.join(supported_types())}")
-    if _field(reader, "tokenizer.ggml.model") is None:
+    end = max(t.start + tensor_bytes(t) for t in header.tensors)
+    if end > header.size:
+        raise ModelLoadError(f"{path} is truncated ({header.size:,} of {end:,} bytes): "
+                             "download it again")
+    if "tokenizer.ggml.model" not in header.fields:
         raise ModelLoadError(f"{path} has no tokenizer in its GGUF metadata")
-    return GGUFInfo(path, arch, _field(reader, "general.name") or path.name,
-                    sum(int(t.n_elements) for t in reader.tensors), size, types)
+    name = header.fields.get("general.name")
+    return GGUFInfo(path, arch, name if isinstance(name, str) and name else path.name,
+                    sum(math.prod(t.shape) for t in header.tensors), header.size, types)
 
 
-def _check_version(path: Path) -> None:
-    with open(path, "rb") as f:
-        version = int.from_bytes(f.read(8)[4:], "little")
-    if version not in VERSIONS:
-        raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: "
-                             f"{', '.join(map(str, VERSIONS))})")
-
-
-def _check_strings(path: Path, reader) -> None:
-    """gguf cuts a string that claims more bytes than the file holds; say so instead."""
-    from gguf import GGUFValueType
-
-    for field in reader.fields.values():
-        if len(field.parts) == 5 and field.types == [GGUFValueType.STRING]:
-            claimed, held = int(field.parts[3][0]), len(field.parts[4])
-            if claimed != held:
-                raise ModelLoadError(f"{path}: the value of {field.name!r} is too long for "
-                                     f"the file ({claimed:,} bytes claimed, {held:,} held): "
-                                     "the file is corrupt or truncated")
-
-
-def _reader(path: Path):
-    from gguf import GGUFReader
+def type_name(kind: int) -> str:
+    """A GGML type id's name ("Q4_K")."""
+    from gguf import GGMLQuantizationType
 
     try:
-        return GGUFReader(path)
-    except IndexError as exc:  # a length in the header points past the end of the file
-        raise ModelLoadError(f"{path} is corrupt: a header entry is too long for the file "
-                             "(or the file is truncated): download it again") from exc
-    except (ValueError, KeyError, OSError, OverflowError, TypeError) as exc:
-        # gguf reads the header through a memory map: a cut file fails wherever it ends
-        raise ModelLoadError(f"{path} is truncated or corrupt ({type(exc).__name__}): "
-                             "download it again") from exc
+        return GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"
 
 
-def _field(reader, key: str):
-    """A string or number field of the header, or None."""
-    field = reader.get_field(key)
-    if field is None:
-        return None
+def tensor_bytes(tensor: gguf_header.Tensor) -> int:
+    """The bytes `tensor` takes in the file (0 for a type gguf does not know)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     try:
-        return field.contents()
-    except (ValueError, IndexError, TypeError):
-        return None
+        elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.type)]
+    except (ValueError, KeyError):
+        return 0
+    return math.prod(tensor.shape) // elems * size
 
 
 def parse_hub(source: str) -> tuple[str, str] | None:
@@ -181,12 +149,11 @@ def file_key(path: Path) -> str:
 
 
 def converted_folder(path: Path, report=None) -> Path:
-    """The safetensors folder for a GGUF file: converted on first use, reused after."""
+    """The safetensors folder for a GGUF file (its weights expanded to fp32): converted on
+    first use, reused after."""
     report = report or (lambda _message: None)
     stem = re.sub(r"[^\w.-]+", "-", path.name.removesuffix(".gguf"))[:60] or "model"
-    key = file_key(path)
-    # "-lb<format>": folders written before low-bit folders existed are not reused
-    target = cache_dir() / "models" / "gguf" / f"{stem}-{key}-lb{lowbit_folder.FORMAT}"
+    target = cache_dir() / "models" / "gguf" / f"{stem}-{file_key(path)}"
     if (target / "config.json").is_file():  # the folder appears whole or not at all
         return target
     info = inspect(path)
@@ -195,13 +162,12 @@ def converted_folder(path: Path, report=None) -> Path:
     start = time.perf_counter()
     convert(path, target)
     report(f"converted {path.name} in {time.perf_counter() - start:.0f} s")
-    shutil.rmtree(target.with_name(f"{stem}-{key}"), ignore_errors=True)  # fp32 expansion
     return target
 
 
-def convert(path: Path, target: Path, keep_bits: bool = True) -> None:
-    """Read the GGUF once and save its folder, atomically: quantized linear layers as codes
-    when `keep_bits` (see engine/lowbit_folder.py), everything else as safetensors."""
+def convert(path: Path, target: Path) -> None:
+    """Read the GGUF once through transformers and save its folder (fp32 safetensors and the
+    tokenizer), atomically."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -220,13 +186,7 @@ def convert(path: Path, target: Path, keep_bits: bool = True) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tensors = _hf_tensors(path, model) if keep_bits else {}
-    kinds = lowbit_folder.layer_kinds(model, tensors)
-    if kinds:
-        lowbit_folder.save(model, kinds, tensors, tmp, fingerprint(model))
-        model.config.save_pretrained(tmp)
-    else:
-        model.save_pretrained(tmp)
+    model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -235,16 +195,3 @@ def convert(path: Path, target: Path, keep_bits: bool = True) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
         if not (target / "config.json").is_file():
             raise
-
-
-def _hf_tensors(path: Path, model) -> dict:
-    """{transformers parameter name: the file's tensor} ({} where transformers
-    cannot map this architecture's names: the folder is then written dense)."""
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
-
-    try:
-        names = get_gguf_hf_weights_map(model, TensorProcessor())
-    except (KeyError, ValueError, NotImplementedError) as exc:
-        log.info("GGUF names of %s not mapped (%s): its weights are expanded", path.name, exc)
-        return {}
-    return {names[t.name]: t for t in _reader(path).tensors if t.name in names}

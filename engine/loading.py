@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, kernels, lowbit_folder, quant_auto
+from engine import devices, gguf, gguf_model, kernels, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
@@ -64,17 +64,21 @@ class LoadedModel:
 
 def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> LoadedModel:
     """Load the model `spec` names; raises ModelLoadError with a one-line reason. `report`
-    hears about slow first-time steps (converting a GGUF file)."""
+    hears about slow steps (reading a GGUF file, converting one the first time)."""
     start = time.perf_counter()
-    folder, model_id = resolve_folder(spec, report)
     device = devices.pick_device(spec.device)
-    low_bit = spec.quant in ("auto", *LOW_BIT) or lowbit_folder.is_lowbit(folder)
+    low_bit = spec.quant in ("auto", gguf_model.QUANT, *LOW_BIT)
     if device.type == "cpu" and low_bit and kernels.needs_building():
         (report or log.info)("building Quickdraft's CPU kernels for this machine (first time "
                              "only, about half a minute)")
         kernels.available()
-    if lowbit_folder.is_lowbit(folder):
-        return _load_lowbit(folder, spec, model_id, device, start, report)
+    stored = _load_stored(spec, device, start, report)
+    if stored is not None:
+        return stored
+    if spec.quant == gguf_model.QUANT:
+        raise ModelLoadError(f"--quant {gguf_model.QUANT} runs a GGUF file's own blocks: "
+                             f"{spec.source} is not a GGUF file")
+    folder, model_id = resolve_folder(spec, report)
     quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
@@ -106,60 +110,40 @@ def release_freed_memory() -> None:
         pass
 
 
-def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: float,
-                 report: Callable[[str], None] | None):
-    """A GGUF file's folder that kept its low bits (engine/lowbit_folder.py). Under --quant
-    auto on a CPU the file's own format is the choice: as it is where it is kept exactly,
-    else unless the quality gate refuses it against the file's weights expanded."""
-    loaded = lowbit_folder.load(folder, spec.quant, device)
-    tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
-    choice = None
-    if spec.quant == "auto" and device.type == "cpu" and not loaded.exact:
-        choice, expanded = _file_choice(folder, loaded, tokenizer, spec, model_id, device,
-                                        report)
-        if choice.quant != quant_auto.OWN:  # refused: the file's weights, expanded
-            loaded = expanded or lowbit_folder.load(folder, choice.quant, device)
-    lm = wrap_model(loaded.model, tokenizer, spec, model_id, loaded.quant,
-                    time.perf_counter() - start, loaded.fingerprint)
-    lm.quant_reason = (f"{loaded.reason}; {choice.reason}" if choice is not None
-                       else loaded.reason)
-    lm.quant_choice = choice
+def _load_stored(spec: ModelSpec, device: torch.device, start: float,
+                 report: Callable[[str], None] | None) -> LoadedModel | None:
+    """A GGUF file on its own blocks (engine/gguf_model.py) where `spec` asks for that
+    (`gguf`, or `auto`: a file's own format is its default); None for any other source or
+    choice, and for a file that cannot run that way under `auto` (it is converted)."""
+    path, model_id = gguf_source(spec)
+    if path is None or spec.quant not in ("auto", gguf_model.QUANT):
+        return None
+    try:
+        opened = gguf_model.open_stored(path, device, report)
+    except gguf_model.NotStored as why:
+        if spec.quant == gguf_model.QUANT:
+            raise ModelLoadError(f"{path.name} cannot run on its own blocks here: {why}") from why
+        (report or log.info)(f"{path.name}: {why}; converting it instead")
+        return None
+    lm = wrap_model(opened.model, opened.tokenizer, spec, model_id, gguf_model.QUANT,
+                    time.perf_counter() - start, opened.fingerprint)
+    lm.quant_reason = opened.reason
     release_freed_memory()
     return lm
 
 
-def _file_choice(folder: Path, loaded, tokenizer, spec: ModelSpec, model_id: str, device,
-                 report) -> tuple[quant_auto.Choice, object]:
-    """(whether the file's own format as kept answers as well as the file's weights expanded
-    to bf16, the expanded weights where they were loaded for it): remembered, or measured
-    in bounded time (engine/quant_auto.py). Where the expanded copy does not fit beside it,
-    the own format stays, unchecked."""
-    key = quant_auto.machine_key(loaded.fingerprint) + f"|{quant_auto.OWN} {loaded.reason}"
-    choice = None if spec.requantize else quant_auto.remembered(key)
-    if choice is not None:
-        return choice, None
-    if not quant_auto.room_for(loaded.model, 2.0):
-        return quant_auto.Choice(quant_auto.OWN, "own format kept unchecked: the file's weights "
-                                 "expanded would not fit in memory beside it", 0, {}), None
-    (report or log.info)("checking the file's own format against its weights expanded "
-                         "(first time only)")
-    expanded = lowbit_folder.load(folder, "bf16", device)
-    def wrap(model, quant):
-        return wrap_model(model, tokenizer, spec, model_id, quant, 0.0, loaded.fingerprint)
-    candidates = [quant_auto.Candidate("bf16", lambda m: m, 0.0),
-                  quant_auto.Candidate(quant_auto.OWN, None, 0.0, built=loaded.model)]
-    try:
-        choice = quant_auto.measure(expanded.model, tokenizer, wrap,
-                                    _context_len(expanded.model),
-                                    eos_ids(expanded.model, tokenizer), report, candidates,
-                                    reference="bf16", default=quant_auto.OWN)
-    except Exception as error:  # noqa: BLE001 - a failed check keeps the file's own format
-        log.warning("auto quantization could not check the file's own format: %s", error)
-        return quant_auto.Choice(quant_auto.OWN, f"own format kept unchecked ({error})"[:200],
-                                 0, {}), None
-    quant_auto.remember(key, choice)
-    log.info("auto quantization: %s", choice.reason)
-    return choice, (expanded if choice.quant == "bf16" else None)
+def gguf_source(spec: ModelSpec) -> tuple[Path | None, str]:
+    """(the GGUF file `spec` names, its model id), or (None, "") when it names none: a local
+    file (whatever its name: Ollama's blobs have no extension) or "owner/name:file.gguf",
+    fetched from the hub."""
+    source = spec.source.strip()
+    path = Path(source).expanduser()
+    if source != "default" and path.is_file():
+        return path, str(path.resolve())
+    hub_gguf = None if path.exists() else gguf.parse_hub(source)
+    if hub_gguf is not None:
+        return gguf.hub_file(*hub_gguf, spec.revision), source
+    return None, ""
 
 
 def _auto_choice(model, tokenizer, spec, model_id, weights_print, report) -> quant_auto.Choice:
@@ -247,14 +231,10 @@ def resolve_folder(spec: ModelSpec, report: Callable[[str], None] | None = None
     source = spec.source.strip()
     if source == "default":
         return bundled_folder(), BUNDLED_ID
+    file, model_id = gguf_source(spec)
+    if file is not None:
+        return gguf.converted_folder(file, report), model_id
     path = Path(source).expanduser()
-    if path.is_file():  # a GGUF file, whatever its name (Ollama's blobs have no extension)
-        return gguf.converted_folder(path, report), str(path.resolve())
-    hub_gguf = None if path.exists() else gguf.parse_hub(source)
-    if hub_gguf is not None:
-        repo_id, filename = hub_gguf
-        return gguf.converted_folder(gguf.hub_file(repo_id, filename, spec.revision),
-                                     report), source
     if (why := missing_source(source)) is not None:
         raise ModelLoadError(why)
     if path.exists():
@@ -315,7 +295,7 @@ def bundled_folder() -> Path:
         )
     # Expanded to fp32 (not kept low-bit): the bundled model is the reference every
     # accelerator was trained on and every test decodes; --quant auto requantizes it to int4.
-    gguf.convert(source, target, keep_bits=False)
+    gguf.convert(source, target)
     return target
 
 

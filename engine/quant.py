@@ -1,22 +1,17 @@
 """Weight-only low-bit linear layers.
 
 `int4`: 4-bit weights in groups of 32 input features (asymmetric: a scale and a low per
-group, the form of llama.cpp's Q4_1), multiplied by tinygemm's `aten._weight_int4pack_mm`
-on CUDA. `int8w`: 8-bit weights with a scale per output row, multiplied by
-`torch._weight_int8pack_mm` on CUDA. On a CPU both run on Quickdraft's own kernels
-(engine/kernels: activations quantized to int8 per block of 32, as llama.cpp does, and
-integer dot products; int8 scales in float32, int4 ones in float16) where those could be
-built, else on `aten._weight_int4pack_mm_for_cpu` and `torch._weight_int8pack_mm` (bf16
-scales). Activations stay bf16 between layers.
+group, llama.cpp's Q4_1), multiplied by tinygemm's `aten._weight_int4pack_mm` on CUDA.
+`int8w`: 8-bit weights with a scale per output row, by `torch._weight_int8pack_mm` on CUDA.
+On a CPU both run on Quickdraft's own block kernels (engine/kernels: activations quantized
+to int8 per block of 32, as llama.cpp does, integer dot products, 8 or 16 outputs at once)
+where those could be built, else on PyTorch's CPU kernels (bf16 scales). Activations stay
+bf16 between layers.
 
-On a CPU a step's cost grows with every row (token) of the input: Quickdraft's kernels read
-a weight row once for up to 8 rows, so a step of 4 tokens costs ~1.7 plain steps on AVX2
-(measured on the bundled model). Where a CPU multiplies bf16 at about the same cost for 1
-or 32 rows, each layer can also keep its dequantized weights in bf16 (`wide`, opt-in) and
-multiply rows from `wide_rows` on with those: the same weights up to bf16 rounding.
-`wide_rows` comes from measured costs (engine/quant_wide.py), so where the low-bit kernel
-stays cheap no copy is kept. The copies cost memory (bf16 weights beside the low-bit ones);
-tied embeddings look up the LM head's dequantized table, so the head's copy is free.
+A step's cost grows with every row (token) of the input. Where a CPU multiplies bf16 at
+about the same cost for 1 or 32 rows, each layer can also keep its dequantized weights in
+bf16 (`wide`, opt-in) and multiply rows from `wide_rows` on with those: the same weights up
+to bf16 rounding, at the cost of their memory (engine/quant_wide.py measures `wide_rows`).
 """
 
 from __future__ import annotations
@@ -26,12 +21,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import int4_layout, kernels
+from engine import kernels
 from engine.errors import ModelLoadError
 from engine.quant_wide import measured_wide_rows
 
 LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
-GROUP_SIZE = int4_layout.BLOCK  # int4: inputs sharing one scale and zero point (as Q4_1)
+GROUP_SIZE = 32  # int4: inputs sharing one scale and zero point (as Q4_1)
+# The block formats (engine/kernels/formats.h) Quickdraft's own kernels store each kind in:
+# int4 is llama.cpp's Q4_1 (float16 scale and low), int8w its own (a float32 scale per row).
+BLOCK_TYPE = {"int4": 3, "int8w": 256}
 CUDA_INNER_K_TILES = (8, 4, 2)  # tinygemm's packings, fastest first: K % (16 * tiles) == 0
 # The LM head's kind per choice: 8-bit under int4, as llama.cpp's Q4 files keep their
 # token table in Q8_0/Q6_K (the head is where 4 bits cost the most perplexity).
@@ -71,6 +69,20 @@ class Codes:
         values = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
         return cls(kind, values.to(torch.uint8).reshape(n, k), scale, low)
 
+    def rows(self) -> torch.Tensor:
+        """The codes as Quickdraft's kernels' blocks (engine/kernels/formats.h), (N, bytes
+        per row) uint8: int4 as Q4_1 blocks (float16 scale and low, then 16 bytes holding
+        value i in the low nibble and value i + 16 in the high one), int8w as its int8 codes
+        then its float32 row scale."""
+        n, k = self.shape
+        if self.kind == "int8w":
+            scale = self.scale.float().contiguous().view(torch.uint8).reshape(n, 4)
+            return torch.cat([self.values.contiguous().view(torch.uint8), scale], 1)
+        groups = self.values.reshape(n, k // GROUP_SIZE, GROUP_SIZE).to(torch.uint8)
+        nibbles = groups[..., :GROUP_SIZE // 2] | groups[..., GROUP_SIZE // 2:] << 4
+        halves = torch.stack([self.scale.half(), self.low.half()], -1).view(torch.uint8)
+        return torch.cat([halves, nibbles], -1).reshape(n, -1)
+
     def kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scale, zero) in the kernels' bf16 and tinygemm's w = (value - 8) * scale + zero."""
         if self.kind == "int8w":
@@ -103,7 +115,7 @@ def _inner_tiles(k: int) -> int:
     return next((t for t in CUDA_INNER_K_TILES if k % (16 * t) == 0), 0)
 
 
-def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # tinygemm wants two codes per byte, high nibble first
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
         return torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_tiles(codes.shape[1]))
@@ -124,21 +136,20 @@ class LowBitLinear(nn.Module):
         self.bias = (None if bias is None else
                      nn.Parameter(bias.detach().to(device, torch.bfloat16), False))
         scale, zero = codes.kernel_scales()
-        # float32 (int8) and float16 (int4) scales select Quickdraft's kernels (`lowbit_mm`)
-        ours = (device.type == "cpu" and self.in_features % GROUP_SIZE == 0
-                and kernels.available())
-        if codes.kind == "int4" and ours and self.out_features % int4_layout.ROWS == 0:
-            packed, scales = int4_layout.pack(codes.values, codes.scale, codes.low)
+        if own_kernels(device, self.in_features, self.out_features, codes.kind):
+            # Quickdraft's kernels: the codes as blocks, repacked for them; `scales` holds
+            # their block type and group width (int64, what selects them in `lowbit_mm`)
+            packed, meta = repack(codes.rows(), BLOCK_TYPE[codes.kind])
             self.register_buffer("packed", packed)
-            self.register_buffer("scales", scales)
+            self.register_buffer("scales", meta)
         elif codes.kind == "int4":
-            self.register_buffer("packed", _pack_int4(codes.values.to(torch.int32), device))
+            self.register_buffer("packed", pack_int4(codes.values.to(torch.int32), device))
             # (K/group, N, 2): scale and zero per group and output, the kernels' layout
             self.register_buffer("scales", torch.stack([scale, zero], -1).transpose(0, 1)
                                  .contiguous().to(device))
         else:
             self.register_buffer("packed", codes.values.to(device))
-            self.register_buffer("scales", (scale.float() if ours else scale).to(device))
+            self.register_buffer("scales", scale.to(device))
         # (N, K) bf16 dequantized weights for wide steps, kept only when asked (they cost
         # more memory than the codes); None: every step uses the kernel
         self.wide: torch.Tensor | None = codes.kernel_dense().to(device) if wide else None
@@ -154,11 +165,31 @@ class LowBitLinear(nn.Module):
         """The dequantized (N, K) bf16 weights (drafters read the LM head's rows)."""
         return self.wide if self.wide is not None else self.dequantized()
 
+    @property
+    def blocks(self) -> bool:
+        """Whether the weights are blocks for Quickdraft's kernels (`scales`: their type)."""
+        return self.scales.dtype == torch.int64
+
+    @property
+    def padded(self) -> bool:
+        """Whether zero rows fill the blocks' last group (such a layer is not fused)."""
+        return self.packed.shape[0] != self.out_features
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), K) float32 weights of outputs `ids` (a token table's or a draft
+        vocabulary's rows), without a dense copy of the others where the layout allows it."""
+        if self.blocks:
+            return torch.ops.quickdraft.block_rows(self.packed, self.scales, ids)
+        if self.kind == "int8w":
+            return self.packed[ids].float() * self.scales[ids].float()[:, None]
+        return self.dequantized()[ids].float()
+
     def dequantized(self) -> torch.Tensor:
+        if self.blocks:
+            return self.rows(torch.arange(self.out_features, device=self.packed.device)
+                             ).to(torch.bfloat16)
         if self.kind == "int8w":
             return (self.packed.float() * self.scales.float()[:, None]).to(torch.bfloat16)
-        if self.scales.dtype == torch.float16:  # Quickdraft's int4 layout
-            return int4_layout.dense(self.packed, self.scales).to(torch.bfloat16)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
         return self.low_bit(eye).t().contiguous()  # (K, N) rows of W^T, exactly the kernel's
 
@@ -166,7 +197,8 @@ class LowBitLinear(nn.Module):
         """(M, K) bf16 -> (M, N) through the low-bit kernel."""
         # A layer fused with others (`fuse`) holds a strided view of the fused scales; the
         # kernels read them as contiguous.
-        return lowbit_mm(x, self.packed, self.scales.contiguous())
+        out = lowbit_mm(x, self.packed, self.scales.contiguous())
+        return out[:, :self.out_features] if self.padded else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every call is on the per-token path, 200+ times a step: no op that would do nothing.
@@ -187,75 +219,48 @@ class LowBitLinear(nn.Module):
                 f"wide_rows={self.wide_rows}")
 
 
+def own_kernels(device: torch.device, k: int, n: int, kind: str) -> bool:
+    """Whether a (n, k) layer of `kind` runs on Quickdraft's kernels here (int4 layers whose
+    outputs do not fill groups of 8 take PyTorch's kernel)."""
+    if device.type != "cpu" or k % GROUP_SIZE or not kernels.available():
+        return False
+    return kind == "int8w" or n % NARROW == 0
+
+
+NARROW = 8  # rows of the narrowest group Quickdraft's block kernels take (AVX2's 256 bits)
+
+
+def group_rows(n: int) -> int:
+    """Rows per group for a matrix of n rows: the widest the kernels take here (16 with
+    AVX-512) where n fills such groups, else 8 (the last group padded where n needs it)."""
+    widest = torch.ops.quickdraft.block_group_rows()
+    return widest if n % widest == 0 else NARROW
+
+
+def repack(rows: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed blocks, their int64 (type, rows per group)) for Quickdraft's kernels, from
+    (N, bytes per row) uint8 rows of block type `kind`."""
+    width = group_rows(rows.shape[0])
+    packed = torch.ops.quickdraft.block_repack(rows, kind, width)
+    return packed, torch.tensor([kind, width])
+
+
 def lowbit_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for:
-    Quickdraft's where int8 codes have float32 scales and int4 ones float16 scales,
-    PyTorch's where they have bf16 ones."""
+    Quickdraft's where blocks carry their type (int64 "scales": a GGUF file's, or int4's and
+    int8w's own), PyTorch's where codes have bf16 scales."""
+    if scales.dtype == torch.int64:
+        return torch.ops.quickdraft.block_linear(x, packed, scales)
     if packed.dtype == torch.int8:
-        if scales.dtype == torch.float32:
-            return torch.ops.quickdraft.q8_linear(x, packed, scales)
         if x.device.type == "cpu" and packed.shape[1] % 16:
             # PyTorch's CPU kernel crashes (segfault) on such widths for 2 rows or more on
             # some CPUs (a Xeon with AVX-512 and AMX, torch 2.13): the same product,
             # dequantized.
             return ((x.float() @ packed.float().T) * scales.float()).to(x.dtype)
         return torch._weight_int8pack_mm(x, packed, scales)
-    if scales.dtype == torch.float16:
-        return torch.ops.quickdraft.q4_linear(x, packed, scales)
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales)
-
-
-def fuse(layers: list[LowBitLinear]) -> LowBitLinear | None:
-    """One layer computing `layers`' outputs side by side (q, k, v -> qkv), or None where
-    their kinds or inputs differ, or the kernel's packing does not concatenate at their
-    boundaries. The fused layer owns the weights: each of `layers` is rebound to views
-    into it, so nothing is stored twice."""
-    first = layers[0]
-    if any(m.kind != first.kind or m.in_features != first.in_features for m in layers):
-        return None
-    if any(m.wide is not None for m in layers):  # bf16 copies kept: they stay per layer
-        return None
-    if any((m.bias is None) != (first.bias is None) for m in layers):
-        return None
-    if any(m.scales.dtype != first.scales.dtype for m in layers):  # kernels differ
-        return None
-    # PyTorch's int4 scales: (K/group, N, 2); the others' rows come first
-    axis = 1 if first.kind == "int4" and first.scales.dtype == torch.bfloat16 else 0
-    if axis and not _packing_concatenates([m.out_features for m in layers],
-                                          first.in_features, first.packed.device):
-        return None
-    fused = LowBitLinear.__new__(LowBitLinear)
-    nn.Module.__init__(fused)
-    fused.kind, fused.in_features = first.kind, first.in_features
-    fused.out_features = sum(m.out_features for m in layers)
-    fused.bias = None if first.bias is None else nn.Parameter(
-        torch.cat([m.bias for m in layers]), False)
-    fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
-    fused.register_buffer("scales", torch.cat([m.scales for m in layers], dim=axis))
-    fused.wide, fused.wide_rows = None, 0
-    start = 0
-    for m in layers:
-        rows = slice(start, start + m.out_features)
-        m.packed = fused.packed[rows]
-        m.scales = fused.scales[:, rows] if axis else fused.scales[rows]
-        if m.bias is not None:
-            m.bias = nn.Parameter(fused.bias[rows], False)
-        start = rows.stop
-    return fused
-
-
-def _packing_concatenates(rows: list[int], k: int, device: torch.device) -> bool:
-    """Whether the int4 packing of stacked layers equals their packings stacked (the CPU
-    kernel packs rows in blocks): probed on random codes of these shapes."""
-    generator = torch.Generator().manual_seed(0)
-    parts = [torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator) for n in rows]
-    try:
-        whole = _pack_int4(torch.cat(parts), device)
-        return torch.equal(whole, torch.cat([_pack_int4(p, device) for p in parts]))
-    except RuntimeError:  # a part the kernel cannot pack on its own
-        return False
 
 
 def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:
@@ -265,8 +270,8 @@ def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:
         return True
     if device.type == "cuda":
         return _inner_tiles(k) > 0 and n % 8 == 0 and k % GROUP_SIZE == 0
-    rows = int4_layout.ROWS if kernels.available() else 16  # PyTorch's CPU packing: N % 16
-    return k % GROUP_SIZE == 0 and n % rows == 0
+    # Quickdraft's kernels take whole groups of rows, PyTorch's CPU packing N % 16
+    return own_kernels(device, k, n, kind) or (k % GROUP_SIZE == 0 and n % 16 == 0)
 
 
 def _as_linear(module: nn.Module) -> nn.Linear | None:
@@ -348,9 +353,8 @@ class CodedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        head = self.head[0]
-        rows = head.packed[ids].float() * head.scales[ids].float()[..., None]
-        return rows.to(torch.bfloat16)
+        rows = self.head[0].rows(ids.reshape(-1)).to(torch.bfloat16)
+        return rows.view(*ids.shape, self.embedding_dim)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -59,7 +59,6 @@ FIRST_BATCH = 4  # ... in the first, which times the rest (one timed step mislea
 TIMING_PROMPT = 32  # prompt tokens before the timed steps (a short prefill for large models)
 FILE = "quant_choices.json"  # in the cache folder: {machine key: Choice}
 VERSION = 3  # bumped when what a choice means changes: older records are measured again
-OWN = "own"  # a GGUF file's own format, as Quickdraft keeps it (engine/lowbit_folder.py)
 
 
 @dataclass(frozen=True)
@@ -101,10 +100,9 @@ class Choice:
 class Candidate:
     """Weights auto may choose."""
 
-    name: str  # a --quant choice, or OWN
+    name: str  # a --quant choice
     make: Callable  # the reference model -> a model in these weights (it may be the reference)
     copy_bytes: float  # bytes per parameter a copy takes beside the reference (0: none)
-    built: object = None  # the model, where it is loaded already (a GGUF file's own format)
 
 
 def ladder() -> list[Candidate]:
@@ -240,12 +238,12 @@ def measure(model, tokenizer, wrap: Callable, window: int, eos: tuple[int, ...],
                time.perf_counter())
     built = {}
     for c in candidates or ladder():
-        if c.built is None and c.copy_bytes and not room_for(model, c.copy_bytes):
+        if c.copy_bytes and not room_for(model, c.copy_bytes):
             run.say(f"skipping {c.name} weights: a copy would not fit in memory beside the model")
             continue
-        if c.built is None and c.copy_bytes:
+        if c.copy_bytes:
             run.say(f"making the {c.name} weights")
-        built[c.name] = c.built if c.built is not None else c.make(model)
+        built[c.name] = c.make(model)
     run.start = time.perf_counter()  # the budget is the measuring's (copies are made once)
     checked, right, same = _answers(built, reference, run)
     ppl = _perplexities(built, run)  # with the answers' unused time where none fit

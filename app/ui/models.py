@@ -20,18 +20,20 @@ from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
 
+
 def quant_labels(device: str) -> list[tuple[str, str]]:
     """The quantization choices, each with the kernels that run it on `device` here."""
-    return [("Auto", "auto"), (f"4-bit ({kernel_words('int4', device)})", "int4"),
+    return [("Auto", "auto"), ("GGUF file's own blocks", "gguf"),
+            (f"4-bit ({kernel_words('int4', device)})", "int4"),
             (f"8-bit ({kernel_words('int8w', device)})", "int8w"),
             ("4-bit NF4 (bitsandbytes)", "nf4"), ("8-bit (bitsandbytes)", "int8"),
             ("bf16", "bf16"), ("fp32", "fp32")]
 
 
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
-QUANT_INFO = ("Auto: on a CPU, measured the first time a model loads (bf16, 8-bit or 4-bit "
-              "weights; what it chose and why shows above); on a GPU, bf16, or NF4 where bf16 "
-              "would not fit")
+QUANT_INFO = ("Auto: a quantized GGUF file runs on its own blocks, as stored; other models, "
+              "on a CPU, measured the first time they load (bf16, 8-bit or 4-bit weights; what "
+              "it chose and why shows above); on a GPU, bf16, or NF4 where bf16 would not fit")
 POLL_S = 0.3  # how often the page hears about a load in progress
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from engine import quant
 from engine import split as layers
 
 
@@ -97,5 +98,8 @@ def _copy_dense(src: nn.Module, dst: nn.Module) -> None:
 def draft_head(model, vocab: torch.Tensor | None) -> torch.Tensor:
     """(Vd, H) rows of the frozen LM head the drafter scores: all, or the reduced vocabulary
     (a copy of those rows: one contiguous matmul per draft token)."""
-    weight = _dense_weight(model.get_output_embeddings()).detach()
+    head = model.get_output_embeddings()
+    if vocab is not None and isinstance(head, quant.LowBitLinear):  # only these rows expanded
+        return head.rows(vocab.to(head.packed.device))
+    weight = _dense_weight(head).detach()
     return weight if vocab is None else weight[vocab.to(weight.device)].clone()

@@ -213,8 +213,11 @@ class MedusaDrafter(Drafter):
         # model), and its kernel takes the K rows at once.
         self._head = (head if isinstance(head, quant.LowBitLinear) and heads.vocab is None
                       and heads.vocab_ids is None else None)
-        # (V', H) LM-head rows the heads read otherwise: a small copy for a draft vocabulary.
+        # (V', H) LM-head rows the heads read otherwise: a small copy for a draft vocabulary
+        # (a low-bit head's rows read from its codes, without expanding the rest).
+        rows = heads.vocab_ids is not None and isinstance(head, quant.LowBitLinear)
         self._projection = (None if self._head is not None
+                            else head.rows(heads.vocab_ids).to(lm.dtype) if rows
                             else heads.project(head.weight.detach()))
         # The input embeddings the pending token is looked up in (the model's own module).
         self._embedding = (lm.model.get_input_embeddings()

@@ -29,7 +29,7 @@ def machine(lm) -> str:
         where = torch.cuda.get_device_name(lm.device)
     else:
         where = f"{devices.cpu_name()}, {torch.get_num_threads()} threads"
-        if lm.quant in ("int4", "int8w") and kernels.available():
+        if lm.quant in ("int4", "int8w", "gguf") and kernels.available():
             where += ", own int8 kernel"
     return f"{where}, torch {torch.__version__}"
 

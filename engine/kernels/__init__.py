@@ -1,11 +1,12 @@
-"""Quickdraft's own CPU kernels (lowbit.cpp: low-bit products; attention.cpp: decode
-attention of many sequences at once), compiled on first use with the C++ compiler
-that torch.compile already needs, and registered as torch operators (`quickdraft::...`), so
-eager code, torch.export and AOTInductor packages call them like any other operator.
+"""Quickdraft's own CPU kernels (blocks.cpp: low-bit weights in blocks, formats.h: GGUF
+files' own formats and Quickdraft's int4 and int8w; attention.cpp: decode attention of many
+sequences at once), compiled on first use with the C++ compiler that torch.compile already
+needs, and registered as torch operators (`quickdraft::...`), so eager code, torch.export
+and AOTInductor packages call them like any other operator.
 
-The library is built once per machine into the user cache, under a key of its source, torch
-and the compiler flags (VNNI's where the CPU has it); a later start loads it in
-milliseconds. Where it cannot be built or loaded (no compiler, no AVX2, a failed build)
+The library is built once per machine into the user cache, under a key of its sources,
+torch and the compiler flags (VNNI's and AVX-512's where the CPU has them); a later start
+loads it in milliseconds. Where it cannot be built or loaded (no compiler, no AVX2, a failed build)
 `available()` is False and the callers keep PyTorch's own kernels; the reason is logged
 once and kept in `problem`.
 """
@@ -27,7 +28,9 @@ from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("lowbit.cpp", "attention.cpp"))
+HERE = Path(__file__).parent
+SOURCES = (HERE / "blocks.cpp", HERE / "attention.cpp")  # compiled into one library
+HEADERS = (HERE / "activations.h", HERE / "lanes.h", HERE / "formats.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-w", "-shared", "-fPIC")
 BUILD_SECONDS = 300  # a build that takes longer is abandoned (the kernels stay PyTorch's)
 
@@ -56,7 +59,7 @@ def available() -> bool:
 
 def _registered() -> bool:
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("quickdraft::q8_linear", "CPU")
+        return torch._C._dispatch_has_kernel_for_dispatch_key("quickdraft::block_linear", "CPU")
     except RuntimeError:  # no such operator yet
         return False
 
@@ -66,13 +69,21 @@ def _cpu_flags() -> set[str]:
 
 
 def vnni_flags() -> tuple[str, ...]:
-    """Compiler flags for the CPU's VNNI dot product, where it has one (lowbit.cpp then
-    uses it; the library's key includes the flags)."""
+    """Compiler flags for the CPU's VNNI dot product, where it has one (the kernels then
+    use it; the library's key includes the flags)."""
     cpu = _cpu_flags()
     if "avx_vnni" in cpu:
         return ("-mavxvnni",)
     if {"avx512_vnni", "avx512vl"} <= cpu:
         return ("-mavx512vnni", "-mavx512vl")
+    return ()
+
+
+def wide_flags() -> tuple[str, ...]:
+    """Compiler flags for the block kernels' 512-bit form (16 outputs per register, lanes.h),
+    where the CPU has AVX-512 with VNNI."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= _cpu_flags():
+        return ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DQUICKDRAFT_WIDE")
     return ()
 
 
@@ -95,9 +106,11 @@ def _command_and_path() -> tuple[list[str], Path]:
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++)")
     includes, links = _torch_flags()
-    command = [compiler, *FLAGS, *vnni_flags(), *includes, *map(str, SOURCES),
+    flags = dict.fromkeys([*vnni_flags(), *wide_flags()])  # in order, once each
+    command = [compiler, *FLAGS, *flags, *includes, *map(str, SOURCES),
                *links]  # libraries after the sources
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr(command).encode()
+    text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + repr(command).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return command, cache_dir() / "kernels" / key / "quickdraft_lowbit.so"
 
@@ -114,7 +127,7 @@ def _library() -> Path:
         done = subprocess.run([*command, "-o", str(partial)], capture_output=True, text=True,
                               timeout=BUILD_SECONDS)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed: "
+            raise RuntimeError(f"compiling {', '.join(p.name for p in SOURCES)} failed: "
                                f"{(done.stderr or done.stdout).strip()[-300:]}")
         os.replace(partial, path)
     finally:

@@ -21,10 +21,11 @@ from engine.quant import lowbit_mm
 
 
 class Lin(NamedTuple):
-    """A linear layer's tensors. weight: (N, K) dense, or packed low-bit codes (int4: the
-    kernel's packing, int8w: (N, K) int8; engine.quant.lowbit_mm picks the kernel); scales:
-    None for dense weights; wide: the low-bit weights' bf16 copy where one is kept for
-    steps of many rows (engine/quant.py)."""
+    """A linear layer's tensors. weight: (N, K) dense, or packed low-bit codes (Quickdraft's
+    blocks, (N, bytes per row) uint8, or PyTorch's packings; engine.quant.lowbit_mm picks
+    the kernel); scales: None for dense weights, the blocks' type (int64) or PyTorch's
+    scales; wide: the low-bit weights' bf16 copy where one is kept for steps of many rows
+    (engine/quant.py)."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None

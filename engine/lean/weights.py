@@ -3,7 +3,7 @@ each layer's tensors as the pure layer function reads them (engine/lean/layer.py
 
 q/k/v and gate/up are fused into one projection each where that costs no memory: dense
 weights are concatenated once and the model's own modules keep views into the fused
-tensor; low-bit layers are fused where their packing allows it (engine.quant.fuse), else
+tensor; low-bit layers are fused where their packing allows it (`fuse_low_bit`), else
 run as separate projections. The transformers model stays usable (the trainer runs it).
 """
 
@@ -47,6 +47,8 @@ def layer_weights(spec: LeanSpec, block: nn.Module) -> LayerWeights:
 def lin_of(module: nn.Module) -> Lin:
     """A linear module's tensors as the layer function reads them."""
     if isinstance(module, quant.LowBitLinear):
+        if module.padded:  # its kernel's outputs would not split into the layer's
+            raise TypeError(f"{module.out_features} outputs do not fill the kernel's groups")
         return Lin(module.packed, module.scales, module.bias, module.wide)
     if type(module) is not nn.Linear:
         raise TypeError(f"{type(module).__name__} is not a linear layer the lean step runs")
@@ -60,7 +62,7 @@ def fused(parent: nn.Module, names: tuple[str, ...]) -> tuple[Lin, ...]:
     if all(type(m) is nn.Linear for m in modules):
         return (_fuse_dense(modules),)
     if all(isinstance(m, quant.LowBitLinear) for m in modules):
-        one = quant.fuse(modules)
+        one = fuse_low_bit(modules)
         if one is not None:
             return (Lin(one.packed, one.scales, one.bias),)
     return tuple(lin_of(m) for m in modules)
@@ -89,3 +91,59 @@ def _fuse_dense(modules: list[nn.Linear]) -> Lin:
 
 def _weight(norm: nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
+
+
+def fuse_low_bit(layers: list[quant.LowBitLinear]) -> quant.LowBitLinear | None:
+    """One layer computing `layers`' outputs side by side (q, k, v -> qkv), or None where
+    their kinds or inputs differ, or the kernel's packing does not concatenate at their
+    boundaries. The fused layer owns the weights: each of `layers` is rebound to views
+    into it, so nothing is stored twice."""
+    first = layers[0]
+    if any(m.kind != first.kind or m.in_features != first.in_features for m in layers):
+        return None
+    if any(m.wide is not None for m in layers):  # bf16 copies kept: they stay per layer
+        return None
+    if any((m.bias is None) != (first.bias is None) for m in layers):
+        return None
+    if any(m.scales.dtype != first.scales.dtype for m in layers):  # kernels differ
+        return None
+    blocks = first.blocks  # `scales` names their block type: it must be theirs alike
+    if blocks and any(m.padded or not torch.equal(m.scales, first.scales) for m in layers):
+        return None
+    # PyTorch's int4 scales: (K/group, N, 2); the others' rows come first
+    axis = 1 if first.kind == "int4" and not blocks else 0
+    if axis and not _packing_concatenates([m.out_features for m in layers],
+                                          first.in_features, first.packed.device):
+        return None
+    fused = quant.LowBitLinear.__new__(quant.LowBitLinear)
+    nn.Module.__init__(fused)
+    fused.kind, fused.in_features = first.kind, first.in_features
+    fused.out_features = sum(m.out_features for m in layers)
+    fused.bias = None if first.bias is None else nn.Parameter(
+        torch.cat([m.bias for m in layers]), False)
+    fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
+    fused.register_buffer("scales", first.scales if blocks else
+                          torch.cat([m.scales for m in layers], dim=axis))
+    fused.wide, fused.wide_rows = None, 0
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        m.packed = fused.packed[rows]
+        if not blocks:
+            m.scales = fused.scales[:, rows] if axis else fused.scales[rows]
+        if m.bias is not None:
+            m.bias = nn.Parameter(fused.bias[rows], False)
+        start = rows.stop
+    return fused
+
+
+def _packing_concatenates(rows: list[int], k: int, device: torch.device) -> bool:
+    """Whether the int4 packing of stacked layers equals their packings stacked (the CPU
+    kernel packs rows in blocks): probed on random codes of these shapes."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator) for n in rows]
+    try:
+        whole = quant.pack_int4(torch.cat(parts), device)
+        return torch.equal(whole, torch.cat([quant.pack_int4(p, device) for p in parts]))
+    except RuntimeError:  # a part the kernel cannot pack on its own
+        return False
