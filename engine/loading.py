@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, lowbit_folder, quant_auto
+from engine import devices, gguf, lowbit_folder, memory_fit, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
@@ -44,6 +44,7 @@ class LoadedModel:
     fingerprint: str  # ties accelerator checkpoints to this exact model
     load_seconds: float
     quant_reason: str = ""  # why --quant auto chose `quant` here ("" when it was asked for)
+    device_line: str = ""  # which device runs it and why (engine.devices.device_line)
     quant_choice: object = None  # --quant auto's quant_auto.Choice: the record it chose by
     target: Target | None = None  # how decode steps run (set by wrap_model)
     # engine.timing.step_cost's curves by target step name, timed on first use
@@ -54,7 +55,7 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype activations and drafter weights use."""
-        return devices.compute_dtype(self.quant)
+        return devices.compute_dtype(self.quant, self.device)
 
 
 def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> LoadedModel:
@@ -65,7 +66,19 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     device = devices.pick_device(spec.device)
     if lowbit_folder.is_lowbit(folder):
         return _load_lowbit(folder, spec, model_id, device, start)
-    quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
+    fit = memory_fit.plan(spec.quant, spec.device, device, memory_fit.read_checkpoint(folder))
+    where = devices.card(fit.device).name
+    with memory_fit.readable_oom(model_id, fit, where):
+        lm = _load_planned(folder, model_id, spec, fit, report, start)
+    lm.device_line = devices.device_line(spec.device, fit.device, fit.moved)
+    release_freed_memory()
+    return lm
+
+
+def _load_planned(folder: Path, model_id: str, spec: ModelSpec, fit: memory_fit.Fit,
+                  report: Callable[[str], None] | None, start: float) -> LoadedModel:
+    """Load `folder` as `fit` planned (on a CPU, --quant auto measures its choice here)."""
+    quant, device = fit.quant, fit.device
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
     # Before quantizing: the same weights give one fingerprint in every quantization.
@@ -80,9 +93,8 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
         quantize_model(model, quant, wide_rows=None if spec.wide_copies else 0)
     lm = wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start,
                     weights_print)
-    lm.quant_reason = choice.reason if choice else ""
+    lm.quant_reason = choice.reason if choice else fit.reason
     lm.quant_choice = choice
-    release_freed_memory()
     return lm
 
 
@@ -103,6 +115,7 @@ def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: fl
     lm = wrap_model(loaded.model, tokenizer, spec, model_id, loaded.quant,
                     time.perf_counter() - start, loaded.fingerprint)
     lm.quant_reason = loaded.reason
+    lm.device_line = devices.device_line(spec.device, device)
     release_freed_memory()
     return lm
 
@@ -136,18 +149,19 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
     `model_fingerprint`: the fingerprint of its unquantized weights, when it was quantized
     after loading."""
     model = model.eval().requires_grad_(False)
+    device = next(model.parameters()).device
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         spec=spec,
         model_id=model_id,
         quant=quant,
-        device=next(model.parameters()).device,
+        device=device,
         eos_ids=eos_ids(model, tokenizer),
         context_len=_context_len(model),
         fingerprint=model_fingerprint or fingerprint(model),
         load_seconds=load_seconds,
-        target=make_target(model, spec.step, devices.compute_dtype(quant)),
+        target=make_target(model, spec.step, devices.compute_dtype(quant, device)),
     )
 
 
@@ -250,11 +264,6 @@ def bundled_gguf() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
 
 
-def weights_bytes(folder: Path) -> int:
-    """Bytes of a model folder's safetensors files: what the quantization choice is sized by."""
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
 def _load_weights(folder: Path, quant: str, device: torch.device, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -273,8 +282,6 @@ def _load_weights(folder: Path, quant: str, device: torch.device, trust_remote_c
                 f"{folder} holds a {config.model_type!r} model, not a causal language model"
             ) from exc
         raise ModelLoadError(f"could not load {folder}: {str(exc).splitlines()[0]}") from exc
-    except torch.OutOfMemoryError as exc:
-        raise ModelLoadError("not enough memory for this model: try --quant nf4") from exc
     if kwargs.get("device_map") is None:
         model.to(device)
     return model.eval().requires_grad_(False)

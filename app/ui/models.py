@@ -19,11 +19,11 @@ from engine.errors import QuickdraftError
 
 QUANT_LABELS = [("Auto", "auto"), ("4-bit (PyTorch kernels)", "int4"),
                 ("8-bit (PyTorch kernels)", "int8w"), ("4-bit NF4", "nf4"), ("8-bit", "int8"),
-                ("bf16", "bf16"), ("fp32", "fp32")]
+                ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
 QUANT_INFO = ("Auto: on a CPU, measured the first time a model loads (bf16, 8-bit or 4-bit "
-              "weights; what it chose and why shows above); on a GPU, bf16, or NF4 where bf16 "
-              "would not fit")
+              "weights; what it chose and why shows above); on a GPU, bf16 (fp16 on cards "
+              "before RTX 30xx), or 4 bits where that would not fit with its KV cache")
 POLL_S = 0.3  # how often the page hears about a load in progress
 
 
@@ -79,7 +79,8 @@ class ModelsTab:
                 f"<span id='qd-model-params'>{params / 1e6:,.1f} M parameters</span> · "
                 f"<span id='qd-model-bytes'>{size / 2**20:,.1f} MB in memory</span> · "
                 f"{lm.context_len} tokens of context · loaded in {lm.load_seconds:.1f} s\n\n"
-                f"Quantization: {quant_verdict(lm)}\n\nDecode step: {step_line(lm)}")
+                f"Quantization: {quant_verdict(lm)}\n\nDevice: {lm.device_line or lm.device}"
+                f"\n\nDecode step: {step_line(lm)}")
 
     def choices(self, value: str | None = None) -> gr.Dropdown:
         """The bundled model, every model already in the Hugging Face cache, and the GGUF
