@@ -90,7 +90,7 @@ def _load_planned(folder: Path, model_id: str, spec: ModelSpec, fit: memory_fit.
         if quant == "fp32":  # measured from the bf16 weights: run the file's own precision
             model = _load_weights(folder, quant, device, spec.trust_remote_code)
     if quant in LOW_BIT:
-        quantize_model(model, quant, wide_rows=None if spec.wide_copies else 0)
+        quantize_model(model, quant, wide_rows=None if spec.wide_copies else 0, device=device)
     lm = wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start,
                     weights_print)
     lm.quant_reason = choice.reason if choice else fit.reason
@@ -282,8 +282,8 @@ def _load_weights(folder: Path, quant: str, device: torch.device, trust_remote_c
                 f"{folder} holds a {config.model_type!r} model, not a causal language model"
             ) from exc
         raise ModelLoadError(f"could not load {folder}: {str(exc).splitlines()[0]}") from exc
-    if kwargs.get("device_map") is None:
-        model.to(device)
+    if kwargs.get("device_map") is None and quant not in LOW_BIT:
+        model.to(device)  # low-bit choices go to the device layer by layer as they quantize
     return model.eval().requires_grad_(False)
 
 

@@ -176,6 +176,55 @@ def test_out_of_memory_while_loading_is_one_line_with_what_fits(tiny, tmp_path, 
                                                               "model")
 
 
+def test_low_bit_weights_reach_the_gpu_layer_by_layer_never_whole_in_bf16(tiny, tmp_path,
+                                                                          monkeypatch):
+    from engine import loading
+
+    folder = tmp_path / "tiny"
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    fake_cuda(monkeypatch, AMPERE)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def quantizing(model, kind, wide_rows=0, device=None):
+        seen.append((kind, {p.device.type for p in model.parameters()}, device))
+        raise Stop  # a CPU cannot pack for CUDA's kernels: what it was handed is the point
+
+    monkeypatch.setattr(loading, "quantize_model", quantizing)
+    with pytest.raises(Stop):
+        loading.load_model(ModelSpec(source=str(folder), quant="int8w"))
+    assert seen == [("int8w", {"cpu"}, CUDA)]  # still on the CPU, bound for the GPU
+
+
+def test_quantizing_onto_another_device_moves_every_tensor_there(tiny):
+    import copy
+
+    from engine import quant
+
+    model = copy.deepcopy(tiny.model)
+    quant.quantize_model(model, "int8w", device=torch.device("meta"))
+    assert quant.low_bit_layers(model)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_a_layer_packed_for_one_devices_kernel_refuses_to_run_on_another():
+    from engine import quant
+
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    four = quant.LowBitLinear(quant.Codes.of(weight, "int4"), None, torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match="packed for the cpu kernels .* --device meta"):
+        four.to("meta")
+    assert four.packed.device.type == "cpu"  # refused before anything moved
+    fused = quant.fuse([four, quant.LowBitLinear(quant.Codes.of(weight, "int4"), None,
+                                                 torch.device("cpu"))])
+    if fused is not None:
+        with pytest.raises(ModelLoadError, match="packed for the cpu kernels"):
+            fused.to("meta")
+
+
 def test_the_loaded_model_and_the_models_tab_say_which_device_runs_and_why(tiny, tmp_path,
                                                                             monkeypatch):
     from types import SimpleNamespace
