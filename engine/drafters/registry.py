@@ -37,6 +37,9 @@ class Method:
     trainer: str | None = None
     composes: tuple[str, ...] = ()  # methods whose sources join its own, in join order
     every_source: bool = False  # composes every source that loads here (Auto)
+    # Offered as a choice (--accel, the page, the bench). The grammar's source drafts only
+    # under a reply's grammar, so alone it is plain decoding: Auto carries it instead.
+    listed: bool = True
 
 
 METHODS = (
@@ -51,9 +54,9 @@ METHODS = (
     Method("kangaroo+lookup", "Kangaroo+lookup", composes=("lookup", "kangaroo")),
     Method("datastore", "Datastore", StoreDrafter.for_model, composes=("lookup",)),
     Method("medusa+datastore", "Medusa+datastore", composes=("lookup", "medusa", "datastore")),
-    Method("grammar", "Grammar", lambda lm, ckpt: GrammarDrafter()),
+    Method("grammar", "Grammar", lambda lm, ckpt: GrammarDrafter(), listed=False),
 )
-ACCEL_CHOICES = tuple(m.name for m in METHODS)
+ACCEL_CHOICES = tuple(m.name for m in METHODS if m.listed)
 ACCEL_LABELS = {m.name: m.label for m in METHODS}
 TRAINED = tuple(m.name for m in METHODS if m.trainer)  # the methods a user can train
 

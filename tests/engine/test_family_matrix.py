@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from engine.config import ModelSpec, SamplingParams
 from engine.datastore_memory import Datastore
 from engine.drafters.datastore_source import StoreDrafter
+from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
@@ -75,6 +76,7 @@ def make_drafter(lm, method: str):
     Both just pay, so the store's and lookup's drafts win steps too."""
     built = {
         "lookup": LookupDrafter,
+        "grammar": GrammarDrafter,
         "datastore": lambda: StoreDrafter(family_store(lm)),
         "medusa": lambda: MedusaDrafter(lm, md.random_heads(lm, seed=1), build_tree(md.TREE, 4),
                                         speedup=1.1),
@@ -112,9 +114,9 @@ def capture_state(monkeypatch) -> list:
     states, prefill = [], generate._prefill
 
     def recording(*args):
-        state, session = prefill(*args)
+        state, *rest = prefill(*args)
         states.append(state)
-        return state, session
+        return state, *rest
 
     monkeypatch.setattr(generate, "_prefill", recording)
     return states

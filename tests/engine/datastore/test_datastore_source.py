@@ -229,7 +229,7 @@ def test_registry_rows(bundled_tokenizer):
     with pytest.raises(AcceleratorError, match="train --method medusa"):
         load_drafter(lm, "medusa+datastore")
     a = load_drafter(lm, "auto")
-    assert set(a.sources) == {"lookup", STORE} and a.used() == "auto:off"
+    assert set(a.sources) == {"lookup", STORE, "grammar"} and a.used() == "auto:off"
 
 
 def test_a_deep_node_sees_only_its_window_of_the_tree():

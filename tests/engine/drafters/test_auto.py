@@ -140,7 +140,7 @@ def test_registry_builds_auto_from_what_is_trained(bundled_tokenizer):
     lm = make_tiny_model("llama-gqa", bundled_tokenizer)
     a = load_drafter(lm, "auto")
     assert a.used() == "auto:off"  # nothing trained yet
-    assert set(a.sources) == {"lookup", "datastore"} and not a.wants_hidden
+    assert set(a.sources) == {"lookup", "datastore", "grammar"} and not a.wants_hidden
     with pytest.raises(AcceleratorError, match="train --method medusa"):
         load_drafter(lm, "medusa+lookup")
     with pytest.raises(AcceleratorError, match="train --method kangaroo"):

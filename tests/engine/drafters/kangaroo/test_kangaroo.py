@@ -141,7 +141,8 @@ def test_reduced_vocabulary_stays_exact(bundled_tokenizer):
     _t, got, stats = run(lm, ids, params, drafter(lm, 3, 0.0, 4, True, True, vocab))
     assert got == plain and sum(stats.accepted) > 0
     d = drafter(lm, vocab=vocab)
-    state, session = generate_mod._prefill(lm, ids, SamplingParams(temperature=1.0, seed=0), d)
+    state, session, _ = generate_mod._prefill(lm, ids, SamplingParams(temperature=1.0, seed=0), d,
+                                              None)
     draft = session.propose(state)
     assert draft.draft_probs is not None
     outside = torch.ones(draft.draft_probs.shape[1], dtype=torch.bool)
