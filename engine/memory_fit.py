@@ -182,8 +182,10 @@ def plan(requested: str, requested_device: str, device: torch.device,
     smallest = choices[-1]
     short = (f"even {smallest} needs {gb(table[smallest])}, {gb(card.free_bytes)} free on "
              f"{card.name}")
-    if requested_device == "auto":
-        return Fit("bf16", torch.device("cpu"), "", moved=f"it does not fit on the GPU ({short})")
+    if requested_device == "auto":  # sized for the CPU, so running out there says what fits
+        cpu = devices.card(torch.device("cpu"))
+        return Fit("bf16", torch.device("cpu"), "", needs(ck, ladder(cpu)), cpu.free_bytes,
+                   moved=f"it does not fit on the GPU ({short})")
     return Fit(smallest, device, f"{smallest}, though it does not fit: {short}", table,
                card.free_bytes)
 

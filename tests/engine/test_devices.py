@@ -87,6 +87,7 @@ def test_a_model_that_fits_nowhere_on_the_gpu_runs_on_the_cpu_or_says_so(monkeyp
     fit = _auto(monkeypatch, TURING, QWEN_7B)  # 6.9 GB even in 4 bits, 5.5 GB free
     assert fit.device.type == "cpu" and "does not fit on the GPU" in fit.moved
     assert "nf4 needs" in fit.moved and "5.5 GB free" in fit.moved
+    assert list(fit.needs) == ["bf16", "int8w", "int4"] and fit.free > 0  # the CPU's
     small = FakeCard("NVIDIA GeForce GT 1030", (6, 1), 2, 1.6)
     asked = _auto(monkeypatch, small, QWEN_7B, device="cuda")  # the GPU was asked for
     assert asked.device.type == "cuda" and "does not fit" in asked.reason
