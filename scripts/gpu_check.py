@@ -136,6 +136,7 @@ def load_row(source: str, folder: Path, quant: str, device: str) -> tuple[bool, 
 
     from app.catalog import measured_size
     from engine import memory_fit
+    from engine.chat_template import conversation, encode
     from engine.config import ModelSpec, SamplingParams
     from engine.generate import run
     from engine.loading import load_model
@@ -154,7 +155,7 @@ def load_row(source: str, folder: Path, quant: str, device: str) -> tuple[bool, 
         if cuda:
             detail += (f", +{(torch.cuda.memory_allocated() - before) / 2**30:.2f} GB on the "
                        f"card, peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GB")
-        ids = lm.tokenizer(PROMPT)["input_ids"]
+        ids = encode(lm.tokenizer, conversation(PROMPT))  # through the chat template
         _text, reply, _stats = run(lm, ids, SamplingParams(max_new_tokens=16))
         detail += f"; {len(reply)} tokens" + (f" ({lm.quant_reason[:60]})" if lm.quant_reason
                                                else "")
