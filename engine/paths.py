@@ -24,6 +24,14 @@ def cache_dir() -> Path:
     return Path(override) if override else Path(platformdirs.user_cache_dir(APP_NAME))
 
 
+def use_inductor_cache() -> None:
+    """Point inductor's own files (the compiled steps' generated code and objects, and the
+    helpers it compiles when it loads a package) into the user cache beside the packages,
+    not its global folder under /tmp. Before inductor first reads its folder, which fixes
+    it for the process; a folder the user set (TORCHINDUCTOR_CACHE_DIR) is kept."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Replace `path` with what `write(temporary path)` writes, so that readers see either
     the old or the new file: written beside it, flushed to disk, renamed over it. A failed

@@ -42,11 +42,11 @@ class Target:
     def new_cache(self):
         raise NotImplementedError
 
-    def compile(self, build: bool = True, background: bool = True,
-                on_ready: Callable[[], None] | None = None) -> None:
-        """Load the compiled step, building it when `build` (in the background unless
-        asked otherwise; `on_ready` hears when it is), where the implementation compiles
-        (nothing to do here)."""
+    def compile(self, mode: str = "watch", on_ready: Callable[[], None] | None = None,
+                report: Callable | None = None) -> None:
+        """Load the compiled step where the implementation compiles (nothing to do here);
+        `mode` says what to do where it is not built yet (engine.lean.compiled.MODES),
+        `on_ready` hears when it is ready, `report` how a build goes."""
 
     def check_draftable(self, cache) -> None:
         """Raise AcceleratorError when drafted tokens could not be dropped from `cache`."""

@@ -17,6 +17,9 @@ from tests import home_guard
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# No compiled step is built behind the tests (a minute of every core each): the tests that
+# build one ask for it (tests/engine/test_lean.py, tests/app/test_compiled_chat.py).
+os.environ["QUICKDRAFT_NO_STEP_BUILDS"] = "1"
 # Before torch is imported (inductor reads some folders once) and anything asks for a
 # folder; child processes (the launcher's commands) inherit these.
 _SESSION_DIR = tempfile.mkdtemp(prefix="quickdraft-tests-")
@@ -47,18 +50,6 @@ TINY_CONFIGS = {
     # Qwen2 family (biases on q/k/v)
     "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
 }
-
-
-@pytest.fixture(autouse=True)
-def _no_compiling_behind_the_tests(monkeypatch):
-    """A model the app's host loads uses a compiled step already built but builds none in
-    the background: a build outliving its test would race the next tests' torch calls (the
-    FX tracer's state is global). tests/engine/test_lean.py builds compiled steps where it asks."""
-    import app.host
-    from engine import loading
-
-    monkeypatch.setattr(app.host, "start_compiling",
-                        lambda lm, on_ready=None: loading.start_compiling(lm, build=False))
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from app.commands.common import add_model_args, load
+from app.commands.common import add_model_args, build_for_next_start, load
 from engine.config import SamplingParams
 from engine.drafters.registry import ACCEL_CHOICES
 
@@ -44,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     params = sampling(args)
     # an empty prompt is refused before anything loads
     prompt = conversation(args.prompt, [], args.system) if args.prompt is not None else None
-    # A one-shot reply uses a compiled step already built; a terminal chat builds it.
-    lm = load(args, "load" if args.prompt is not None else "background")
+    # A one-shot reply uses a compiled step already built and, where there is none, has one
+    # built for the next start once it has answered; a terminal chat builds it meanwhile.
+    lm = load(args, "load" if args.prompt is not None else "watch")
     # The app's own parts: its accelerators, and its datastore, which learns these replies
     service = Service(Store(), lm)
     try:
@@ -55,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"text": step.full_text, "token_ids": tokens,
                               "accel": step.method,  # for Auto, "auto:<arm>"
-                              "stats": {**step.stats.to_json(), "quant": _quant(lm)}}))
+                              "stats": {**step.stats.to_json(), "quant": _quant(lm)}}),
+                  flush=True)
+        build_for_next_start(lm)
         return 0
     finally:
         service.accels.writer.flush()  # the datastore's last write lands before the exit

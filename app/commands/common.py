@@ -60,17 +60,21 @@ def model_spec(args: argparse.Namespace) -> ModelSpec | None:
 def load(args: argparse.Namespace, compiled: str = "load"):
     """Load the model the arguments name, telling the user on stderr. `compiled`: what to do
     about the compiled decode step (engine/lean/compiled.py) where none is built on this
-    machine yet: "load" only uses one already built, "background" builds it while
-    decoding eagerly, "wait" builds it first (timings then measure the compiled step)."""
+    machine yet: "load" only uses one already built, "watch" builds it in a builder process
+    while decoding eagerly, "wait" builds it first (timings then measure the compiled
+    step), with a progress line."""
+    from app.commands.progress_line import ProgressLine
     from engine.loading import load_model, start_compiling
 
     spec = model_spec(args)
     print(f"Loading {spec.source} ({args.quant})...", file=sys.stderr, flush=True)
     lm = load_model(spec, lambda message: print(message, file=sys.stderr, flush=True))
-    if compiled == "wait" and spec.step == "auto":
-        print("Compiling the decode step for this model and machine (first time only)...",
-              file=sys.stderr, flush=True)
-    start_compiling(lm, build=compiled != "load", background=compiled == "background")
+    bar = ProgressLine(sys.stderr) if compiled == "wait" else None
+    try:
+        start_compiling(lm, compiled, report=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     print(f"Loaded {lm.model_id} as {lm.quant} on {lm.device} in {lm.load_seconds:.1f} s; "
           f"decode step: {lm.target.name}", file=sys.stderr, flush=True)
     if lm.device_line:
@@ -78,3 +82,17 @@ def load(args: argparse.Namespace, compiled: str = "load"):
     if lm.quant_reason and lm.device.type != "cpu":
         print(f"Weights: {lm.quant_reason}", file=sys.stderr, flush=True)
     return lm
+
+
+def build_for_next_start(lm) -> None:
+    """Before a one-shot command ends on the eager step: have the compiled step built for
+    the next start by a builder process that outlives this one (engine/lean/builder.py),
+    saying so on stderr. Nothing where it is built, building, or not wanted."""
+    from engine.loading import start_compiling
+
+    if lm.spec.step != "auto" or lm.target.name != "lean-eager":
+        return
+    start_compiling(lm, "detach")
+    print("note: building the compiled decode step for this model and machine in the "
+          "background (once, about a minute of every core); the next start uses it",
+          file=sys.stderr, flush=True)

@@ -14,11 +14,13 @@ BAR = 28  # bar width in characters
 class ProgressLine:
     """A ProgressFn that draws the reports on `stream`; `close()` ends the line."""
 
-    def __init__(self, stream=None, every_s: float = 5.0):
+    def __init__(self, stream=None, every_s: float = 5.0, tty: bool | None = None):
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
+        # redrawn in place on a terminal, unless other output shares it (`tty` False: the
+        # app's server prints its own lines)
+        self.tty = self.stream.isatty() if tty is None else tty
         self.every_s = every_s
-        self.last_stage, self.last_print = "", 0.0
+        self.last_stage, self.last_message, self.last_print = "", "", 0.0
         self.start = time.perf_counter()
 
     def __call__(self, p: Progress) -> None:
@@ -27,11 +29,12 @@ class ProgressLine:
         if self.tty:
             self.stream.write("\r" + line.ljust(100)[:100])
             self.stream.flush()
-        elif p.stage != self.last_stage or now - self.last_print >= self.every_s:
+        elif (p.stage != self.last_stage or now - self.last_print >= self.every_s
+              or (p.message != self.last_message and now - self.last_print >= 2.0)):
             self.stream.write(line + "\n")
             self.stream.flush()
             self.last_print = now
-        self.last_stage = p.stage
+        self.last_stage, self.last_message = p.stage, p.message
 
     def close(self) -> None:
         if self.tty:
@@ -43,8 +46,8 @@ def render(p: Progress, elapsed_s: float) -> str:
     """`[data     ] [######......]  45% 300/686 conversations  elapsed 4:10  ETA 5:23`"""
     filled = int(BAR * p.fraction)
     eta = "" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
-    return (f"[{p.stage:<9}] [{'#' * filled}{'.' * (BAR - filled)}] {p.fraction * 100:3.0f}% "
-            f"{p.message}  elapsed {_clock(elapsed_s)}{eta}")
+    bar = f"[{'#' * filled}{'.' * (BAR - filled)}] {p.fraction * 100:3.0f}% " if p.total else ""
+    return f"[{p.stage:<9}] {bar}{p.message}  elapsed {_clock(elapsed_s)}{eta}"
 
 
 def _clock(seconds: float) -> str:

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     # Check the options before the model loads, so a typo fails at once.
     options = options_for(args.method, args.max_minutes, args.prompts,
                           continue_training=args.continue_training)
-    lm = load(args, "background")  # ready long before calibration times it
+    lm = load(args, "watch")  # ready long before calibration times it
     if not args.no_chats:
         options = dataclasses.replace(options, chats=tuple(Store().chats_with(lm.fingerprint)))
     bar = ProgressLine(sys.stderr)

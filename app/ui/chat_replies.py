@@ -32,7 +32,8 @@ class ReplyEvents:
             system = page_text("the system prompt", system)
             params = _params(temperature, top_p, top_k, max_new, acceptance)
             chars = len(message) + len(system)
-            if (why := prompt_too_long(chars, self.service.host.lm.context_len)) is not None:
+            window = self.service.host.wait_ready().context_len  # the start-up model
+            if (why := prompt_too_long(chars, window)) is not None:
                 raise QuickdraftError(why)  # before the tokenizer reads megabytes of it
             conv = self._conversation(conv_id)
             ask = ReplyRequest(conv.id, params, method, system, session_of(request))

@@ -5,6 +5,8 @@ handled in app/ui/chat_replies.py, conversations in app/ui/chat_conversations.py
 
 from __future__ import annotations
 
+import html
+
 import gradio as gr
 
 from app.drafting import accel_label
@@ -58,6 +60,10 @@ class ChatTab(ConversationEvents, ReplyEvents):
         self.pending = gr.State("")  # an untrained method the user picked: Train offers it
         self.undo_id = gr.State("")  # the conversation Undo brings back
         self.header = gr.Markdown(elem_id="qd-chat-header", elem_classes="qd-header")
+        # While the start-up model loads (the page is served first) or its compiled step is
+        # built, the header says what is going on, once a second; the timer stops after.
+        self.activity = gr.Timer(1.0, active=True)
+        self.model_ready = gr.State(False)  # set once a model is loaded: the accel check runs
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=210, elem_id="qd-sidebar"):
                 self._sidebar()
@@ -157,6 +163,10 @@ class ChatTab(ConversationEvents, ReplyEvents):
                          **ACCEL)
         self._wire_settings()
         self._wire_conversations()
+        self.activity.tick(self.show_activity, [self.active, self.model_ready],
+                           [self.header, self.activity, self.model_ready],
+                           show_progress="hidden", **INSTANT)
+        self.model_ready.change(self.check_accel, [self.accel], self.accel_outputs, **ACCEL)
 
     def _wire_settings(self) -> None:
         """Each setting is saved as it changes (a reload keeps it without sending)."""
@@ -248,12 +258,28 @@ class ChatTab(ConversationEvents, ReplyEvents):
                 self.header: self.header_text("auto")}
 
     def header_text(self, method: str) -> str:
-        """Model · quantization and its verdict · acceleration, for the top of the tab."""
-        lm = self.service.host.current
+        """Model · quantization and its verdict · acceleration, for the top of the tab, and
+        below it what is being prepared (the start-up load's stage, the compiled step's
+        build) while it is."""
+        host = self.service.host
+        lm, doing = host.current, host.activity()
+        status = f'\n\n<span id="qd-activity">⏳ {html.escape(doing)}</span>' if doing else ""
         if lm is None:
+            if host.loading is not None and host.loading.running:
+                return f"**Loading {html.escape(host.loading.title)}…** (the page works "\
+                       f"meanwhile; replies wait for it){status}"
             return "**No model loaded**: load one on the Models tab."
         return (f"**{model_name(lm)}** · {quant_verdict(lm)} · "
-                f"Acceleration: **{accel_label(method)}**")
+                f"Acceleration: **{accel_label(method)}**{status}")
+
+    def show_activity(self, method: str, ready: bool) -> dict:
+        """A tick of the header's timer: the header again, whether a model is there now, and
+        the timer stopped once nothing is being prepared."""
+        now = self.service.host.current is not None
+        out = {self.header: self.header_text(method), self.model_ready: now or ready}
+        if now and not self.service.host.activity():
+            out[self.activity] = gr.Timer(active=False)
+        return out
 
     # -- page load ----------------------------------------------------------------
     def restore(self) -> dict:

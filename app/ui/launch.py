@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 from app.http_timeouts import install_head_timeout
@@ -105,8 +106,9 @@ def _free(host: str, port: int) -> bool:
 
 
 def launch(options: LaunchOptions, block: bool = True):
-    """Load the model, build the page and serve it with the API. Returns (Blocks, url,
-    Service) when not blocking."""
+    """Build the page and serve it with the API, the model loading behind it (its progress
+    on the page's header and in the terminal). Not blocking: returns (Blocks, url, Service)
+    once the model is loaded."""
     check_exposure(options.host, options.auth, check_api_key(options.api_key))
     port = pick_port(options.host, options.port)
     # A local app does not report usage anywhere (read when gradio is imported).
@@ -116,10 +118,8 @@ def launch(options: LaunchOptions, block: bool = True):
     from app.store import Store
     from app.ui.layout import build_app
 
-    log.info("loading the model…")
-    service = Service.open(Store(), options.model, options.step)
-    lm = service.host.lm
-    log.info("model ready: %s (%s on %s)", lm.model_id, lm.quant, lm.device)
+    service = Service.open(Store(), options.model, options.step, background=block,
+                           echo=_terminal_line())
     demo = build_app(service)
     demo.queue(default_concurrency_limit=1)
     if not is_loopback(options.host):
@@ -143,6 +143,15 @@ def launch(options: LaunchOptions, block: bool = True):
         demo.block_thread()  # until Ctrl-C
         service.accels.writer.flush()  # the last reply's datastore record lands first
     return demo, url, service
+
+
+def _terminal_line():
+    """A ProgressFn printing what the start-up load and the compiled step's build are doing
+    to the terminal: a line per stage or step, and every half minute meanwhile (the page's
+    header shows the same as it goes)."""
+    from app.commands.progress_line import ProgressLine
+
+    return ProgressLine(sys.stderr, every_s=30.0, tty=False)
 
 
 def page_style() -> dict:

@@ -47,6 +47,7 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
                          [chat.pending], [tabs, train.method], **INSTANT)
     # A new model: re-check the acceleration (its accelerators are its own) and retarget.
     loaded.then(chat.select_accel, [chat.active, chat.active], chat.accel_outputs, **ACCEL)
+    loaded.then(lambda: gr.Timer(active=True), None, [chat.activity], **INSTANT)  # its build
     loaded.then(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT)
 
     # A finished training run: switch its accelerator on and show what it does.

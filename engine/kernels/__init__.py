@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from engine import devices
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,7 @@ def _registered() -> bool:
 
 
 def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return devices.cpu_flags()
 
 
 def vnni_flags() -> tuple[str, ...]:
@@ -80,8 +75,19 @@ def vnni_flags() -> tuple[str, ...]:
     return ()
 
 
-def _library() -> Path:
-    """The built library for this source, torch and machine: from the cache, else built."""
+def needs_building() -> bool:
+    """Whether the first use will compile the library (about half a minute): not loaded
+    yet, and not in the cache for this machine."""
+    if _loaded is not None:
+        return False
+    try:
+        return not _command_and_path()[1].is_file()
+    except RuntimeError:  # no AVX2 or no compiler: nothing will be built
+        return False
+
+
+def _command_and_path() -> tuple[list[str], Path]:
+    """The compiler command for this source, torch and machine, and the library it makes."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError("this CPU has no AVX2")
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -92,7 +98,12 @@ def _library() -> Path:
                *links]  # libraries after the source
     key = hashlib.sha256(SOURCE.read_bytes() + repr(command).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / key / "quickdraft_lowbit.so"
+    return command, cache_dir() / "kernels" / key / "quickdraft_lowbit.so"
+
+
+def _library() -> Path:
+    """The built library for this source, torch and machine: from the cache, else built."""
+    command, path = _command_and_path()
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,61 +5,44 @@ then goes straight into C++ with the layer's tensors: no Python per operation an
 checks, which on a small model cost more than the arithmetic.
 
 Packages are kept in the user cache folder under a key of everything they were built for
-(the model's layer shapes and dtypes, torch, the CPU), so only the first start on a machine
-pays for compiling; a later start loads them in milliseconds. Until a size is ready (or
-where compiling fails: no C++ compiler, an unsupported operation) the eager layer serves,
-and the state says so in one line.
-"""
+(the model's layer shapes and dtypes, torch, the CPU and its feature flags), so only the
+first start on a machine pays for compiling; a later start loads them in milliseconds.
+They are built by a process of their own (engine/lean/builder.py) that outlives the one
+that asked. Until every size is ready (or where compiling fails: no C++ compiler, an
+unsupported operation) the eager layer serves, and the state says so in one line."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 
+from engine import devices
+from engine.lean import builder
+from engine.lean.builder import Kind
 from engine.lean.layer import LayerWeights
-from engine.paths import cache_dir
+from engine.paths import cache_dir, use_inductor_cache
 
 log = logging.getLogger(__name__)
 
 SIZES = (1, 2, 4, 8, 16)  # tokens per compiled step; a draft is padded to the next one
-LAYOUT = 1  # bumped when the layer function changes: packages of another layout are rebuilt
+# What compile() does where packages are missing: "load" nothing (use only what is built);
+# "watch": start a builder process and load its packages once it is done, decoding eagerly
+# meanwhile; "wait": start it and wait (timings then measure the compiled step); "detach":
+# start it for the next start and stay eager (a process about to end)
+MODES = ("load", "watch", "wait", "detach")
+# bumped when the layer function or its arithmetic changes: other layouts' packages are rebuilt
+LAYOUT = 2
 
 
 def size_for(n: int) -> int | None:
     """The compiled size a step of n tokens is padded to (None: larger than any)."""
     return next((s for s in SIZES if s >= n), None)
-
-
-class Kind:
-    """Layers whose weights have one layout (which tensors, their shapes and dtypes): one
-    compiled package per step size serves them all. A GGUF file that stores some layers in
-    other types (Q4_K_M's 6-bit ones) has a few kinds."""
-
-    def __init__(self, weights: LayerWeights):
-        leaves, self.structure = pytree.tree_flatten(weights)
-        self.present = [i for i, t in enumerate(leaves) if t is not None]
-        self.key = (str(self.structure),
-                    tuple((tuple(t.shape), str(t.dtype)) for t in leaves if t is not None))
-        self.example = weights  # the first layer of this kind (what packages are built on)
-
-    def flat(self, weights: LayerWeights) -> list[torch.Tensor]:
-        """A layer's tensors in the order its kind's packages take them (absent ones out)."""
-        leaves = pytree.tree_flatten(weights)[0]
-        return [leaves[i] for i in self.present]
-
-    def unflatten(self, flat) -> LayerWeights:
-        leaves = [None] * self.structure.num_leaves
-        for i, tensor in zip(self.present, flat, strict=True):
-            leaves[i] = tensor
-        return pytree.tree_unflatten(leaves, self.structure)
 
 
 class Steps:
@@ -82,6 +65,7 @@ class Steps:
         self.failed = ""  # why compiling failed, once it has
         self.compiling = False
         self.seconds: float | None = None  # how long loading or compiling every size took
+        self.builder = None  # the builder process this one started (subprocess.Popen)
 
     def state(self) -> str:
         """Which step runs: what the Models tab and a reply's stats show."""
@@ -92,12 +76,16 @@ class Steps:
         return "lean-compiling" if self.compiling else "lean-eager"
 
     def for_size(self, n: int, start: int) -> tuple[Callable, int]:
-        """(layer call, padded size) for a step of n tokens after `start` cached slots."""
+        """(layer call, padded size) for a step of n tokens after `start` cached slots. A
+        step of up to the largest size runs padded to the next one, compiled or eager
+        alike: the same rows through the same kernels, so switching from the eager step to
+        the compiled one changes no logit (see build_package)."""
         size = size_for(n)
-        runners = self.ready.get(size) if size is not None else None
-        # The packages were exported for windows of two slots or more.
-        if runners is None or start + size < 2:
+        if size is None or start + size < 2:  # packages take windows of two slots or more
             return self.eager, n
+        runners = self.ready.get(size)
+        if runners is None:
+            return self.eager, size
         # Straight into a package's C++ runner with a flat list of tensors (its Python
         # wrapper would flatten and check the arguments' structure on every call).
         runs = [r.loader.boxed_run for r in runners]
@@ -108,42 +96,69 @@ class Steps:
         x, cos, sin, mask, keys, values, slots = args
         return self.layer(x, self.weights[i], cos, sin, mask, keys, values, slots)
 
-    def compile(self, example: Callable[[int], tuple], key: str, build: bool = True,
-                background: bool = True, on_ready: Callable[[], None] | None = None) -> None:
-        """Load the package of every size and kind (`key` names what they are built for),
-        building the missing ones when `build` (`example(size)`: the layer's arguments for
-        a step of that size, weights excluded). Packages already built load at once;
-        building runs in the background unless asked otherwise, and `on_ready` is called
-        once every size is ready."""
+    def compile(self, example: Callable[[int], tuple], key: str, layout: dict,
+                mode: str = "watch", on_ready: Callable[[], None] | None = None,
+                report: Callable | None = None) -> None:
+        """Load the package of every size and kind (`key` names what they are built for);
+        where some are missing, `mode` says what to do (MODES): build them in a builder
+        process (engine/lean/builder.py) from `layout` (the layer function's description)
+        and `example(size)` (a step's arguments, weights excluded). `on_ready` is called
+        once every size is ready here; `report(builder.Status)` hears a build's progress."""
+        if mode not in MODES:
+            raise ValueError(f"unknown compile mode {mode!r}: one of {', '.join(MODES)}")
         if self.compiling or self.ready or self.failed:
             return
-        folder = cache_dir() / "compiled" / _digest(key)
+        use_inductor_cache()  # loading a package compiles helpers there
+        folder = package_folder(key)
         if all(self._path(folder, size, k).is_file() for size in SIZES
                for k in range(len(self.kinds))):
-            self._build_all(example, folder)  # loading only: milliseconds
+            self._load(folder, on_ready)  # milliseconds
             return
-        if not build:
+        if mode == "load":
+            return
+        proc = builder.start(folder, self._request(example, layout, folder))
+        self.builder = proc or self.builder
+        if mode == "detach":  # built for the next start; this process stays eager
             return
         self.compiling = True
-        work = lambda: self._build_all(example, folder, on_ready)  # noqa: E731
-        if background:
+        work = lambda: self._await(folder, proc, on_ready, report)  # noqa: E731
+        if mode == "watch":
             threading.Thread(target=work, daemon=True, name="quickdraft-compile").start()
         else:
             work()
 
-    def _build_all(self, example: Callable[[int], tuple], folder: Path,
-                   on_ready: Callable[[], None] | None = None) -> None:
+    def _request(self, example: Callable[[int], tuple], layout: dict, folder: Path) -> dict:
+        """What the builder needs: the layer's description, one layer's weights per kind
+        and a step's arguments per size (shapes and dtypes), and the packages' names."""
+        return {**layout,
+                "kinds": [builder.describe(kind.example) for kind in self.kinds],
+                "examples": {str(size): builder.describe(example(size)) for size in SIZES},
+                "packages": [(size, k, self._path(folder, size, k).name) for size in SIZES
+                             for k in range(len(self.kinds))]}
+
+    def _await(self, folder: Path, proc, on_ready, report) -> None:
+        """Wait for the builder, then load what it built (or keep eager, saying why)."""
+        status = builder.wait(folder, proc, report)
+        if status.state != "done":
+            self.failed = status.error or "the builder failed"
+            self.compiling = False
+            log.warning("compiling the decode step failed, decoding eagerly: %s", self.failed)
+            return
+        self._load(folder, on_ready)
+
+    def _load(self, folder: Path, on_ready: Callable[[], None] | None) -> None:
         begin = time.perf_counter()
         try:
-            ready = {size: [self._package(self._path(folder, size, k), kind, example(size))
-                            for k, kind in enumerate(self.kinds)] for size in SIZES}
+            ready = {size: [torch._inductor.aoti_load_package(str(self._path(folder, size, k)))
+                            for k in range(len(self.kinds))] for size in SIZES}
             self.ready = ready  # all sizes at once: a reply's steps all run the same way
             self.seconds = time.perf_counter() - begin
-            log.info("compiled decode steps ready in %.1f s", self.seconds)
-        except Exception as exc:  # noqa: BLE001 - any failure leaves the eager layer serving
+            log.info("compiled decode steps loaded in %.2f s", self.seconds)
+        except Exception as exc:  # noqa: BLE001 - a bad package leaves the eager layer
             first = str(exc).splitlines()[0] if str(exc) else ""
             self.failed = f"{type(exc).__name__}: {first}"[:300]
-            log.warning("compiling the decode step failed, decoding eagerly: %s", self.failed)
+            log.warning("loading the compiled decode step failed, decoding eagerly: %s",
+                        self.failed)
         finally:
             self.compiling = False
         if self.ready and on_ready is not None:
@@ -153,48 +168,17 @@ class Steps:
         digest = hashlib.sha256(repr(self.kinds[kind].key).encode()).hexdigest()[:8]
         return folder / f"layer-{size}-{digest}.pt2"
 
-    def _package(self, path: Path, kind: Kind, args: tuple) -> Callable:
-        """The loaded package for layers of `kind` and steps the size of `args`': from
-        `path`, or built there."""
-        if not path.is_file():
-            self._build(kind, args, path)
-        return torch._inductor.aoti_load_package(str(path))
 
-    def _build(self, kind: Kind, args: tuple, path: Path) -> None:
-        """Export the layer over `args` (window and capacity symbolic) and compile it."""
-        from torch.export import Dim
-
-        # Inductor's own files (generated code, objects) in the user cache beside the
-        # packages, not a global folder under /tmp: set before exporting, whose first use of
-        # inductor's folder would fix it there (a folder the user set is kept)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-
-        layer = self.layer
-
-        class Layer(torch.nn.Module):
-            def forward(self, x, cos, sin, mask, keys, values, slots, *flat):
-                return layer(x, kind.unflatten(flat), cos, sin, mask, keys, values, slots)
-
-        weights = kind.flat(kind.example)
-        window, capacity = Dim("window", min=2), Dim("capacity", min=2)
-        shapes = (None, None, None, {1: window}, {1: capacity}, {1: capacity}, None,
-                  tuple(None for _ in weights))
-        with torch.inference_mode():
-            program = torch.export.export(Layer(), (*args, *weights),
-                                          dynamic_shapes=shapes, strict=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.stem}.partial.pt2")
-        # Inductor would precompile its headers into a global folder under /tmp (~280 MB a
-        # compiler version, outside the cache folder it is given); measured here they did
-        # not make building faster (52 s with, 53 s without, bundled model), so none are.
-        with torch._inductor.config.patch({"aot_inductor.precompile_headers": False,
-                                           "cpp_cache_precompile_headers": False}):
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-        partial.replace(path)  # a package appears whole or not at all
+def package_folder(key: str) -> Path:
+    """Where the packages built for `key` live: the user cache, under a digest of `key`,
+    this layout, torch and the CPU (its capability and feature flags: inductor compiles for
+    -march=native, so a package built on another CPU could use instructions this one lacks)."""
+    return cache_dir() / "compiled" / _digest(key)
 
 
 def _digest(key: str) -> str:
-    """The folder name for packages built for `key` (with this layout and torch)."""
+    """The folder name for packages built for `key` (with this layout, torch and CPU)."""
     cpu = torch.backends.cpu.get_cpu_capability()
-    full = f"{key}|layout {LAYOUT}|torch {torch.__version__}|{cpu}"
+    flags = " ".join(sorted(devices.cpu_flags()))
+    full = f"{key}|layout {LAYOUT}|torch {torch.__version__}|{cpu}|{flags}"
     return hashlib.sha256(full.encode()).hexdigest()[:16]

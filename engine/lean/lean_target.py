@@ -10,6 +10,7 @@ layers see only positions within their window.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -65,7 +66,7 @@ class LeanTarget(Target):
         return "lean-eager (graphs failed)" if self.graphs_failed else self.steps.state()
 
     def padded_sizes(self) -> tuple[int, ...]:
-        return compiling.SIZES if self.graphed or self.steps.ready else ()
+        return compiling.SIZES  # eager, compiled and graphed steps alike
 
     def new_cache(self) -> LeanCache:
         s = self.spec
@@ -110,29 +111,33 @@ class LeanTarget(Target):
         layers = zip(*[p.states for p in parts], strict=True)
         return Forward(logits, tuple(torch.cat(layer, dim=1) for layer in layers))
 
-    def compile(self, build: bool = True, background: bool = True,
-                on_ready: Callable[[], None] | None = None) -> None:
-        """Load or build the compiled layer at every step size (engine/lean/compiled.py),
-        exported on this model's first layer and a scratch cache. On CUDA, steps are
-        captured as graphs instead, per size as they first run: nothing to build."""
+    def compile(self, mode: str = "watch", on_ready: Callable[[], None] | None = None,
+                report: Callable | None = None) -> None:
+        """Load or build the compiled layer at every step size (engine/lean/compiled.py;
+        `mode`: compiled.MODES), built on this model's layer shapes and a scratch cache.
+        On CUDA, steps are captured as graphs instead, per size as they first run: nothing
+        to build."""
         if self.device.type == "cuda":
             self.graphed = True
             if on_ready is not None:
                 on_ready()
             return
-        def example(size: int) -> tuple:
-            # Ordinary tensors, not inference ones: compiling runs the graph outside
-            # inference_mode (the cache is written in place).
-            s, kv, d = self.spec, self.spec.kv_heads, self.spec.head_dim
-            start = 2 * size  # a window longer than one step: its size stays symbolic
-            keys, values = (torch.zeros(kv, 4 * size, d, dtype=self.cache_dtype,
-                                        device=self.device) for _ in range(2))
-            x = torch.zeros(size, s.hidden, dtype=self.act_dtype, device=self.device)
-            slots = torch.arange(start, start + size, device=self.device)
-            cos, sin = (t.clone() for t in self.rope.rows(slots, start + size - 1))
-            mask = step_mask(start, list(range(size)), None, size, None, self.device)
-            return x, cos, sin, mask, keys, values, slots
-        self.steps.compile(example, self._signature(), build, background, on_ready)
+        layout = {"spec": dataclasses.asdict(self.spec), "wide_rows": self.wide_rows}
+        self.steps.compile(self._example, self._signature(), layout, mode, on_ready, report)
+
+    def _example(self, size: int) -> tuple:
+        """A step of `size` tokens' arguments, weights excluded (what packages are built
+        on). Ordinary tensors, not inference ones: compiling runs the graph outside
+        inference_mode (the cache is written in place)."""
+        s, kv, d = self.spec, self.spec.kv_heads, self.spec.head_dim
+        start = 2 * size  # a window longer than one step: its size stays symbolic
+        keys, values = (torch.zeros(kv, 4 * size, d, dtype=self.cache_dtype, device=self.device)
+                        for _ in range(2))
+        x = torch.zeros(size, s.hidden, dtype=self.act_dtype, device=self.device)
+        slots = torch.arange(start, start + size, device=self.device)
+        cos, sin = (t.clone() for t in self.rope.rows(slots, start + size - 1))
+        mask = step_mask(start, list(range(size)), None, size, None, self.device)
+        return x, cos, sin, mask, keys, values, slots
 
     def _signature(self) -> str:
         """Everything a compiled layer depends on besides torch and the CPU."""

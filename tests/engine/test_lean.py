@@ -11,14 +11,13 @@ import os
 
 import pytest
 import torch
-from torch._inductor import codecache
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import kernels, quant
 from engine.config import ModelSpec, SamplingParams
 from engine.drafters.lookup import LookupDrafter
-from engine.generate import run
-from engine.lean import compiled, graphs
+from engine.generate import generate, run
+from engine.lean import builder, compiled, graphs
 from engine.lean.lean_target import LeanTarget
 from engine.loading import make_target, wrap_model
 from engine.target import TransformersTarget
@@ -117,41 +116,52 @@ def small_sizes(monkeypatch, tmp_path):
 
 @cpu_packages
 def test_the_compiled_step_equals_the_eager_one_and_is_kept(bundled_tokenizer, small_sizes,
-                                                            monkeypatch, tmp_path):
+                                                            monkeypatch):
     lm = family_lm("llama", bundled_tokenizer)
     eager = family_lm("llama", bundled_tokenizer, step="eager")
     ids = prompt(9, seed=7) * 3  # repeats: lookup drafts, steps of 2..4 tokens are padded
     params = SamplingParams(max_new_tokens=30)
     want = run(eager, ids, params, LookupDrafter())[1]
-    # inductor's precompiled headers would go to a global folder under /tmp, not the cache
-    headers = tmp_path / "precompiled_headers"
-    monkeypatch.setattr(codecache, "_HEADER_DIR", str(headers))
-    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(headers / "locks"))
-    codecache._precompile_header.cache_clear()
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # as in the app: inductor's files go
-    lm.target.compile(background=False)  # to the cache folder, beside the packages
+    heard = []  # to the cache folder, beside the packages
+    lm.target.compile("wait", report=heard.append)  # built by a builder process
     assert lm.target.name == "lean-compiled", lm.target.steps.failed
-    assert not headers.exists() and list((small_sizes / "inductor").rglob("*.so"))
+    assert list((small_sizes / "inductor").rglob("*.so"))
+    assert heard and all(s.state == "building" for s in heard)
+    folder = next(small_sizes.glob("compiled/*"))
+    assert builder.read(folder).state == "done" and builder.read(folder).pid != os.getpid()
     _text, got, stats = run(lm, ids, params, LookupDrafter())
     assert got == want and stats.step == "lean-compiled"
     assert sum(stats.drafted) > 0
     assert list(small_sizes.rglob("layer-*.pt2"))
-    # the next start loads what was built: nothing is compiled again
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiling)
+    # the next start loads what was built: nothing is built again
+    monkeypatch.setattr(builder, "start", _no_builder)
     again = family_lm("llama", bundled_tokenizer)
-    again.target.compile(build=False, background=False)
+    again.target.compile("watch")
     assert again.target.name == "lean-compiled"
     assert run(again, ids, params, LookupDrafter())[1] == want
 
 
+def test_packages_are_kept_per_cpu_feature_set(monkeypatch):
+    """inductor compiles for -march=native: a CPU with other feature flags (a cache copied to
+    another machine of the same capability) gets packages of its own."""
+    from engine import devices
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_vnni"})
+    vnni = compiled.package_folder("a model")
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert compiled.package_folder("a model") != vnni
+    assert compiled.package_folder("another model") != compiled.package_folder("a model")
+
+
 @cpu_packages
-def test_the_compiled_int8_step_equals_the_eager_one(bundled_tokenizer, small_sizes):
-    """int8 weights: the compiled package calls the same kernel as the eager step (on a CPU
-    Quickdraft's own, an operator of its library inside the package). Its other operations
-    keep fp32 between bf16 roundings where eager rounds each, and int8 activations turn a
-    rounding apart into a step of the quantization: logits agree to that, not bit for bit
-    (on this random model PyTorch's int8 kernel differs by 2.6% of the largest logit, this
-    one by 4%)."""
+def test_the_compiled_int8_step_gives_the_eager_steps_logits_and_replies(bundled_tokenizer,
+                                                                        small_sizes):
+    """int8 weights and bf16 activations: the compiled package calls the same kernel as the
+    eager step (on a CPU Quickdraft's own, an operator of its library inside the package),
+    rounds where eager rounds and runs eager's own norms, softmax and activation: the same
+    logits bit for bit, at every step size (padded alike). A reply that starts eager and
+    goes on compiled (the build finished mid-reply) is the eager reply, drafts and all."""
     def int8(step):
         lm = family_lm("llama", bundled_tokenizer, step=step)
         model = quant.quantize_model(lm.model, "int8w", wide_rows=0)
@@ -160,44 +170,62 @@ def test_the_compiled_int8_step_equals_the_eager_one(bundled_tokenizer, small_si
     lm, eager = int8("auto"), int8("eager")
     if DEVICE.type == "cpu" and kernels.available():
         assert lm.target.weights[0].down.scales.dtype == torch.float32  # the kernel's layout
-    lm.target.compile(background=False)
+    lm.target.compile("wait")
     assert lm.target.name == "lean-compiled", lm.target.steps.failed
     ids = prompt(12, seed=5)
     caches = [t.target.new_cache() for t in (lm, eager)]
     with torch.inference_mode():
         for t, cache in zip((lm, eager), caches, strict=True):
             t.target.forward(cache, ids, 0, last_only=True)
-        for start, step in ((12, ids[:1]), (13, ids[1:5])):  # a plain step and a 4-token one
-            got, want = (t.target.forward(c, step, start).logits.float()
+        # a plain step, a 4-token one, a 3-token one padded to 4, and a 2-token tree
+        tree = torch.tensor([[True, False], [False, True]])
+        for start, step, mask in ((12, ids[:1], None), (13, ids[1:5], None),
+                                  (17, ids[5:8], None), (20, ids[8:10], tree)):
+            depths = [0, 0] if mask is not None else None
+            got, want = (t.target.forward(c, step, start, depths, mask).logits
                          for t, c in zip((lm, eager), caches, strict=True))
-            scale = want.abs().max()
-            assert (got - want).abs().max() <= 0.06 * scale
-            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+            assert torch.equal(got, want), (start, (got - want).abs().max())
+    # across the switch: the reply's first steps eager, the rest compiled
+    ready = lm.target.steps.ready
+    replay = int8("auto")
+    params = SamplingParams(max_new_tokens=40)
+    events = generate(replay, ids * 3, params, LookupDrafter())
+    got = []
+    for i, event in enumerate(events):
+        got += event.token_ids
+        if i == 3:
+            assert replay.target.name == "lean-eager"
+            replay.target.steps.ready = ready  # the build lands mid-reply
+        if event.done:
+            assert event.stats.step == "lean-compiled" and sum(event.stats.drafted) > 0
+    assert got == run(eager, ids * 3, params, LookupDrafter())[1]
+    assert got == run(lm, ids * 3, params, LookupDrafter())[1]
 
 
-def _no_compiling(*_args, **_kwargs):
-    raise RuntimeError("no C++ compiler found")
+def _no_builder(*_args, **_kwargs):
+    raise AssertionError("a builder was started")
 
 
 @cpu_packages
 def test_a_failure_to_compile_leaves_the_eager_step(bundled_tokenizer, small_sizes, monkeypatch,
                                                     caplog):
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiling)
+    monkeypatch.setenv("CXX", "/nowhere/c++")  # the builder finds no C++ compiler
     lm = family_lm("llama", bundled_tokenizer)
     want = run(family_lm("llama", bundled_tokenizer, step="eager"), prompt(8),
                SamplingParams(max_new_tokens=12))[1]
-    lm.target.compile(background=False)
+    lm.target.compile("wait")
     assert lm.target.name == "lean-eager (compiling failed)"
-    assert "no C++ compiler found" in caplog.text
+    assert "/nowhere/c++" in caplog.text and lm.target.steps.failed in caplog.text
     _text, got, stats = run(lm, prompt(8), SamplingParams(max_new_tokens=12))
     assert got == want and stats.step == "lean-eager (compiling failed)"
 
 
 @cpu_packages
-def test_building_waits_for_an_explicit_ask(bundled_tokenizer, small_sizes):
-    """A one-shot command only loads packages already built: it never starts compiling."""
+def test_building_waits_for_an_explicit_ask(bundled_tokenizer, small_sizes, monkeypatch):
+    """Only loading packages already built never starts a builder."""
+    monkeypatch.setattr(builder, "start", _no_builder)
     lm = family_lm("llama", bundled_tokenizer)
-    lm.target.compile(build=False, background=False)
+    lm.target.compile("load")
     assert lm.target.name == "lean-eager" and not list(small_sizes.rglob("*.pt2"))
 
 

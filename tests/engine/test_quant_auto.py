@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine import quant, quant_auto
+from engine import quant, quant_answers, quant_auto
 from engine.config import ModelSpec, SamplingParams
 from engine.generate import run
 from engine.loading import load_model, wrap_model
@@ -66,14 +66,14 @@ def test_rounds_that_straddle_the_bar_are_not_clear():
 
 
 def test_answers_are_checked_as_words():
-    assert quant_auto.is_right("The answer is 4.", ["4"])
-    assert not quant_auto.is_right("It is 14.", ["4"])
-    assert quant_auto.is_right("Paris is the capital.", ["paris"])
-    assert not quant_auto.is_right("L'Étoile, la Marseillaise", ["paris"])
+    assert quant_answers.is_right("The answer is 4.", ["4"])
+    assert not quant_answers.is_right("It is 14.", ["4"])
+    assert quant_answers.is_right("Paris is the capital.", ["paris"])
+    assert not quant_answers.is_right("L'Étoile, la Marseillaise", ["paris"])
 
 
 def test_the_question_set_is_held_out():
-    asked = quant_auto.questions()
+    asked = quant_answers.questions()
     assert len(asked) >= 50 and all(q["answers"] for q in asked)
     seen = " ".join(open(quant_auto.ASSETS / name, encoding="utf-8").read().lower()
                     for name in ("seed_prompts.jsonl", "bench_prompts.jsonl"))
@@ -85,11 +85,15 @@ def test_auto_measures_once_and_remembers(bundled_tokenizer, monkeypatch, tmp_pa
     monkeypatch.setattr(quant_auto, "MAX_ROUNDS", 3)
     lm = make_tiny_model("llama-gqa", bundled_tokenizer)
     model = lm.model.to(torch.bfloat16)
+    said = []
     choice = quant_auto.measure(model, lm.tokenizer,
                                 lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q),
-                                lm.context_len, lm.eos_ids)
+                                lm.context_len, lm.eos_ids, said.append,
+                                budget_s=3600)  # no timing here: every question fits
     assert set(choice.records) == {"fp32", "bf16", "int8w", "int4"}
-    assert choice.questions == len(quant_auto.questions())
+    assert choice.questions == len(quant_answers.questions())
+    assert any("checking int4's answers" in m for m in said)
+    assert all("first time only" in m for m in said)
     assert choice.records["bf16"]["same"] == choice.questions
     assert choice.quant in choice.records and choice.quant in choice.reason
     timed = sum(r["admitted"] for r in choice.records.values())
@@ -122,7 +126,7 @@ def test_auto_on_a_64_position_window_loads_chooses_and_decodes(short_window, mo
     lm = load_model(ModelSpec(source=str(short_window), quant="auto"))
     choice = lm.quant_choice
     assert choice.records, choice.reason  # measured, not fallen back
-    assert choice.questions < len(quant_auto.questions())  # only what fits in 64 positions
+    assert choice.questions < len(quant_answers.questions())  # only what fits in 64 positions
     assert lm.quant == choice.quant
     prompt = lm.tokenizer("Hello there")["input_ids"]
     text, ids, _stats = run(lm, prompt, SamplingParams(max_new_tokens=8))
@@ -159,3 +163,85 @@ def test_requantize_measures_again(tiny_folder_auto, monkeypatch):
     again = load_model(ModelSpec(source=str(tiny_folder_auto), quant="auto", requantize=True))
     assert len(calls) == 2
     assert again.quant_choice.records.keys() == first.quant_choice.records.keys()
+
+
+def test_a_batch_answers_what_the_budget_leaves_room_for():
+    """A batch costs its reference's reply steps (shared by its rows) and a price per
+    question: a larger model answers fewer questions, one whose reply alone overruns the
+    budget none."""
+    assert quant_auto.plan_batch(36, 2.0, 0.5, 52) == quant_auto.MAX_BATCH
+    assert quant_auto.plan_batch(36, 12.0, 3.0, 52) == 8
+    assert quant_auto.plan_batch(36, 12.0, 3.0, 5) == 5
+    assert quant_auto.plan_batch(36, 40.0, 0.1, 52) == 0
+    assert quant_auto.plan_batch(-1, 0.0, 0.1, 52) == 0
+
+
+def test_a_model_too_slow_for_the_budget_keeps_the_reference_without_answering(
+        bundled_tokenizer, monkeypatch):
+    """As a 7B-class model on a 2-core CPU: one reply's steps cost more than the budget, so
+    no question is asked, the reference stays, and the reason and the progress say so."""
+    monkeypatch.setattr(quant_auto, "_probe", lambda *_a: (90.0, 4.0))
+    monkeypatch.setattr(quant_answers, "answer", _no_answers)
+    monkeypatch.setattr(quant_auto, "_perplexities", lambda *_a: {})  # too slow as well
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+    said = []
+    choice = quant_auto.measure(lm.model.to(torch.bfloat16), lm.tokenizer,
+                                lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q),
+                                lm.context_len, lm.eos_ids, said.append)
+    assert choice.quant == "bf16" and choice.questions == 0
+    assert "no question could be answered in 60 s here, nothing measured" in choice.reason
+    assert [n for n, r in choice.records.items() if r["admitted"]] == ["bf16"]
+    assert said and all("of at most ~60 s" in m for m in said)
+
+
+def _no_answers(*_args):
+    raise AssertionError("a question was answered")
+
+
+def test_a_reply_stops_once_it_is_decided():
+    assert quant_answers.settled_right("Paris, of course", ["paris"])
+    assert not quant_answers.settled_right("It is 4", ["4"])  # could still become 42
+    assert quant_answers.settled_right("It is 4.", ["4"])
+    assert not quant_answers.settled_right("It is 14.", ["4"])
+
+
+def test_a_candidate_that_follows_the_reference_is_not_asked_again(bundled_tokenizer,
+                                                                   monkeypatch):
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+    asked = quant_answers.prompts_that_fit(lm.tokenizer, quant_answers.questions()[:6],
+                                           lm.context_len)
+    prompts, answers = [p for p, _a in asked], [a for _p, a in asked]
+    eos = set(lm.eos_ids)
+    reference = quant_answers.replies(lm.model, lm.tokenizer, prompts, answers, eos)
+    assert all(len(r) == quant_answers.REPLY_TOKENS or r[-1] in eos for r in reference)
+    generated = []
+    real = quant_answers.replies
+    monkeypatch.setattr(quant_answers, "replies",
+                        lambda m, t, p, *a: generated.append(len(p)) or real(m, t, p, *a))
+    got, same = quant_answers.answer(lm.model, lm.tokenizer, prompts, answers, eos, reference)
+    assert got == reference and all(same) and sum(generated) == 0
+    # a candidate that departs answers anew where it does
+    other = make_tiny_model("llama-gqa", bundled_tokenizer, seed=1)
+    got, same = quant_answers.answer(other.model, lm.tokenizer, prompts, answers, eos,
+                                     reference)
+    assert sum(generated) == same.count(False) > 0
+    assert got == real(other.model, lm.tokenizer, prompts, answers, eos)  # its own replies
+
+
+def test_where_no_question_fits_perplexity_alone_admits(bundled_tokenizer, monkeypatch):
+    """A model whose replies overrun the budget but whose held-out text fits: the choice
+    goes by perplexity and speed, and says so."""
+    monkeypatch.setattr(quant_auto, "_probe", lambda *_a: (90.0, 4.0))
+    monkeypatch.setattr(quant_answers, "answer", _no_answers)
+    monkeypatch.setattr(quant_auto, "MAX_ROUNDS", 2)
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+    choice = quant_auto.measure(lm.model.to(torch.bfloat16), lm.tokenizer,
+                                lambda m, q: wrap_model(m, lm.tokenizer, lm.spec, "x", q),
+                                lm.context_len, lm.eos_ids)
+    assert choice.questions == 0 and "perplexity alone measured" in choice.reason
+    assert all(r["perplexity"] > 0 for r in choice.records.values())
+    admitted = [n for n, r in choice.records.items() if r["admitted"]]
+    assert admitted == quant_auto.admitted(dict.fromkeys(choice.records, 0),
+                                           {n: r["perplexity"] for n, r in
+                                            choice.records.items()})
+    assert choice.line().count("ms/step") == len(admitted) > 1  # timed

@@ -19,14 +19,17 @@ def test_a_padded_step_is_priced_at_the_size_it_runs_at():
     assert timing.StepCost(CURVE)(3) == pytest.approx(1.15)  # unpadded steps: interpolated
 
 
-def test_compiled_and_graphed_steps_say_they_pad(bundled_lm):
-    target = bundled_lm.target
-    assert target.padded_sizes() == ()  # eager: every step at its own size
-    target.graphed = True
-    try:
-        assert target.padded_sizes() == compiled.SIZES
-    finally:
-        target.graphed = False
+def test_lean_steps_say_they_pad(bundled_lm):
+    """The lean step runs a step padded to the compiled sizes whether it is eager,
+    compiled or graphed (the same arithmetic in all three); transformers' forward runs each
+    step at its own size."""
+    import dataclasses
+
+    from engine.loading import make_target
+
+    assert bundled_lm.target.padded_sizes() == compiled.SIZES
+    other = make_target(bundled_lm.model, "transformers", bundled_lm.dtype)
+    assert dataclasses.replace(bundled_lm, target=other).target.padded_sizes() == ()
 
 
 class FakeTimer:

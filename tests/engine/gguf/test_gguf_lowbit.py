@@ -4,13 +4,14 @@ and bf16 expand the same codes; accelerators attach by the file's own fingerprin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from engine import gguf as qd_gguf
-from engine import lowbit_folder
+from engine import lowbit_folder, quant_auto
 from engine.benchmark.gguf_writer import write_gguf
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
@@ -75,6 +76,7 @@ def test_four_bit_layers_run_on_the_int4_kernel_from_the_files_own_blocks(quanti
     manifest = json.loads((folder / lowbit_folder.MANIFEST).read_text())
     assert manifest["layers"] == {**{m: "int4" for m in Q4.values()},
                                   **{m: "int8" for m in Q8.values()}}
+    assert manifest["exact"] == sorted(Q4.values())  # Q8_0 runs on per-row int8 codes
     assert not (folder / "model.safetensors").exists()  # no fp32 expansion in the cache
     lm = load_model(ModelSpec(str(path), "auto", device="cpu"))
     assert lm.quant == "int4" and "kept as stored" in lm.quant_reason
@@ -106,6 +108,44 @@ def test_fp32_expands_the_same_codes_and_the_fingerprint_is_the_files(quantized_
     for key, value in reference.items():
         assert torch.equal(state[key], value), key
     assert lm.fingerprint == expanded.fingerprint  # accelerators trained on either attach
+
+
+def test_auto_keeps_the_files_own_format_unless_the_gate_refuses_it(quantized_file, cache,
+                                                                    monkeypatch):
+    """Not kept exactly (its Q8_0 layer runs on per-row int8 codes): the own format is
+    checked against the file's weights expanded, in bounded time, and kept when admitted;
+    refused, the expanded weights run."""
+    path, _ = quantized_file
+    said = []
+    lm = load_model(ModelSpec(str(path), "auto", device="cpu", requantize=True), said.append)
+    choice = lm.quant_choice
+    assert choice.quant == quant_auto.OWN and set(choice.records) == {"bf16", quant_auto.OWN}
+    assert choice.questions > 0 and not any(r["ms"] for r in choice.records.values())
+    assert lm.quant == "int4" and "kept as stored" in lm.quant_reason
+    assert any("checking own's answers" in m for m in said)
+    monkeypatch.setattr(quant_auto, "admitted", lambda right, ppl, reference, **_k: [reference])
+    refused = load_model(ModelSpec(str(path), "auto", device="cpu", requantize=True))
+    assert refused.quant == "bf16" and refused.quant_choice.quant == "bf16"
+    assert "own refused" in refused.quant_reason
+    assert not any(isinstance(m, LowBitLinear) for m in refused.model.modules())
+    # remembered: the next start loads the expanded weights without measuring
+    monkeypatch.setattr(quant_auto, "measure", _no_measuring)
+    again = load_model(ModelSpec(str(path), "auto", device="cpu"))
+    assert again.quant == "bf16" and again.quant_choice == refused.quant_choice
+
+
+def test_a_file_kept_exactly_is_its_own_choice_unmeasured(quantized_file, cache, monkeypatch):
+    path, _ = quantized_file
+    real = lowbit_folder.load
+    monkeypatch.setattr(lowbit_folder, "load",
+                        lambda *a: dataclasses.replace(real(*a), exact=True))
+    monkeypatch.setattr(quant_auto, "measure", _no_measuring)
+    lm = load_model(ModelSpec(str(path), "auto", device="cpu", requantize=True))
+    assert lm.quant == "int4" and lm.quant_choice is None and "kept as stored" in lm.quant_reason
+
+
+def _no_measuring(*_args, **_kwargs):
+    raise AssertionError("measured")
 
 
 def test_bitsandbytes_choices_and_a_damaged_folder_get_one_line(quantized_file, cache):
