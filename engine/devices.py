@@ -44,6 +44,7 @@ def cpu_flags() -> set[str]:
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return set(line.partition(":")[2].split())
 
+
 @dataclass(frozen=True)
 class Card:
     """What the device a model runs on can do, as torch reports it (tests fake the queries)."""
