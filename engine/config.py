@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from engine.errors import QuickdraftError
 
 # int4 / int8w: weight-only low-bit on Quickdraft's or PyTorch's kernels (engine/quant.py);
-# gguf: a GGUF file's own blocks, as stored (engine/gguf_model.py); nf4 / int8: bitsandbytes.
-QUANT_CHOICES = ("auto", "gguf", "int4", "int8w", "nf4", "int8", "bf16", "fp32")
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# gguf: a GGUF file's own blocks, as stored (engine/gguf_model.py); nf4 / int8: bitsandbytes;
+# fp16: what GPUs without native bf16 compute in.
+QUANT_CHOICES = ("auto", "gguf", "int4", "int8w", "nf4", "int8", "bf16", "fp16", "fp32")
+# auto: CUDA when present, else Apple's GPU (mps), else the CPU (engine/devices.py)
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
 ACCEPTANCE_CHOICES = ("auto", "greedy", "lossless", "typical")
 # auto: the lean step where the family is covered (compiled once the app starts compiling),
 # else transformers; eager: the lean step, never compiled; transformers: the model's own
@@ -26,7 +28,7 @@ class ModelSpec:
 
     source: str = "default"  # "default", a local folder, or a Hugging Face repo id
     quant: str = "auto"  # one of QUANT_CHOICES; "auto" picks per device and memory
-    device: str = "auto"  # one of DEVICE_CHOICES; "auto" = CUDA when present
+    device: str = "auto"  # one of DEVICE_CHOICES; "auto" = CUDA, else mps, else the CPU
     trust_remote_code: bool = False  # run code shipped with a hub model (off: secure default)
     revision: str | None = None  # hub branch, tag or commit; None = the default branch
     step: str = "auto"  # one of STEP_CHOICES: how decode steps run (engine/target.py)

@@ -48,6 +48,7 @@ class BlockLinear(LowBitLinear):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", meta)  # (type id, rows per group)
         self.wide, self.wide_rows = None, 0  # no float copies of block weights
+        self.packed_for = "cpu"  # Quickdraft's CPU kernels read these blocks
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, kind: str, in_features: int,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, gguf, gguf_model, kernels, quant_auto
+from engine import devices, gguf, gguf_model, kernels, memory_fit, quant_auto
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
@@ -49,6 +49,7 @@ class LoadedModel:
     fingerprint: str  # ties accelerator checkpoints to this exact model
     load_seconds: float
     quant_reason: str = ""  # why --quant auto chose `quant` here ("" when it was asked for)
+    device_line: str = ""  # which device runs it and why (engine.devices.device_line)
     quant_choice: object = None  # --quant auto's quant_auto.Choice: the record it chose by
     target: Target | None = None  # how decode steps run (set by wrap_model)
     # engine.timing.step_cost's curves by target step name, timed on first use
@@ -59,7 +60,7 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype activations and drafter weights use."""
-        return devices.compute_dtype(self.quant)
+        return devices.compute_dtype(self.quant, self.device)
 
 
 def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> LoadedModel:
@@ -79,7 +80,19 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
         raise ModelLoadError(f"--quant {gguf_model.QUANT} runs a GGUF file's own blocks: "
                              f"{spec.source} is not a GGUF file")
     folder, model_id = resolve_folder(spec, report)
-    quant = devices.resolve_quant(spec.quant, device, weights_bytes(folder))
+    fit = memory_fit.plan(spec.quant, spec.device, device, memory_fit.read_checkpoint(folder))
+    where = devices.card(fit.device).name
+    with memory_fit.readable_oom(model_id, fit, where):
+        lm = _load_planned(folder, model_id, spec, fit, report, start)
+    lm.device_line = devices.device_line(spec.device, fit.device, fit.moved)
+    release_freed_memory()
+    return lm
+
+
+def _load_planned(folder: Path, model_id: str, spec: ModelSpec, fit: memory_fit.Fit,
+                  report: Callable[[str], None] | None, start: float) -> LoadedModel:
+    """Load `folder` as `fit` planned (on a CPU, --quant auto measures its choice here)."""
+    quant, device = fit.quant, fit.device
     model = _load_weights(folder, quant, device, spec.trust_remote_code)
     tokenizer = _load_tokenizer(folder, spec.trust_remote_code)
     # Before quantizing: the same weights give one fingerprint in every quantization.
@@ -91,12 +104,11 @@ def load_model(spec: ModelSpec, report: Callable[[str], None] | None = None) -> 
         if quant == "fp32":  # measured from the bf16 weights: run the file's own precision
             model = _load_weights(folder, quant, device, spec.trust_remote_code)
     if quant in LOW_BIT:
-        quantize_model(model, quant, wide_rows=None if spec.wide_copies else 0)
+        quantize_model(model, quant, wide_rows=None if spec.wide_copies else 0, device=device)
     lm = wrap_model(model, tokenizer, spec, model_id, quant, time.perf_counter() - start,
                     weights_print)
-    lm.quant_reason = choice.reason if choice else ""
+    lm.quant_reason = choice.reason if choice else fit.reason
     lm.quant_choice = choice
-    release_freed_memory()
     return lm
 
 
@@ -128,6 +140,7 @@ def _load_stored(spec: ModelSpec, device: torch.device, start: float,
     lm = wrap_model(opened.model, opened.tokenizer, spec, model_id, gguf_model.QUANT,
                     time.perf_counter() - start, opened.fingerprint)
     lm.quant_reason = opened.reason
+    lm.device_line = devices.device_line(spec.device, device)
     release_freed_memory()
     return lm
 
@@ -175,18 +188,19 @@ def wrap_model(model, tokenizer, spec: ModelSpec, model_id: str, quant: str,
     `model_fingerprint`: the fingerprint of its unquantized weights, when it was quantized
     after loading."""
     model = model.eval().requires_grad_(False)
+    device = next(model.parameters()).device
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         spec=spec,
         model_id=model_id,
         quant=quant,
-        device=next(model.parameters()).device,
+        device=device,
         eos_ids=eos_ids(model, tokenizer),
         context_len=_context_len(model),
         fingerprint=model_fingerprint or fingerprint(model),
         load_seconds=load_seconds,
-        target=make_target(model, spec.step, devices.compute_dtype(quant)),
+        target=make_target(model, spec.step, devices.compute_dtype(quant, device)),
     )
 
 
@@ -307,11 +321,6 @@ def bundled_gguf() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
 
 
-def weights_bytes(folder: Path) -> int:
-    """Bytes of a model folder's safetensors files: what the quantization choice is sized by."""
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
 def _load_weights(folder: Path, quant: str, device: torch.device, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -330,10 +339,8 @@ def _load_weights(folder: Path, quant: str, device: torch.device, trust_remote_c
                 f"{folder} holds a {config.model_type!r} model, not a causal language model"
             ) from exc
         raise ModelLoadError(f"could not load {folder}: {str(exc).splitlines()[0]}") from exc
-    except torch.OutOfMemoryError as exc:
-        raise ModelLoadError("not enough memory for this model: try --quant nf4") from exc
-    if kwargs.get("device_map") is None:
-        model.to(device)
+    if kwargs.get("device_map") is None and quant not in LOW_BIT:
+        model.to(device)  # low-bit choices go to the device layer by layer as they quantize
     return model.eval().requires_grad_(False)
 
 

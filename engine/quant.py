@@ -136,7 +136,10 @@ class LowBitLinear(nn.Module):
         self.bias = (None if bias is None else
                      nn.Parameter(bias.detach().to(device, torch.bfloat16), False))
         scale, zero = codes.kernel_scales()
-        if own_kernels(device, self.in_features, self.out_features, codes.kind):
+        ours = own_kernels(device, self.in_features, self.out_features, codes.kind)
+        # The device type whose kernel the layout is for ("": any; `_apply` keeps it there)
+        self.packed_for = device.type if codes.kind == "int4" or ours else ""
+        if ours:
             # Quickdraft's kernels: the codes as blocks, repacked for them; `scales` holds
             # their block type and group width (int64, what selects them in `lowbit_mm`)
             packed, meta = repack(codes.rows(), BLOCK_TYPE[codes.kind])
@@ -154,6 +157,19 @@ class LowBitLinear(nn.Module):
         # more memory than the codes); None: every step uses the kernel
         self.wide: torch.Tensor | None = codes.kernel_dense().to(device) if wide else None
         self.wide_rows = 0  # rows from which a step uses `wide` (0: never); see `crossover`
+
+    def _apply(self, fn, *args, **kwargs):
+        # Kernels are chosen by the scales' dtype, and int4 layouts differ by device: a layer
+        # packed for one device's kernel would run the wrong one on another. The target is
+        # probed with an empty tensor first, so a refused move leaves the layer whole.
+        if self.packed_for:
+            probe = fn(torch.empty(0, dtype=self.packed.dtype, device=self.packed.device))
+            if probe.device.type != self.packed_for:
+                raise ModelLoadError(
+                    f"this {self.kind} layer is packed for the {self.packed_for} kernels and "
+                    f"cannot run on {probe.device.type}: load the model again with --device "
+                    f"{probe.device.type} to quantize it there")
+        return super()._apply(fn, *args, **kwargs)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str, device: torch.device,
@@ -288,14 +304,19 @@ def _as_linear(module: nn.Module) -> nn.Linear | None:
     return None
 
 
-def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = 0) -> nn.Module:
+def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = 0,
+                   device: torch.device | None = None) -> nn.Module:
     """Replace every linear layer of a loaded causal LM (the LM head included) by a
     LowBitLinear in place; the rest goes to bf16. `wide_rows`: 0 (the default) keeps the
     codes alone and runs every step on the kernels; n keeps bf16 copies of the weights and
-    runs steps of n rows or more on them; None measures that n here (`crossover`)."""
+    runs steps of n rows or more on them; None measures that n here (`crossover`).
+    `device`: where the model runs (default: where it is). A model still on the CPU is
+    quantized layer by layer onto it, so no bf16 copy of the whole model ever sits on a GPU
+    (the models that need 4 bits are the ones whose bf16 weights do not fit there)."""
     if kind not in LOW_BIT:
         raise ModelLoadError(f"unknown low-bit choice {kind!r}: choose one of {LOW_BIT}")
-    device = next(model.parameters()).device
+    here = next(model.parameters()).device
+    device = here if device is None else device
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
@@ -312,7 +333,10 @@ def quantize_model(model: nn.Module, kind: str, wide_rows: int | None = 0) -> nn
                 LowBitLinear.from_linear(linear, layer_kind, device, wide_rows != 0))
     if tied:
         tie_embedding(model)
-    own_memory(model)
+    if device != here:
+        model.to(device)  # what stays unquantized (norms, an untied table) follows the codes
+    else:
+        own_memory(model)
     rows = measured_wide_rows(low_bit_layers(model)) if wide_rows is None else wide_rows
     set_wide_rows(model, rows)
     return model

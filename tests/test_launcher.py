@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,14 +92,90 @@ def test_ensure_env_installs_once_then_skips(tmp_path, monkeypatch):
     assert calls == []  # stamp matches: nothing to do
 
 
-def test_the_cuda_lock_is_chosen_only_on_linux_x86_64_with_an_nvidia_driver(tmp_path):
+def _smi(tmp_path, monkeypatch, system: str, stdout: str = "", code: int = 0,
+         error: Exception | None = None):
+    """nvidia-smi installed where `system` keeps it (a file in tmp_path), answering `-L`
+    with `stdout` and exit `code`, or raising `error`; returns the calls it received."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("")
+    monkeypatch.setitem(launcher.NVIDIA_SMI_PLACES, system, (str(smi),))
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        if error is not None:
+            raise error
+        return subprocess.CompletedProcess(cmd, code, stdout, "")
+
+    return smi, run, calls
+
+
+def _detect(system: str, run, driver: Path) -> str:
+    return launcher.nvidia_gpu(system, driver, which=lambda name: None, run=run)
+
+
+ANSWER = "GPU 0: NVIDIA GeForce RTX 3060 (UUID: GPU-5f0c)\n"
+
+
+def test_a_loaded_linux_driver_means_the_cuda_lock_without_asking_nvidia_smi(tmp_path):
     driver = tmp_path / "version"
-    assert launcher.choose_lock("Linux", "x86_64", driver) == launcher.LOCK_FILE
     driver.write_text("NVRM version: 580")
-    assert launcher.choose_lock("Linux", "x86_64", driver) == launcher.CUDA_LOCK_FILE
-    assert launcher.choose_lock("Linux", "aarch64", driver) == launcher.LOCK_FILE
-    assert launcher.choose_lock("Darwin", "x86_64", driver) == launcher.LOCK_FILE
-    assert launcher.choose_lock("Windows", "AMD64", driver) == launcher.LOCK_FILE
+    gpu = _detect("Linux", lambda *a, **k: pytest.fail("nvidia-smi was run"), driver)
+    assert gpu.startswith("NVIDIA driver loaded")
+    assert launcher.choose_lock("Linux", "x86_64", gpu)[0] == launcher.CUDA_LOCK_FILE
+
+
+def test_wsl2_finds_the_gpu_through_the_windows_drivers_nvidia_smi(tmp_path, monkeypatch):
+    # WSL2 has no /proc/driver/nvidia: its nvidia-smi lies in /usr/lib/wsl/lib, off PATH
+    smi, run, calls = _smi(tmp_path, monkeypatch, "Linux", ANSWER)
+    gpu = _detect("Linux", run, tmp_path / "no-driver")
+    assert calls == [[str(smi), "-L"]]
+    assert gpu == "GPU 0: NVIDIA GeForce RTX 3060 (nvidia-smi)"
+    lock, why = launcher.choose_lock("Linux", "x86_64", gpu)
+    assert lock == launcher.CUDA_LOCK_FILE and "RTX 3060" in why
+
+
+def test_nvidia_smi_that_fails_or_hangs_or_lists_nothing_is_no_gpu(tmp_path, monkeypatch):
+    no_driver = tmp_path / "no-driver"
+    for answer in (dict(stdout="NVIDIA-SMI has failed because it couldn't communicate "
+                               "with the NVIDIA driver.", code=9),
+                   dict(stdout="No devices were found"),
+                   dict(error=subprocess.TimeoutExpired("nvidia-smi", 20)),
+                   dict(error=PermissionError("denied"))):
+        _, run, calls = _smi(tmp_path, monkeypatch, "Linux", **answer)
+        assert _detect("Linux", run, no_driver) == "" and len(calls) == 1, answer
+    assert launcher.choose_lock("Linux", "x86_64", "") == (
+        launcher.LOCK_FILE, "no NVIDIA GPU found: PyTorch's CPU build")
+    assert _detect("Darwin", lambda *a, **k: pytest.fail("ran"), no_driver) == ""
+
+
+def test_windows_with_an_nvidia_gpu_takes_the_windows_cuda_lock_where_one_ships(
+        tmp_path, monkeypatch):
+    _, run, _ = _smi(tmp_path, monkeypatch, "Windows", ANSWER)
+    gpu = _detect("Windows", run, tmp_path / "no-driver")
+    assert "RTX 3060" in gpu
+    shipped = tmp_path / "requirements-cuda-windows.lock"
+    monkeypatch.setattr(launcher, "WINDOWS_CUDA_LOCK_FILE", shipped)
+    lock, why = launcher.choose_lock("Windows", "AMD64", gpu)
+    assert lock == launcher.LOCK_FILE and "WSL2" in why  # none ships: said, CPU build
+    shipped.write_text("torch==2.13.0+cu128 --hash=sha256:00\n")
+    assert launcher.choose_lock("Windows", "AMD64", gpu)[0] == shipped
+    assert launcher.torch_source(shipped, {}, "Windows", "") == []  # its index is inside
+
+
+def test_only_x86_64_linux_and_windows_have_a_cuda_lock():
+    assert launcher.choose_lock("Linux", "aarch64", "GPU 0: GH200")[0] == launcher.LOCK_FILE
+    assert launcher.choose_lock("Darwin", "arm64", "")[0] == launcher.LOCK_FILE
+
+
+def test_ensure_env_says_which_lock_it_installs_and_why(tmp_path, monkeypatch, capsys):
+    venv_dir = _fake_venv(tmp_path)
+    lock = _lock(tmp_path)
+    monkeypatch.setattr(launcher, "choose_lock", lambda: (lock, "GPU 0: RTX 3060: CUDA"))
+    monkeypatch.setattr(launcher, "has_pip", lambda python: True)
+    monkeypatch.setattr(launcher, "run_step", lambda what, cmd: None)
+    launcher.ensure_env(venv_dir, None, "m==1")
+    assert "quickdraft: GPU 0: RTX 3060: CUDA." in capsys.readouterr().err
 
 
 def _pins(name: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import QUANT_CHOICES, STEP_CHOICES, ModelSpec
+from engine.config import DEVICE_CHOICES, QUANT_CHOICES, STEP_CHOICES, ModelSpec
 from engine.errors import QuickdraftError
 
 
@@ -19,7 +19,9 @@ def add_model_args(parser: argparse.ArgumentParser, start: bool = False) -> None
                         help="with a repo id as --model: the GGUF file of that repo to use")
     parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
                         help="weights: auto picks per device (default: auto)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                        help="where the model runs: auto (a CUDA GPU, else Apple's GPU, else "
+                             "the CPU; the line after loading says which and why)")
     parser.add_argument("--step", default="auto", choices=STEP_CHOICES,
                         help="how decode steps run: auto (the lean step, compiled, where the "
                              "model's family allows), eager (the lean step, never compiled), "
@@ -75,6 +77,10 @@ def load(args: argparse.Namespace, compiled: str = "load"):
             bar.close()
     print(f"Loaded {lm.model_id} as {lm.quant} on {lm.device} in {lm.load_seconds:.1f} s; "
           f"decode step: {lm.target.name}", file=sys.stderr, flush=True)
+    if lm.device_line:
+        print(f"Device: {lm.device_line}", file=sys.stderr, flush=True)
+    if lm.quant_reason and lm.device.type != "cpu":
+        print(f"Weights: {lm.quant_reason}", file=sys.stderr, flush=True)
     return lm
 
 

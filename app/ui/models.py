@@ -20,20 +20,20 @@ from engine.config import ModelSpec
 from engine.errors import QuickdraftError
 
 
-
 def quant_labels(device: str) -> list[tuple[str, str]]:
     """The quantization choices, each with the kernels that run it on `device` here."""
     return [("Auto", "auto"), ("GGUF file's own blocks", "gguf"),
             (f"4-bit ({kernel_words('int4', device)})", "int4"),
             (f"8-bit ({kernel_words('int8w', device)})", "int8w"),
             ("4-bit NF4 (bitsandbytes)", "nf4"), ("8-bit (bitsandbytes)", "int8"),
-            ("bf16", "bf16"), ("fp32", "fp32")]
+            ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
 
 
 BUNDLED = ("Bundled: SmolLM2-135M-Instruct (no download)", "default")
 QUANT_INFO = ("Auto: a quantized GGUF file runs on its own blocks, as stored; other models, "
               "on a CPU, measured the first time they load (bf16, 8-bit or 4-bit weights; what "
-              "it chose and why shows above); on a GPU, bf16, or NF4 where bf16 would not fit")
+              "it chose and why shows above); on a GPU, bf16 (fp16 on cards before RTX 30xx), "
+              "or 4 bits where that would not fit with its KV cache")
 POLL_S = 0.3  # how often the page hears about a load in progress
 
 
@@ -91,7 +91,8 @@ class ModelsTab:
                 f"<span id='qd-model-params'>{params / 1e6:,.1f} M parameters</span> · "
                 f"<span id='qd-model-bytes'>{size / 2**20:,.1f} MB in memory</span> · "
                 f"{lm.context_len} tokens of context · loaded in {lm.load_seconds:.1f} s\n\n"
-                f"Quantization: {quant_record(lm)}\n\nDecode step: {step_line(lm)}")
+                f"Quantization: {quant_record(lm)}\n\nDevice: {lm.device_line or lm.device}"
+                f"\n\nDecode step: {step_line(lm)}")
 
     def choices(self, value: str | None = None) -> gr.Dropdown:
         """The bundled model, every model already in the Hugging Face cache, and the GGUF

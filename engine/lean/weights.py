@@ -118,6 +118,7 @@ def fuse_low_bit(layers: list[quant.LowBitLinear]) -> quant.LowBitLinear | None:
     fused = quant.LowBitLinear.__new__(quant.LowBitLinear)
     nn.Module.__init__(fused)
     fused.kind, fused.in_features = first.kind, first.in_features
+    fused.packed_for = first.packed_for
     fused.out_features = sum(m.out_features for m in layers)
     fused.bias = None if first.bias is None else nn.Parameter(
         torch.cat([m.bias for m in layers]), False)

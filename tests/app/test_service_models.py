@@ -13,16 +13,18 @@ from engine.errors import ModelLoadError
 
 def test_models_tab_figures_before_loading(tiny, tmp_path, monkeypatch):
     from app import catalog
+    from engine import memory_fit
 
     folder = tmp_path / "tiny-folder"
     tiny.model.save_pretrained(folder)
     params = sum(p.numel() for p in tiny.model.parameters())
     # tied embeddings are stored once
-    assert catalog.count_parameters(folder) == params
+    assert memory_fit.read_checkpoint(folder).parameters == params
     assert catalog.estimate_bytes(1_000_000, "nf4") < catalog.estimate_bytes(1_000_000, "bf16") \
         < catalog.estimate_bytes(1_000_000, "fp32")
     line = catalog.memory_estimate(ModelSpec(source=str(folder), quant="fp32"))
-    assert line.startswith(f"{params / 1e6:,.0f} M parameters · fp32 on cpu") and "free" in line
+    assert line.startswith(f"{params / 1e6:,.0f} M parameters (f32) · fp32 on cpu"), line
+    assert "free" in line
     assert "unknown until downloaded" in catalog.memory_estimate(ModelSpec(source="org/absent"))
     hub = tmp_path / "hub"
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
