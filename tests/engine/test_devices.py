@@ -213,14 +213,15 @@ def test_quantizing_onto_another_device_moves_every_tensor_there(tiny):
 
 def test_a_layer_packed_for_one_devices_kernel_refuses_to_run_on_another():
     from engine import quant
+    from engine.lean.weights import fuse_low_bit
 
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     four = quant.LowBitLinear(quant.Codes.of(weight, "int4"), None, torch.device("cpu"))
     with pytest.raises(ModelLoadError, match="packed for the cpu kernels .* --device meta"):
         four.to("meta")
     assert four.packed.device.type == "cpu"  # refused before anything moved
-    fused = quant.fuse([four, quant.LowBitLinear(quant.Codes.of(weight, "int4"), None,
-                                                 torch.device("cpu"))])
+    fused = fuse_low_bit([four, quant.LowBitLinear(quant.Codes.of(weight, "int4"), None,
+                                                   torch.device("cpu"))])
     if fused is not None:
         with pytest.raises(ModelLoadError, match="packed for the cpu kernels"):
             fused.to("meta")
