@@ -298,7 +298,7 @@ def test_a_stored_accelerator_that_does_not_pay_says_so(service, tiny):
                     {"speedup": 1.0})  # calibration found no tree faster than plain decoding
     try:
         status = service.accels.status("medusa")
-        assert status.ready and "not drafting: estimated 1.00× here" in status.message
+        assert status.ready and "not drafting: it did not beat plain decoding" in status.message
     finally:
         shutil.rmtree(checkpoint_dir(tiny.fingerprint, "medusa"))
 
