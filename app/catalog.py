@@ -38,13 +38,14 @@ RUNTIME_OVERHEAD = 1.2
 Report = Callable[[str, float | None], None]  # (message, fraction done or None)
 
 
-def cached_models() -> list[str]:
-    """Repo ids of the models in the Hugging Face cache that hold safetensors weights."""
+def cached_models(cache_dir: Path | None = None) -> list[str]:
+    """Repo ids of the models in the Hugging Face cache (`cache_dir`; None: the user's) that
+    hold safetensors weights."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     try:
-        info = scan_cache_dir()
+        info = scan_cache_dir(cache_dir)
     except (CacheNotFound, OSError) as exc:
         log.info("no Hugging Face cache to list: %s", exc)
         return []

@@ -11,7 +11,7 @@ from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 
 
-def test_models_tab_figures_before_loading(tiny, tmp_path, monkeypatch):
+def test_models_tab_figures_before_loading(tiny, tmp_path):
     from app import catalog
     from engine import memory_fit
 
@@ -27,13 +27,12 @@ def test_models_tab_figures_before_loading(tiny, tmp_path, monkeypatch):
     assert "free" in line
     assert "unknown until downloaded" in catalog.memory_estimate(ModelSpec(source="org/absent"))
     hub = tmp_path / "hub"
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
-    assert catalog.cached_models() == []  # no cache at all
+    assert catalog.cached_models(hub) == []  # no cache at all
     snapshot = hub / "models--org--tiny" / "snapshots" / ("0" * 40)
     shutil.copytree(folder, snapshot)
     (hub / "models--org--tiny" / "refs").mkdir()
     (hub / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
-    assert catalog.cached_models() == ["org/tiny"]
+    assert catalog.cached_models(hub) == ["org/tiny"]
 
 
 def test_a_source_that_names_nothing_says_so_before_loading(tmp_path):
