@@ -28,7 +28,8 @@ def _save(lm, tree=TREE, num_heads: int = 4, vocab_ids=None, **extra_settings):
         heads.weight.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
     settings = {
         **heads.settings.to_json(),
-        "tree": tree,
+        # calibration's counted chances: a node of depth d kept half as often as its parent
+        "candidates": [[c, 0.5 ** len(c)] for c in tree],
         "pays": bool(tree),
         **extra_settings,
     }
@@ -73,13 +74,16 @@ def test_a_draft_vocabulary_outside_the_model_is_refused(lm):
         load_drafter(lm, "medusa")
 
 
-def test_a_checkpoint_timed_in_another_dtype_is_re_timed_at_load(lm):
-    _save(lm)  # as timed on this fp32 model: the stored tree is used as it is
-    assert not load_drafter(lm, "medusa").retimed
+def test_an_older_checkpoint_drafts_the_greedy_tree_of_its_accuracies(lm):
+    """Saved before calibration counted node chances: its per-head accuracies give the
+    candidate tree and the chances (independent heads), priced here like any other."""
     accuracies = [[0.9, 0.95], [0.8, 0.9], [0.7, 0.8], [0.6, 0.7]]
-    _save(lm, quant="bf16", accuracies=accuracies)  # timed in bf16, loaded in fp32
+    _heads, folder = _save(lm, accuracies=accuracies)
+    info = json.loads((folder / INFO).read_text())
+    del info["settings"]["candidates"]
+    (folder / INFO).write_text(json.dumps(info))
     drafter = load_drafter(lm, "medusa")
-    assert drafter.retimed
+    assert drafter.ranked[0] == (0,) and drafter.chances[0] == pytest.approx(0.9)
     params = SamplingParams(max_new_tokens=16)
     assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
 
@@ -135,7 +139,7 @@ def test_weights_of_the_wrong_shape_are_refused(lm):
 def test_unreadable_settings_are_refused(lm):
     _heads, folder = _save(lm)
     info = json.loads((folder / INFO).read_text())
-    del info["settings"]["tree"]
+    info["settings"]["candidates"] = [[[0], "often"]]
     (folder / INFO).write_text(json.dumps(info))
     with pytest.raises(AcceleratorError, match="unreadable settings"):
         load_drafter(lm, "medusa")
