@@ -86,7 +86,8 @@ def _compare(divergence: Divergence | None) -> CompareResult:
 
 def test_compare_shows_a_near_tie_plainly_and_a_mismatch_in_red():
     tie = compare_html(_compare(Divergence(11, 5, 6, 0.03, 0.12)))
-    assert "near-tie (gap 0.03" in tie and "at token 12" in tie and "qd-mismatch" not in tie
+    assert "a rounding tie at token 12" in tie and "(gap 0.03, rounding 0.12)" in tie
+    assert "qd-mismatch" not in tie
     bad = compare_html(_compare(Divergence(11, 5, 6, 2.5, 0.12)))
     assert 'qd-mismatch">texts differ: MISMATCH at token 12' in bad
 
