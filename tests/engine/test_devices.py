@@ -11,7 +11,17 @@ from engine import devices, memory_fit
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.memory_fit import Checkpoint
-from tests.fake_devices import ADA, AMPERE, GB, PASCAL, TURING, FakeCard, fake_cuda, fake_mps, no_gpu
+from tests.fake_devices import (
+    ADA,
+    AMPERE,
+    GB,
+    PASCAL,
+    TURING,
+    FakeCard,
+    fake_cuda,
+    fake_mps,
+    no_gpu,
+)
 
 # Checkpoints as their safetensors headers and configs describe them (bf16 on disk, as
 # most are): (layer matrices, LM head (0: tied), token table, norms, stored bytes, dtype,

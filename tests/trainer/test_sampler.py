@@ -10,8 +10,8 @@ from collections import deque
 import pytest
 import torch
 from stats_util import chi_square_pvalue
-from tests.engine.test_family_matrix import family_model
 
+from tests.engine.test_family_matrix import family_model
 from trainer.sampler import AnswerJob, Record, SamplerConfig, answers, supports_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
