@@ -1,15 +1,8 @@
-"""Medusa-1: K heads on the final hidden state guess the tokens 2..K+1 ahead; their top-k
-guesses fill a calibrated sparse tree that the full model verifies in one forward pass.
-
-Head k is the residual block h + SiLU(W_k h + A_k B e + b_k) read through the model's frozen
-LM head, or optionally through a head-owned vocabulary projection initialised from it.
-h is the final state that predicted the pending token (the tree's root, already chosen
-when the heads run) and e that token's input embedding (unit RMS), so head 1 guesses the
-token after a known token instead of averaging over every token the model might pick.
-B (r x H, shared) and A_k (H x r) keep the token path low-rank: full (H x H) maps per head
-would double the heads' memory. Heads with r = 0 read h alone. W_k, A_k, b_k start at
-zero (B at random, or nothing would train it): an untrained head repeats the model's own
-next-token prediction.
+"""Medusa-1's drafter: the heads (engine/drafters/medusa_heads.py) guess the tokens
+2..K+1 ahead from the final hidden state; their top-k guesses fill a candidate tree whose
+nodes carry the chance of being kept that calibration counted on held-out answers, and
+each step the tree is cut to the nodes that pay at the step costs and the heads' own cost
+timed here, then verified by the full model in one forward pass.
 Verification, acceptance and the cache update are the decode loop's shared code.
 """
 
