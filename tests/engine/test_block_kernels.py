@@ -15,6 +15,7 @@ import torch
 
 from engine import gguf_blocks, kernels
 from engine.gguf_blocks import BlockLinear
+from tests.engine.test_kernels import quantized
 
 built = pytest.mark.skipif(not kernels.available(),
                            reason=f"kernels not built here: {kernels.problem}")
@@ -44,15 +45,6 @@ def gguf_values(kind: str, rows: np.ndarray, k: int) -> torch.Tensor:
 
     values = quants.dequantize(rows, GGMLQuantizationType[kind])
     return torch.from_numpy(np.ascontiguousarray(values)).reshape(rows.shape[0], k)
-
-
-def quantized(x: torch.Tensor) -> torch.Tensor:
-    """Each row quantized per block of 32 (scale = block max / 127, rounded half to even)."""
-    m, k = x.shape
-    blocks = x.float().reshape(m, k // 32, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks))
-    return (q * d).reshape(m, k).double()
 
 
 @built
