@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,27 +45,37 @@ def answer_seeds(lm, fh, todo: list[Seed], budget: DataBudget, run: Run, report,
 
 @dataclass
 class Run:
-    """Where a data run stands: conversations in the file, the target, seconds spent, and
-    the file's conversation tokens (what the features stage will read)."""
+    """Where a data run stands: conversations in the file, the target, seconds spent, the
+    file's conversation tokens (what the features stage will read), and how many of its
+    conversations the trainer will hold out."""
 
     count: int
     target: int
     spent: float
     meta_path: Path
     tokens: int = 0
+    heldout: int = 0
+    holds_out: Callable[[str], bool] = lambda key: False  # the trainer's split, by seed key
 
-    def wrote(self, n: int, seconds: float, tokens: int) -> None:
+    def wrote(self, n: int, seconds: float, tokens: int, keys: tuple[str, ...] = ()) -> None:
         self.count += n
         self.spent += seconds
         self.tokens += tokens
+        self.heldout += sum(self.holds_out(k) for k in keys)
         self.meta_path.write_text(json.dumps({"seconds": round(self.spent, 2)}))
+
+    def enough(self, least: tuple[int, int]) -> bool:
+        """Whether the file holds the (train, held-out) conversations the time budget must
+        not stop short of."""
+        return self.count - self.heldout >= least[0] and self.heldout >= least[1]
 
 
 def _answer_in_batches(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
                        report, cancel: threading.Event | None) -> None:
     """generate() on fixed batches: for models whose cache rows cannot be swapped."""
     def budget_left() -> bool:
-        return budget.used(run.spent, run.tokens) < budget.max_seconds
+        return (budget.used(run.spent, run.tokens) < budget.max_seconds
+                or not run.enough(budget.least))
 
     while todo and run.count < run.target and budget_left():
         if cancel is not None and cancel.is_set():
@@ -73,7 +84,7 @@ def _answer_in_batches(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         size = sum(1 for s in todo[:size] if s.sample == todo[0].sample)  # one pass per batch
         batch, todo = todo[:size], todo[size:]
         seconds, tokens = _write_batch(lm, fh, batch, budget)
-        run.wrote(len(batch), seconds, tokens)
+        run.wrote(len(batch), seconds, tokens, tuple(s.key for s in batch))
         report()
 
 
@@ -105,14 +116,16 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
 
     def keep_going() -> bool:
         # At the budget no new turn starts, and the answers under way get a short grace to
-        # end (dropping them would waste up to a batch of half-written answers).
+        # end (dropping them would waste up to a batch of half-written answers); a file
+        # short of the least data to train on goes on answering until it holds it.
         nonlocal closing
         used = budget.used(run.spent + time.perf_counter() - clock, run.tokens)
-        if used >= budget.max_seconds:
+        short = not run.enough(budget.least)
+        if used >= budget.max_seconds and not short:
             closing = True
             queue.clear()
         cancelled = cancel is not None and cancel.is_set()
-        return not cancelled and used < budget.max_seconds + grace
+        return not cancelled and (short or used < budget.max_seconds + grace)
 
     rows = rows_that_fit(lm, budget.batch_size, min(lm.context_len, TYPICAL_PROMPT + answer_tokens))
     config = SamplerConfig(rows, budget.temperature)
@@ -131,7 +144,7 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         _write(fh, conv)
         open_convs -= 1
         now = time.perf_counter()
-        run.wrote(1, now - clock, conversation_tokens(lm, conv.messages))
+        run.wrote(1, now - clock, conversation_tokens(lm, conv.messages), (conv.seed.key,))
         clock = now
         report()
         admit()

@@ -24,6 +24,10 @@ from trainer.sampler import supports_rows
 from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
 from trainer.training_loop import TrainConfig
 
+# (train, held-out) conversations a run collects even past its data share: the least a
+# budget as small as the page offers still trains and measures on
+LEAST_DATA = (24, 4)
+
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -149,7 +153,8 @@ def _data_budget(lm, trainer, options: TrainOptions, total_s: float) -> DataBudg
     chats_s = per_token * sum(conversation_tokens(lm, chat) for chat in options.chats)
     share = max(0.0, total_s * options.prep_share - chats_s)
     records = supports_rows(lm)
-    return dataclasses.replace(options.data, max_seconds=share,
+    return dataclasses.replace(options.data, max_seconds=share, least=LEAST_DATA,
+                               heldout_fraction=options.heldout_fraction,
                                prep_s_per_token=0.0 if records else per_token,
                                record_layers=trainer.feature_layers(lm, options) if records else ())
 

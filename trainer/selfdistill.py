@@ -9,6 +9,7 @@ JSONL file at once, so an interrupted run resumes where it stopped without dupli
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -48,6 +49,10 @@ class DataBudget:
     # hidden-state layers the answering forwards record for training (trainer/recorded.py),
     # set by the pipeline from the method's trainer; () records nothing
     record_layers: tuple[int, ...] = ()
+    # (train, held-out) conversations the time budget does not stop short of, split as the
+    # trainer will split them (heldout_fraction): the smallest budget still trains
+    least: tuple[int, int] = (0, 0)
+    heldout_fraction: float = 0.06
 
     def used(self, seconds: float, tokens: int) -> float:
         """The budget a file with `tokens` conversation tokens made in `seconds` has used."""
@@ -164,7 +169,9 @@ def generate_data(lm, out_path: Path, prompt_files: list[Path] | None, budget: D
     tokens = sum(conversation_tokens(lm, rec["messages"]) for rec in stored)
     todo = [s for s in build_seeds(prompt_files, budget) if s.key not in done]
     target = min(budget.max_conversations, len(done) + len(todo))
-    run = Run(len(done), target, spent, meta_path, tokens)
+    holds_out = functools.partial(held_out, fraction=budget.heldout_fraction)
+    run = Run(len(done), target, spent, meta_path, tokens,
+              sum(holds_out(rec.get("key", "")) for rec in stored), holds_out)
     eta = Eta(max(1, target - len(done)))
     _report(progress, run, budget, None)
     with out_path.open("a", encoding="utf-8") as fh:
@@ -191,10 +198,14 @@ def split_heldout(path: Path, fraction: float) -> tuple[list[list[dict]], list[l
     the same side, so held-out figures measure prompts the drafter never saw."""
     train, heldout = [], []
     for rec in _records(Path(path)):
-        digest = str(rec.get("key", "")).split("#")[0]
-        bucket = int(hashlib.sha1(digest.encode()).hexdigest()[:8], 16) % 10000
-        (heldout if bucket < fraction * 10000 else train).append(rec["messages"])
+        (heldout if held_out(rec.get("key", ""), fraction) else train).append(rec["messages"])
     return train, heldout
+
+
+def held_out(key: str, fraction: float) -> bool:
+    """Whether the conversation of seed `key` is held out (every pass of a seed alike)."""
+    digest = str(key).split("#")[0]
+    return int(hashlib.sha1(digest.encode()).hexdigest()[:8], 16) % 10000 < fraction * 10000
 
 
 def _read_meta(path: Path) -> dict:

@@ -72,7 +72,7 @@ class TrainTab:
                                          visible=False, elem_id="qd-train-loss")
             self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                         y_lim=[0, 1], title="Held-out accuracy (this run)",
-                                        y_title="share of held-out tokens right",
+                                        y_title="share right",  # a longer title is cut
                                         x_title="minutes into the run", color_title="",
                                         visible=False, elem_id="qd-train-accuracy")
         self.timer = gr.Timer(TICK_S, active=False)

@@ -24,9 +24,9 @@ from trainer import features as features_mod
 from trainer.features import conversation_tokens
 from trainer.medusa.calibrate_tree import CalibrationConfig, prompts_that_fit
 from trainer.medusa.train_heads import MedusaTrainConfig
-from trainer.pipeline import TrainOptions, _data_budget, train_accelerator
+from trainer.pipeline import LEAST_DATA, TrainOptions, _data_budget, train_accelerator
 from trainer.sampler import supports_rows
-from trainer.selfdistill import DataBudget
+from trainer.selfdistill import DataBudget, data_path, split_heldout
 from trainer.training_loop import TrainConfig
 
 
@@ -59,6 +59,18 @@ def test_a_full_build_saves_heads_that_decode_exactly(lm):
     assert len(result.metrics["top1"]) == 4 and "data_s" in result.metrics["times"]
     drafter = load_drafter(lm, "medusa")  # whatever calibration chose, greedy stays exact
     assert_exact_while_drafting(lm, [3, 4, 5], SamplingParams(max_new_tokens=24), drafter)
+
+
+def test_a_budget_too_short_for_data_still_collects_the_least_and_trains(lm):
+    """The smallest budget trains: the time budget does not stop the data stage before the
+    file holds the least (train, held-out) conversations the trainer needs."""
+    options = _options(max_minutes=0.001, data=DataBudget(max_conversations=400, batch_size=6,
+                                                          max_new_tokens=8))
+    result = train_accelerator(lm, options, lambda p: None)
+    assert result.folder is not None
+    train, held = split_heldout(data_path(lm), options.heldout_fraction)
+    assert len(train) >= LEAST_DATA[0] and len(held) >= LEAST_DATA[1]
+    assert result.data["conversations"] < 400  # it stopped at the least, not the cap
 
 
 def test_a_cancelled_build_resumes_with_its_data_and_features(lm, monkeypatch):
