@@ -65,16 +65,18 @@ class TrainTab:
                                          elem_id="qd-train-retrain")
             self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="qd-train-cancel")
         self.status = gr.HTML(elem_id="qd-train-status")
-        with gr.Row():  # shown once the run has figures to draw
+        # Always shown (empty until a run reports): a chart first laid out while hidden
+        # draws its lines in a plot 0 px high once it is shown.
+        with gr.Row():
             self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                          title="Training loss (this run)", y_title="loss",
                                          x_title="minutes into the run", color_title="",
-                                         visible=False, elem_id="qd-train-loss")
+                                         elem_id="qd-train-loss")
             self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                         y_lim=[0, 1], title="Held-out accuracy (this run)",
                                         y_title="share right",  # a longer title is cut
                                         x_title="minutes into the run", color_title="",
-                                        visible=False, elem_id="qd-train-accuracy")
+                                        elem_id="qd-train-accuracy")
         self.timer = gr.Timer(TICK_S, active=False)
         # "<method>@<start time>" of the last run that finished; the chat tab follows it
         self.finished = gr.State("")
@@ -146,8 +148,8 @@ class TrainTab:
         loss, acc = readout.metric_frames(job)
         error = page_words(job.error) if job is not None else None
         out = {self.status: readout.job_html(job, error),
-               self.loss_plot: gr.LinePlot(value=loss, visible=job is not None),
-               self.acc_plot: gr.LinePlot(value=acc, visible=job is not None)}
+               self.loss_plot: None if loss.empty else loss,
+               self.acc_plot: None if acc.empty else acc}
         if job is not None and job.running and loss.empty:
             out[self.status] += f'<div class="qd-note">{CHARTS_LATER}</div>'
         if job is not None and job.state == "failed" and "--max-minutes" in job.error:

@@ -136,7 +136,7 @@ def test_training_progress_never_goes_back_and_its_charts_are_numeric(site, page
     monkeypatch.setattr(service.training, "start", lambda options, learn_from_chats:
                         setattr(service.host, "training", run.job) or run.start(options))
     page.click("button[role=tab]:has-text('Train')")
-    assert not page.locator("#qd-train-loss").is_visible()  # no empty chart before a run
+    assert page.locator("#qd-train-loss").is_visible()  # laid out before a run, empty
     page.click("#qd-train-start")
     widths = []
     for n, (stage, done, total, eta, metrics) in enumerate(STAGES):
@@ -146,18 +146,38 @@ def test_training_progress_never_goes_back_and_its_charts_are_numeric(site, page
         style = page.get_attribute(".qd-progress div", "style")
         widths.append(float(re.search(r"width:\s*([\d.]+)%", style).group(1)))
         if n == 0:  # the charts are there from the start, saying when they fill in
-            page.wait_for_selector("#qd-train-loss", state="visible")
+            page.wait_for_selector("#qd-train-status :text('fill in once training starts')")
             assert page.locator("#qd-train-accuracy").is_visible()
-            assert "fill in once training starts" in page.inner_text("#qd-train-status")
         if n == 6:  # both charts drawn: loss and held-out accuracy
             page.wait_for_function(f"() => ({Y_AXES})().length == 2")
             axes = page.evaluate(Y_AXES)
             lines = page.locator("#qd-train-loss svg g.mark-line path").count()
+            # drawn with room: a chart laid out while hidden draws its lines in 0 px
+            heights = page.evaluate(PLOT_HEIGHTS)
     run.reports.put(None)
     assert widths == sorted(widths) and widths[-1] == 100.0
     assert all("linear scale" in a for a in axes), axes  # numbers, not a list of labels
-    assert "titled 'loss'" in axes[0] and "titled 'share of held-out" in axes[1], axes
-    assert lines >= 1
+    assert "titled 'loss'" in axes[0] and "titled 'share right'" in axes[1], axes
+    assert lines >= 1 and min(heights) > 40, heights
+
+
+def test_charts_drawn_while_their_tab_was_hidden_have_room_when_it_is_shown(site, page,
+                                                                          monkeypatch):
+    service = site[0]
+    run = FakeRun()
+    monkeypatch.setattr(service.training, "start", lambda options, learn_from_chats:
+                        setattr(service.host, "training", run.job) or run.start(options))
+    page.click("button[role=tab]:has-text('Train')")
+    page.click("#qd-train-start")
+    page.click("button[role=tab]:has-text('Chat')")  # the run goes on while the user chats
+    for stage, done, total, eta, metrics in STAGES[4:7]:
+        run.reports.put(Progress(stage, done, total, "training", eta, metrics))
+    page.wait_for_function(  # ticks draw the charts in the hidden tab
+        "() => document.querySelectorAll('#qd-train-accuracy svg g.mark-line path').length")
+    page.click("button[role=tab]:has-text('Train')")
+    page.wait_for_function(f"() => ({Y_AXES})().length == 2")
+    page.wait_for_function(f"() => Math.min(...({PLOT_HEIGHTS})()) > 40", timeout=10_000)
+    run.reports.put(None)
 
 
 def test_a_failed_run_looks_failed_and_speaks_of_the_pages_controls(site, page, monkeypatch):
@@ -185,6 +205,9 @@ OVERLAYS = """() => Array.from(document.querySelectorAll('.progress-text')).filt
     t.innerText.includes('processing') &&
     parseFloat(getComputedStyle(t.closest('.wrap') || t).opacity) > 0.05)
     .map(t => (t.closest('[id]') || {}).id)"""
+PLOT_HEIGHTS = """() => ['#qd-train-loss', '#qd-train-accuracy'].map(id =>
+    document.querySelector(id + ' svg g.role-scope, ' + id + ' svg g.plot_pathgroup')
+    .getBoundingClientRect().height)"""
 BAR_COLOUR = "() => getComputedStyle(document.querySelector('.qd-progress div')).backgroundColor"
 Y_AXES = """() => Array.from(document.querySelectorAll(
     '#qd-train-loss svg g[aria-label^="Y-axis"], #qd-train-accuracy svg g[aria-label^="Y-axis"]'))
