@@ -65,8 +65,8 @@ class TrainTab:
                                          elem_id="qd-train-retrain")
             self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="qd-train-cancel")
         self.status = gr.HTML(elem_id="qd-train-status")
-        # Always shown (empty until a run reports): a chart first laid out while hidden
-        # draws its lines in a plot 0 px high once it is shown.
+        # Always laid out; a chart gets its figures only once a run reports some (tick): one
+        # first drawn from an empty table keeps a plot 0 px high and a cut title.
         with gr.Row():
             self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                          title="Training loss (this run)", y_title="loss",
@@ -148,7 +148,7 @@ class TrainTab:
         loss, acc = readout.metric_frames(job)
         error = page_words(job.error) if job is not None else None
         out = {self.status: readout.job_html(job, error),
-               self.loss_plot: None if loss.empty else loss,
+               self.loss_plot: None if loss.empty else loss,  # see the charts' comment
                self.acc_plot: None if acc.empty else acc}
         if job is not None and job.running and loss.empty:
             out[self.status] += f'<div class="qd-note">{CHARTS_LATER}</div>'
