@@ -47,7 +47,7 @@ def cached_models(cache_dir: Path | None = None) -> list[str]:
     try:
         info = scan_cache_dir(cache_dir)
     except (CacheNotFound, OSError) as exc:
-        log.info("no Hugging Face cache to list: %s", exc)
+        log.debug("no Hugging Face cache to list: %s", exc)  # usual on a new machine
         return []
     repos = []
     for repo in info.repos:

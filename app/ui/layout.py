@@ -58,6 +58,12 @@ def _wire_across(chat: ChatTab, models: ModelsTab, train: TrainTab, tabs: gr.Tab
                 show_progress="hidden")  # its build
     loaded.then(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT,
                 show_progress="hidden")
+    # The first start's model, loaded behind a page already open: the other tabs catch up.
+    ready = chat.model_ready.change(models.refresh, None, [models.current, models.source,
+                                                            models.estimate, models.status],
+                                    **INSTANT, show_progress="hidden")
+    ready.then(train.refresh, None, [train.target, *train.tick_outputs], **INSTANT,
+               show_progress="hidden")
 
     # A finished training run: switch its accelerator on and show what it does.
     def select(finished: str, active: str):

@@ -174,7 +174,7 @@ def compare_html(result: CompareResult, slower_note: str = "") -> str:
     if result.on is None:
         return head + _row(off + _chip(f"running {label_}…", "qd-live"))
     on = _chip(f"{label_} <b>{result.on.tokens_per_s:.1f}</b> tok/s")
-    ratio = ratio_chip(result.ratio)
+    ratio = ratio_chip(result.ratio, drafted=result.on.mean_accepted > 1.0)
     steps = _chip(f"{result.on.mean_accepted:.2f} tokens/step", tip=TIPS["step"])
     tail = _chip("stopped early: figures are partial", "qd-differ") if result.stopped else ""
     if result.busy is not None and result.busy > BUSY_SHARE:
@@ -187,11 +187,16 @@ def compare_html(result: CompareResult, slower_note: str = "") -> str:
             + note + tie_details(result) + repeated_note(mix))
 
 
-def ratio_chip(ratio: float | None) -> str:
-    """The accelerated run's speed over Off's: green only when faster."""
+def ratio_chip(ratio: float | None, drafted: bool = True) -> str:
+    """The accelerated run's speed over Off's: green only when faster by drafting (a run
+    that kept no draft made Off's steps, so its ratio is the clock's noise)."""
     if ratio is None:
         return ""
     tip = "accelerated speed over Off's, same prompt, one run each"
+    if not drafted:
+        return _chip(f"<b>{ratio:.2f}×</b>", "qd-ratio qd-plain", tip) + _chip(
+            "no draft kept: the same steps as Off, so the difference is timing noise",
+            "qd-differ")
     if ratio >= 1.0:
         return _chip(f"<b>{ratio:.2f}×</b>", "qd-ratio", tip)
     return _chip(f"<b>{ratio:.2f}×</b>", "qd-ratio qd-slow", tip) + _chip(

@@ -10,6 +10,7 @@ CSS = """
 .qd-method {background:var(--color-accent-soft); font-weight:600;}
 .qd-ratio {background:#d1fae5; color:#065f46;} .qd-same {color:#047857;}
 .qd-ratio.qd-slow, .qd-chip.qd-slow {background:#fef3c7; color:#92400e;}
+.qd-ratio.qd-plain {background:transparent; color:inherit;}
 .qd-slower {color:#92400e; font-size:0.9em; margin-top:4px;}
 .qd-details {font-size:0.85em; margin-top:4px;} .qd-details summary {cursor:pointer;}
 .qd-differ {color:#b45309;} .qd-mismatch {color:#dc2626; font-weight:600;}

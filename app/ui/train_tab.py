@@ -31,10 +31,11 @@ CHATS_INFO = ("The model's own replies in your conversations with it are trainin
 CPU_NOTE = ("No GPU here: training and chat share the processor, so replies are slower "
             "while a run is going.")
 TICK_S = 1.0  # how often the page polls a running job
-# The smallest time budget offered: on the page, 3 minutes gave the bundled model (int8w, 2-core
-# AMD EPYC busy with other work) 41 answers, 3 of them held out, and an accelerator; 1 minute
-# (an earlier walk-through) gave 13 and none held out (docs/accelerators.md).
+# The smallest time budget offered. Any budget collects the least data training needs
+# (trainer/pipeline.py LEAST_DATA); 3 minutes on the bundled model (int8w, 2-core AMD EPYC)
+# ended with an accelerator in 175 s, where 1 minute leaves training itself a few seconds.
 MIN_MINUTES = 3
+CHART_WIDTH = 340  # px: narrower, a chart cuts its titles, so a narrow window stacks them
 CHARTS_LATER = ("The loss and held-out accuracy charts below fill in once training starts, "
                 "after the data and features stages.")
 
@@ -71,12 +72,12 @@ class TrainTab:
             self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                          title="Training loss (this run)", y_title="loss",
                                          x_title="minutes into the run", color_title="",
-                                         elem_id="qd-train-loss")
+                                         min_width=CHART_WIDTH, elem_id="qd-train-loss")
             self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
                                         y_lim=[0, 1], title="Held-out accuracy (this run)",
                                         y_title="share right",  # a longer title is cut
                                         x_title="minutes into the run", color_title="",
-                                        elem_id="qd-train-accuracy")
+                                        min_width=CHART_WIDTH, elem_id="qd-train-accuracy")
         self.timer = gr.Timer(TICK_S, active=False)
         # "<method>@<start time>" of the last run that finished; the chat tab follows it
         self.finished = gr.State("")

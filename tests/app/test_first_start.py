@@ -12,6 +12,7 @@ import gradio as gr
 from app.service import Service
 from app.store import Store
 from app.ui.chat_tab import ChatTab
+from app.ui.layout import build_app
 from engine.config import ModelSpec
 from engine.progress import Progress
 from tests.conftest import make_tiny_model
@@ -91,3 +92,23 @@ def test_a_first_kernel_build_is_announced(tmp_path, monkeypatch, bundled_tokeni
     said.clear()
     loading.load_model(ModelSpec(str(tmp_path / "tiny"), "fp32"), said.append)
     assert said == []  # full precision needs no kernels
+
+
+def test_the_other_tabs_catch_up_once_the_model_loaded_behind_an_open_page(tmp_path, tiny):
+    """A page opened while the model loads learns it is there from a state the header's
+    timer sets (ChatTab.model_ready); the Models and Train tabs, drawn when the page opened,
+    refresh when that state changes."""
+    config = build_app(Service(Store(tmp_path), tiny)).get_config_file()
+    ids = {c.get("props", {}).get("elem_id"): c["id"] for c in config["components"]}
+    states = {c["id"] for c in config["components"] if c.get("type") == "state"}
+    deps = config["dependencies"]
+
+    def chain(dep: dict) -> list[dict]:  # an event and the .then() steps after it
+        return [dep] + [d for after in deps if after.get("trigger_after") == dep["id"]
+                        for d in chain(after)]
+
+    on_state = [d for d in deps if any(t[0] in states and t[1] == "change"
+                                       for t in d["targets"])]
+    refreshed = [{o for d in chain(dep) for o in d["outputs"]} for dep in on_state]
+    wanted = {ids["qd-model-current"], ids["qd-model-status"], ids["qd-train-target"]}
+    assert any(wanted <= outputs for outputs in refreshed)

@@ -68,7 +68,7 @@ def test_a_rounding_tie_is_one_calm_line_with_the_details_behind_a_click():
 
 def test_a_ratio_below_one_is_never_green_and_says_what_auto_does():
     off = _stats(40.0, [0] * 10)
-    slow = CompareResult("medusa", "Hi", off, _stats(30.0, [0] * 10), True, busy=0.6)
+    slow = CompareResult("medusa", "Hi", off, _stats(30.0, [1] + [0] * 8), True, busy=0.6)
     shown = compare_html(slow, "Auto still drafts with Medusa")
     assert 'class="qd-chip qd-ratio qd-slow"' in shown and "slower than Off" in shown
     assert not re.search(r'class="qd-chip qd-ratio"', shown)  # the green chip
@@ -83,6 +83,14 @@ def test_a_ratio_below_one_is_never_green_and_says_what_auto_does():
     assert "Auto still drafts with Medusa where its own estimate here (2.38×" in what_auto_does(
         "medusa", "Medusa", 0.7, paying, None)
     assert "0.85× Off" in what_auto_does("auto", "Auto", 0.85, Drafter(), None)
+
+
+def test_a_run_that_kept_no_draft_shows_its_ratio_as_noise_not_a_gain():
+    off = _stats(5.0, [0] * 10)
+    for speed in (13.1, 4.0):  # a busy machine timed the same steps either way
+        shown = compare_html(CompareResult("medusa", "Hi", off, _stats(speed, [0] * 10), True))
+        assert "the same steps as Off, so the difference is timing noise" in shown
+        assert 'class="qd-chip qd-ratio qd-plain"' in shown and "slower than Off" not in shown
 
 
 def test_the_panel_reports_what_replies_and_compare_measured_here():
