@@ -139,8 +139,9 @@ def compose(lm, name: str, source: Callable[[str], Drafter]) -> Drafter:
             log.warning("%s leaves %s out: %s: %s", m.label, part, type(exc).__name__, exc)
     if m.every_source:
         return auto(parts, step_cost(lm), ACCEL_LABELS)
-    if len(parts) == 1 and m.checkpoint is not None:
+    if len(parts) == 1 and m.checkpoint is not None and parts[name].pays:
         return parts[name]  # a trained source alone decides by its own calibration
+    # One that does not pay here is a composite without it: plain steps, no states kept.
     # Model-free sources alone go through the rule too: they draft only where their offer
     # beats a plain step (a cheap match is not worth a step that verifies several tokens).
     return Composite(name, parts, step_cost(lm), lead=base_method(name))

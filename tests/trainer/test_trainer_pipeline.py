@@ -16,7 +16,6 @@ from app.commands.progress_line import render
 from app.commands.train import summary
 from engine.config import SamplingParams
 from engine.drafters import registry
-from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
 from engine.progress import Progress
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
@@ -57,7 +56,9 @@ def test_a_full_build_saves_heads_that_decode_exactly(lm):
     assert result.folder is not None and not result.cancelled
     assert ["data", "features", "train", "calibrate", "save", "done"] == list(dict.fromkeys(stages))
     assert len(result.metrics["top1"]) == 4 and "data_s" in result.metrics["times"]
-    drafter = load_drafter(lm, "medusa")  # whatever calibration chose, greedy stays exact
+    # the stored heads themselves (the "medusa" method decodes plainly where they do not
+    # pay): whatever calibration chose, greedy stays exact
+    drafter = registry.load_source(lm, "medusa")
     assert_exact_while_drafting(lm, [3, 4, 5], SamplingParams(max_new_tokens=24), drafter)
 
 
