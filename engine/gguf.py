@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,12 +168,25 @@ def converted_folder(path: Path, report=None) -> Path:
 def convert(path: Path, target: Path) -> None:
     """Read the GGUF once through transformers and save its folder (fp32 safetensors and the
     tokenizer), atomically."""
+    log.info("converting %s to safetensors (first use only)", path.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # its own folder: two conversions at once (the load and a page event) must not share one
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        _convert_into(path, tmp)
+        tmp.rename(target)  # atomic: a concurrent or interrupted conversion leaves no half folder
+    except OSError:
+        if not (target / "config.json").is_file():  # else another conversion won the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_into(path: Path, tmp: Path) -> None:
+    """The GGUF's model (fp32) and tokenizer saved into the folder `tmp`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to safetensors (first use only)", path.name)
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                      dtype=torch.float32)
@@ -188,10 +201,3 @@ def convert(path: Path, target: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(target)  # atomic: a concurrent or interrupted conversion leaves no half folder
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-        if not (target / "config.json").is_file():
-            raise

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -98,6 +99,39 @@ def test_converted_folder_is_reused(tiny_files, gguf_cache):
     assert first.parent == gguf_cache / "models" / "gguf"
     assert first.name.startswith("tiny-llama-")
     assert not list(first.parent.glob("*.tmp-*"))
+
+
+def test_two_conversions_at_once_both_end_with_the_folder(tiny_files, tmp_path, monkeypatch):
+    """The first start converts the bundled file while a page event (the Models tab's size
+    estimate) asks for the same folder: neither may pull the other's files away."""
+    from transformers import AutoModelForCausalLM
+
+    gguf_path, _folder = tiny_files
+    target = tmp_path / "models" / "tiny"
+    errors, both_read = [], threading.Barrier(2, timeout=60)
+    read = AutoModelForCausalLM.from_pretrained
+
+    def read_then_wait(*args, **kwargs):  # both have read the file before either saves
+        model = read(*args, **kwargs)
+        both_read.wait()
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read_then_wait)
+
+    def convert():
+        try:
+            qd_gguf.convert(gguf_path, target)
+        except Exception as exc:  # noqa: BLE001 - the test reports whatever failed
+            errors.append(exc)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["tiny"]  # no tmp left
 
 
 def test_chat_command_takes_a_gguf_file(tiny_files, gguf_cache):
