@@ -21,7 +21,7 @@ from engine.config import SamplingParams
 from engine.drafters.kangaroo import KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import Adapter
 from engine.drafters.medusa import MedusaHeads, MedusaSettings, heads_from_tensors
-from engine.drafters.registry import load_drafter
+from engine.drafters.registry import load_source
 from engine.generate import run
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
 from trainer.kangaroo.calibrate_exit import KangarooCalibration
@@ -268,7 +268,7 @@ def test_a_continued_run_starts_from_the_old_heads_and_learns_the_chats(lm, monk
     assert second.metrics["chat_conversations"] == 12
     assert second.metrics["continued"]["modules"][0].startswith("continued heads")
     after = _head1_top1(lm, load_checkpoint(lm, "medusa").tensors, held)
-    drafter = load_drafter(lm, "medusa")  # whatever calibration chose, greedy stays exact
+    drafter = load_source(lm, "medusa")  # whatever calibration chose, greedy stays exact
     for prompt in ("List the multiples of 3, please.", "Say something."):
         ids = encode(lm.tokenizer, conversation(prompt))
         assert_exact_while_drafting(lm, ids, GREEDY, drafter)
@@ -321,7 +321,7 @@ def test_a_continued_kangaroo_run_starts_from_the_stored_adapter(lm, monkeypatch
     assert second.metrics["continued"]["modules"][0].startswith("continued adapter")
     for name, value in starts[0].items():  # the stored adapter (kept in the model's dtype)
         assert torch.equal(value, stored[f"adapter.{name}"].to(value.dtype))
-    drafter = load_drafter(lm, "kangaroo").with_schedule(0.0, 3)  # drafting for sure
+    drafter = load_source(lm, "kangaroo").with_schedule(0.0, 3)  # drafting for sure
     ids = encode(lm.tokenizer, conversation("List the multiples of 4, please."))
     assert run(lm, ids, GREEDY, drafter)[1] == run(lm, ids, GREEDY)[1]
 

@@ -12,7 +12,7 @@ from app.cli import main
 from engine.accelerators import INFO, WEIGHTS, save_checkpoint
 from engine.config import SamplingParams
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
-from engine.drafters.registry import load_drafter
+from engine.drafters.registry import load_source
 from engine.errors import AcceleratorError
 from engine.generate import run
 from engine.tree import greedy_tree
@@ -51,7 +51,7 @@ def lm(bundled_tokenizer):
 
 def test_saved_heads_load_back_and_decode_like_plain_greedy(lm):
     heads, folder = _save(lm)
-    drafter = load_drafter(lm, "medusa")
+    drafter = load_source(lm, "medusa")
     assert torch.equal(drafter.heads.weight, heads.weight)
     assert [list(c) for c in drafter.tree.choices[1:]] == sorted(TREE, key=lambda c: (len(c), c))
     params = SamplingParams(max_new_tokens=20)
@@ -62,7 +62,7 @@ def test_saved_heads_load_back_and_decode_like_plain_greedy(lm):
 
 def test_a_draft_vocabulary_round_trips(lm):
     _save(lm, vocab_ids=torch.tensor([2, 7, 11, 500]))
-    drafter = load_drafter(lm, "medusa")
+    drafter = load_source(lm, "medusa")
     assert drafter.heads.vocab_ids.tolist() == [2, 7, 11, 500]
     params = SamplingParams(max_new_tokens=12)
     assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
@@ -71,7 +71,7 @@ def test_a_draft_vocabulary_round_trips(lm):
 def test_a_draft_vocabulary_outside_the_model_is_refused(lm):
     _save(lm, vocab_ids=torch.tensor([2, 10**6]))
     with pytest.raises(AcceleratorError, match="draft vocabulary does not fit.*" + FIX):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 def test_an_older_checkpoint_drafts_the_greedy_tree_of_its_accuracies(lm):
@@ -82,7 +82,7 @@ def test_an_older_checkpoint_drafts_the_greedy_tree_of_its_accuracies(lm):
     info = json.loads((folder / INFO).read_text())
     del info["settings"]["candidates"]
     (folder / INFO).write_text(json.dumps(info))
-    drafter = load_drafter(lm, "medusa")
+    drafter = load_source(lm, "medusa")
     assert drafter.ranked[0] == (0,) and drafter.chances[0] == pytest.approx(0.9)
     params = SamplingParams(max_new_tokens=16)
     assert run(lm, [5, 6, 7], params, drafter)[1] == run(lm, [5, 6, 7], params)[1]
@@ -90,7 +90,7 @@ def test_an_older_checkpoint_drafts_the_greedy_tree_of_its_accuracies(lm):
 
 def test_no_trained_heads_names_the_command(lm):
     with pytest.raises(AcceleratorError, match=FIX):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 def test_heads_of_another_model_are_refused(lm):
@@ -100,7 +100,7 @@ def test_heads_of_another_model_are_refused(lm):
         json.dumps({**info, "fingerprint": "0123456789abcdef", "base_model_id": "someone/else"})
     )
     with pytest.raises(AcceleratorError, match="built for another model .someone/else.*" + FIX):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
@@ -116,7 +116,7 @@ def test_corrupt_or_truncated_weights_are_refused(lm, damage):
         }[damage]
     )
     with pytest.raises(AcceleratorError, match="corrupt or truncated.*" + FIX):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 def test_a_newer_format_is_refused(lm):
@@ -124,7 +124,7 @@ def test_a_newer_format_is_refused(lm):
     info = json.loads((folder / INFO).read_text())
     (folder / INFO).write_text(json.dumps({**info, "version": 99}))
     with pytest.raises(AcceleratorError, match="newer than this Quickdraft"):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 def test_weights_of_the_wrong_shape_are_refused(lm):
@@ -133,7 +133,7 @@ def test_weights_of_the_wrong_shape_are_refused(lm):
     info["settings"]["num_heads"] = 5  # the description no longer fits the weights
     (folder / INFO).write_text(json.dumps(info))
     with pytest.raises(AcceleratorError, match="do not fit this model"):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 def test_unreadable_settings_are_refused(lm):
@@ -142,13 +142,13 @@ def test_unreadable_settings_are_refused(lm):
     info["settings"]["candidates"] = [[[0], "often"]]
     (folder / INFO).write_text(json.dumps(info))
     with pytest.raises(AcceleratorError, match="unreadable settings"):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 def test_a_tree_deeper_than_the_heads_is_refused(lm):
     _save(lm, tree=[[0], [0, 0], [0, 0, 0]], num_heads=2)
     with pytest.raises(AcceleratorError, match="deeper than the 2 heads.*" + FIX):
-        load_drafter(lm, "medusa")
+        load_source(lm, "medusa")
 
 
 def test_chat_without_trained_heads_prints_one_line(capsys):
@@ -185,7 +185,7 @@ def test_a_crash_between_the_two_renames_brings_the_previous_accelerator_back(lm
     heads, folder = _save(lm)
     _save_crashing_before_the_new_folder_is_in(lm, monkeypatch, folder)
     assert not folder.exists() and folder.with_name(folder.name + ".old").is_dir()
-    drafter = load_drafter(lm, "medusa")  # the next start
+    drafter = load_source(lm, "medusa")  # the next start
     assert torch.equal(drafter.heads.weight, heads.weight)
     assert (folder / INFO).is_file() and not folder.with_name(folder.name + ".old").exists()
 
@@ -194,4 +194,4 @@ def test_a_second_crashing_save_does_not_delete_the_only_copy(lm, monkeypatch):
     heads, folder = _save(lm)
     folder.rename(folder.with_name(folder.name + ".old"))  # the state a crash leaves
     _save_crashing_before_the_new_folder_is_in(lm, monkeypatch, folder)
-    assert torch.equal(load_drafter(lm, "medusa").heads.weight, heads.weight)
+    assert torch.equal(load_source(lm, "medusa").heads.weight, heads.weight)

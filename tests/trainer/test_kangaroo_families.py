@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.accelerators import save_checkpoint
 from engine.config import ModelSpec, SamplingParams
-from engine.drafters.registry import load_drafter
+from engine.drafters.registry import load_source
 from engine.generate import run
 from engine.loading import wrap_model
 from trainer.kangaroo.calibrate_exit import KangarooCalibration
@@ -76,7 +76,7 @@ def test_kangaroo_trains_and_decodes_exactly(family, bundled_tokenizer):
     tensors, settings, metrics = train(lm, conversations(6, 0), conversations(2, 1), options)
     assert set(metrics["agreement"]) == {"1", "2"}
     save_checkpoint(lm, "kangaroo", tensors, settings, metrics)
-    drafter = load_drafter(lm, "kangaroo").with_schedule(0.0, 3)  # draft whatever it chose
+    drafter = load_source(lm, "kangaroo").with_schedule(0.0, 3)  # draft whatever it chose
     prompt = list(range(20, 50))
     params = SamplingParams(max_new_tokens=30)
     _t, got, stats = run(lm, prompt, params, drafter)

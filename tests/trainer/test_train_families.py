@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from app.cli import main
 from engine.config import ModelSpec, SamplingParams
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings
-from engine.drafters.registry import load_drafter
+from engine.drafters.registry import load_source
 from engine.errors import AcceleratorError
 from engine.loading import wrap_model
 from engine.tree import build_tree
@@ -76,7 +76,7 @@ def kangaroo_options() -> TrainOptions:
 
 
 def greedy_stays_exact(lm, method: str) -> None:
-    drafter = load_drafter(lm, method)
+    drafter = load_source(lm, method)
     assert_exact_while_drafting(lm, list(range(20, 60)), SamplingParams(max_new_tokens=40),
                                 drafter)
 

@@ -14,9 +14,12 @@ pytestmark = pytest.mark.browser
 GREEN = "rgb(209, 250, 229)"  # .qd-ratio's background when faster
 
 
-def _replayed(tokens_per_s: float, ids: list[int]) -> tuple[list[int], GenerationStats]:
-    """Injects timings: a greedy replay's tokens and figures, as Compare's runs return them."""
-    stats = GenerationStats(tokens=len(ids), steps=len(ids) - 1, accepted=[0] * (len(ids) - 1),
+def _replayed(tokens_per_s: float, ids: list[int], kept: int = 0
+              ) -> tuple[list[int], GenerationStats]:
+    """Injects timings: a greedy replay's tokens and figures, as Compare's runs return them
+    (`kept`: drafts its first step kept)."""
+    stats = GenerationStats(tokens=len(ids), steps=len(ids) - 1,
+                            accepted=[kept] + [0] * (len(ids) - 2),
                             drafted=[1] * (len(ids) - 1), stop_reason="length")
     stats.elapsed_s = len(ids) / tokens_per_s
     return ids, stats
@@ -29,7 +32,7 @@ def test_the_panel_and_compare_show_what_was_measured_here(site, page, monkeypat
     assert "Measured here, your last" in panel and "tokens/step" in panel
 
     runs = iter([_replayed(40.0, [5, 6]), _replayed(40.0, [5, 6]),  # the untimed warm-ups
-                 _replayed(40.0, [5, 6, 7, 8]), _replayed(30.0, [5, 6, 9, 8])])
+                 _replayed(40.0, [5, 6, 7, 8]), _replayed(30.0, [5, 6, 9, 8], kept=1)])
     monkeypatch.setattr(service.replies.core, "replay", lambda *args: next(runs))
     monkeypatch.setattr("app.replies.neartie.measure", lambda *args: Divergence(2, 7, 9, 0.0,
                                                                                 0.5))
