@@ -22,7 +22,7 @@ from engine.accelerators import (
 )
 from engine.config import SamplingParams
 from engine.drafters import medusa as medusa_mod
-from engine.drafters.registry import TRAINED, load_drafter
+from engine.drafters.registry import TRAINED, load_drafter, load_source
 from engine.generate import run
 from engine.timing import StepCost
 from tests.conftest import make_tiny_model
@@ -54,7 +54,7 @@ def test_a_shipped_accelerator_loads_when_none_is_trained(lm, shipped, monkeypat
     assert not (checkpoint_dir(lm.fingerprint, "medusa") / INFO).exists()
     ckpt = load_checkpoint(lm, "medusa")
     assert ckpt.folder == folder and is_shipped(ckpt.folder)
-    assert torch.equal(load_drafter(lm, "medusa").heads.weight, heads.weight)
+    assert torch.equal(load_source(lm, "medusa").heads.weight, heads.weight)
     assert describe(lm, "medusa")["folder"] == str(folder)
     params = SamplingParams(max_new_tokens=16)
     # its heads' cost and the step costs priced, not timed: whether it pays is not the clock's
