@@ -89,8 +89,12 @@ def measured_lines(method: str, label: str, record: SpeedRecord) -> list[str]:
     compare = record.last_compare(method)
     if compare is not None and compare.vs_off is not None:
         taken = Taken(compare.when, compare.busy)
-        lines.append(f"Compare {taken.words()}: {compare.vs_off:.2f}× Off on the same prompt, "
-                     f"{compare.tokens_per_step:.2f} tokens/step.")
+        if compare.drafted == 0:  # Off's own steps: the ratio is the clock's noise
+            lines.append(f"Compare {taken.words()}: no draft kept, the same steps as Off, so "
+                         f"its {compare.vs_off:.2f}× Off on the same prompt is timing noise.")
+        else:
+            lines.append(f"Compare {taken.words()}: {compare.vs_off:.2f}× Off on the same "
+                         f"prompt, {compare.tokens_per_step:.2f} tokens/step.")
     if not lines and method != "off":
         lines.append(f"Not measured in replies on this machine yet: send a message with "
                      f"{label}, or press Compare to time it against Off on the same prompt.")
@@ -99,12 +103,13 @@ def measured_lines(method: str, label: str, record: SpeedRecord) -> list[str]:
 
 def slower(method: str, record: SpeedRecord) -> float | None:
     """The latest measured speed over Off when it is below 1 (Compare first, else replies
-    against Off's); None when faster, or not measured."""
+    against Off's); None when faster, not measured, or nothing was drafted (Off's own
+    steps, slower only by the clock's noise)."""
     compare: Measure | None = record.last_compare(method)
     if compare is not None and compare.vs_off is not None:
-        return compare.vs_off if compare.vs_off < 1.0 else None
+        return compare.vs_off if compare.vs_off < 1.0 and compare.drafted > 0 else None
     mine, off = record.replies(method), record.replies("off")
-    if mine is None or off is None or not off.tokens_per_s:
+    if mine is None or off is None or not off.tokens_per_s or mine.drafted == 0:
         return None
     ratio = mine.tokens_per_s / off.tokens_per_s
     return ratio if ratio < 1.0 else None

@@ -111,6 +111,19 @@ def test_the_panel_reports_what_replies_and_compare_measured_here():
     assert slower("medusa", record) is None  # the same-prompt figure decides
 
 
+def test_a_compare_that_kept_no_draft_is_reported_as_noise_not_a_ratio():
+    record = SpeedRecord()
+    record.add_compare("medusa", Measure(NOON, 1.0, 33.0, 0.0, 0.0, vs_off=0.91))
+    line = measured_lines("medusa", "Medusa", record)[-1]
+    assert "no draft kept, the same steps as Off, so its 0.91× Off" in line
+    assert "timing noise" in line and "tokens/step" not in line
+    assert slower("medusa", record) is None  # not a slowdown drafting caused
+    replies = SpeedRecord()
+    replies.add_reply("medusa", measure_of(_stats(30.0, [0, 0, 0]), 0.0))
+    replies.add_reply("off", measure_of(_stats(40.0, [0] * 6), 0.0))
+    assert slower("medusa", replies) is None  # replies that drafted nothing, likewise
+
+
 def test_a_source_that_never_drafts_says_why():
     assert ready_line("Kangaroo", "", Paying(False, 0.96)).startswith(
         "Kangaroo is loaded but not drafting: estimated 0.96× here")
