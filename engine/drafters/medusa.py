@@ -1,8 +1,9 @@
 """Medusa-1's drafter: the heads (engine/drafters/medusa_heads.py) guess the tokens
 2..K+1 ahead from the final hidden state; their top-k guesses fill a candidate tree whose
 nodes carry the chance of being kept that calibration counted on held-out answers, and
-each step the tree is cut to the nodes that pay at the step costs and the heads' own cost
-timed here, then verified by the full model in one forward pass.
+each step the tree is cut to the nodes that pay at the step costs and a drafted step's
+overhead (the heads, the tree's mask, the states kept) timed here, then verified by the full
+model in one forward pass.
 Verification, acceptance and the cache update are the decode loop's shared code.
 """
 
@@ -24,7 +25,7 @@ from engine.drafters.medusa_heads import (
     heads_from_tensors,
     pending_inputs,
 )
-from engine.drafters.payoff import not_paying_notice, work_ratio
+from engine.drafters.payoff import not_paying_notice, step_overhead
 from engine.errors import AcceleratorError, QuickdraftError
 from engine.timing import StepCost, step_cost
 from engine.tree import (
@@ -39,15 +40,18 @@ from engine.tree import (
 CANDIDATES = 32
 # How many tokens' worth the calibrated chances count for against a reply's own counts.
 PRIOR_TOKENS = 8.0
-# Nodes the heads' cost is timed drafting (their work hardly depends on the count).
-HEADS_TIMED_NODES = 8
+# Nodes a drafted step is timed with: the heads' work and the rest of a drafted step hardly
+# depend on the count, and verifying one node is where the curve's share is least noisy (on
+# a 2-core EPYC a whole step of 1, 2 and 4 nodes cost 0.19-0.27 plain steps past the curve,
+# of 8 anywhere from 0 to 0.27).
+TIMED_NODES = 1
 
 
 class MedusaDrafter(Drafter):
     """Proposes a tree filled with the heads' top-k tokens: each step the candidate tree cut
     to the nodes that pay, by each node's chance of being kept (measured on held-out answers
     when the heads were trained, corrected by what this reply kept) against the step costs
-    and the heads' own cost timed here."""
+    and a drafted step's overhead timed here."""
 
     name = "medusa"
     drafts = True
@@ -125,27 +129,29 @@ class MedusaDrafter(Drafter):
         return drafter
 
     def overhead(self) -> float:
-        """Plain steps the heads cost per drafted step here, timed against the plain step of
-        the step kind running now (once per kind)."""
+        """Plain steps a drafted step costs here beyond verifying its tokens (the heads, the
+        tree's mask, the states kept, the commit), timed as a whole step against the plain
+        step of the step kind running now (once per kind)."""
         if self._fixed_overhead is not None:
             return self._fixed_overhead
         kind = self.lm.target.name
         if kind not in self._overhead:
-            self._overhead[kind] = work_ratio(self.lm, self._timed_heads)
+            k = min(len(self.ranked), TIMED_NODES)
+            self._overhead[kind] = step_overhead(self.lm, _FixedCut(self, k), k + 1)
         return self._overhead[kind]
 
-    def _timed_heads(self, state) -> None:
-        self.draft(state, min(len(self.ranked), HEADS_TIMED_NODES))
-
-    def value(self, chances: Sequence[float], cost: StepCost) -> tuple[int, float]:
+    def value(self, chances: Sequence[float], cost: StepCost,
+              overhead: float | None = None) -> tuple[int, float]:
         """(nodes, expected tokens per plain step of cost) of the best cut of the tree at
-        these node chances (most likely first)."""
-        return alone(Offer("medusa", self.draft, tuple(chances), self.overhead()), cost)
+        these node chances (most likely first), at `overhead` (None: the one timed here)."""
+        spent = self.overhead() if overhead is None else overhead
+        return alone(Offer("medusa", self.draft, tuple(chances), spent), cost)
 
     @property
     def speedup(self) -> float | None:
         """Estimated speed over plain decoding here: the best cut of the candidate tree at
-        the chances calibration measured, the step costs and the heads' cost timed here."""
+        the chances calibration measured, the step costs and a drafted step's overhead timed
+        here."""
         if not self.chances:
             return None
         return self.value(self.chances, step_cost(self.lm))[1]
@@ -266,6 +272,29 @@ class MedusaSession(Session):
             self.kept += sum(node in path for node in mine)
             self.expected += self._step
         self._step = 0.0
+
+
+class _FixedCut(Drafter):
+    """The heads drafting their k most likely nodes every step (timing a drafted step)."""
+
+    wants_hidden = True
+
+    def __init__(self, drafter: MedusaDrafter, k: int) -> None:
+        self.drafter, self.k = drafter, k
+
+    def start(self, state, prefill) -> Session:
+        return _FixedCutSession(self.drafter, self.k)
+
+
+class _FixedCutSession(MedusaSession):
+    def __init__(self, drafter: MedusaDrafter, k: int) -> None:
+        super().__init__(drafter)
+        self.k = k
+
+    def propose(self, state) -> Draft:
+        d = self.drafter
+        d.value(d.chances, step_cost(d.lm), 0.0)  # a step's choice of its cut, timed with it
+        return self._build(state, self.k, 1.0)
 
 
 def stored_candidates(settings: dict) -> tuple[list[tuple[int, ...]], dict]:

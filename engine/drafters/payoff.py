@@ -1,7 +1,7 @@
-"""Whether drafting pays here: a trained drafter's own work timed on this machine, in this
-dtype, on this device and step kind, as a multiple of the plain step timed in turn with it
-(so load on the machine hits both alike and the ratio stands); verification is priced by
-engine.timing's step-cost curve.
+"""Whether drafting pays here: a whole decode step with a trained drafter timed on this
+machine, in this dtype, on this device and step kind, as a multiple of the plain step timed
+in turn with it (so load on the machine hits both alike and the ratio stands); verifying
+more or fewer tokens is priced by engine.timing's step-cost curve.
 
 A drafted step costs a different multiple of a plain one on every setup (on one CPU bf16
 verifies 8 tokens for ~1.1 plain steps, on another without bf16 arithmetic for ~6), so
@@ -12,7 +12,6 @@ drafter whose best estimate does not beat plain decoding decodes plainly and say
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 
 import torch
 
@@ -60,21 +59,6 @@ def prefilled(lm, drafter: Drafter | None = None, ids: list[int] | None = None
     return state, session
 
 
-def work_ratio(lm, work: Callable[[DecodeState], object], rounds: int = 7) -> float:
-    """Plain steps that `work(state)` costs here: a drafter's own work in a step, timed in
-    turn with a plain step of the same model at the same position (so load on the machine
-    hits both alike); the median of the per-round ratios."""
-    state, _session = prefilled(lm)
-    timer = timing.StepTimer(lm)
-    ratios = []
-    with torch.inference_mode():
-        work(state)  # warm
-        for _ in range(rounds):
-            plain = timer.once(1)
-            ratios.append(timing.seconds(lm.device, work, state) / plain)
-    return statistics.median(ratios)
-
-
 def round_ratio(lm, drafter: Drafter, rounds: int = 5) -> float:
     """Plain steps one decode step with `drafter` costs here (propose, verify, commit, every
     draft rejected), timed in turn with a plain step (see work_ratio)."""
@@ -87,6 +71,15 @@ def round_ratio(lm, drafter: Drafter, rounds: int = 5) -> float:
             plain = timer.once(1)
             ratios.append(timing.seconds(lm.device, _round, session, state) / plain)
     return statistics.median(ratios)
+
+
+def step_overhead(lm, drafter: Drafter, tokens: int) -> float:
+    """Plain steps a decode step with `drafter` drafting `tokens - 1` tokens costs beyond
+    what the step-cost curve prices verifying `tokens` at: the drafter's own work and the
+    rest of a drafted step (its tree's mask, the states kept for it, the commit), timed as
+    a whole step (round_ratio). Pricing only the drafter's work leaves that rest out, and
+    an estimate just above plain decoding then decodes below it."""
+    return max(0.0, round_ratio(lm, drafter) - timing.step_cost(lm)(tokens))
 
 
 def _round(session: Session, state: DecodeState) -> None:

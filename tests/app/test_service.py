@@ -262,7 +262,7 @@ def _cheap_heads(monkeypatch, lm) -> None:
     from engine.drafters import medusa as medusa_mod
     from engine.timing import StepCost
 
-    monkeypatch.setattr(medusa_mod, "work_ratio", lambda lm, work: 0.1)
+    monkeypatch.setattr(medusa_mod, "step_overhead", lambda lm, d, tokens: 0.1)
     monkeypatch.setitem(lm.step_costs, lm.target.name, StepCost.linear(0.02))
 
 

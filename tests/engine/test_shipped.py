@@ -58,7 +58,7 @@ def test_a_shipped_accelerator_loads_when_none_is_trained(lm, shipped, monkeypat
     assert describe(lm, "medusa")["folder"] == str(folder)
     params = SamplingParams(max_new_tokens=16)
     # its heads' cost and the step costs priced, not timed: whether it pays is not the clock's
-    monkeypatch.setattr(medusa_mod, "work_ratio", lambda lm, work: 0.1)
+    monkeypatch.setattr(medusa_mod, "step_overhead", lambda lm, d, tokens: 0.1)
     monkeypatch.setitem(lm.step_costs, lm.target.name, StepCost.linear(0.02))
     auto = load_drafter(lm, "auto")
     assert auto.used() == "auto:medusa"  # Auto drafts with it from the first reply

@@ -101,7 +101,7 @@ def test_medusa_builds_on_learned_positions_with_a_short_context(bundled_tokeniz
 
 
 def test_the_heads_are_timed_inside_a_short_context(bundled_tokenizer):
-    """The heads' cost is timed after a made-up prompt of up to 192 tokens: on a model whose
+    """A drafted step is timed after a made-up prompt of up to 192 tokens: on a model whose
     window is shorter, that prompt is cut to fit (past it, learned positions raise)."""
     lm = short_gpt2(bundled_tokenizer)
     heads = MedusaHeads(64, MedusaSettings(num_heads=4))

@@ -7,7 +7,7 @@ held-out answers, and what the heads then do on this machine.
    every head along its path guessed the model's own greedy token at its rank. Counted, not
    multiplied from per-head accuracies, so heads that fail together are priced as they do.
    At decode time each step cuts this tree to the nodes that pay under the step costs and
-   the heads' cost timed there (engine.drafters.medusa).
+   the drafted step's overhead timed there (engine.drafters.medusa).
 3. Held-out prompts decoded plainly and with the heads, interleaved prompt by prompt: the
    speed the heads reach here, for the metrics and the verdict.
 """

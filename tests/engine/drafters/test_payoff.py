@@ -1,5 +1,5 @@
-"""Whether drafting pays where a model runs: a trained drafter's own work is timed at every
-load as a multiple of the plain step timed in turn with it, its tokens come from calibration
+"""Whether drafting pays where a model runs: a step drafting with a trained drafter is timed
+whole at every load as a multiple of the plain step timed in turn with it, its tokens come from calibration
 corrected by each reply, and where no draft beats plain decoding it decodes plainly and
 says so (and Auto leaves it out)."""
 
@@ -79,7 +79,7 @@ CANDIDATES = {"candidates": [[[0], 0.6], [[0, 0], 0.4], [[1], 0.2], [[0, 0, 0], 
 
 def test_medusa_that_does_not_pay_here_decodes_plainly_and_says_so(lm, monkeypatch):
     _medusa_checkpoint(lm, CANDIDATES)
-    monkeypatch.setattr(md, "work_ratio", lambda lm, work: 2.0)  # heads dearer than any gain
+    monkeypatch.setattr(md, "step_overhead", lambda lm, d, tokens: 2.0)  # dearer than any gain
     drafter = load_drafter(lm, "medusa")
     assert not drafter.pays and drafter.speedup < 1.0
     assert "Medusa is not drafting: estimated at" in drafter.notice
@@ -91,7 +91,7 @@ def test_medusa_that_does_not_pay_here_decodes_plainly_and_says_so(lm, monkeypat
 
 def test_medusa_drafts_the_nodes_that_pay_at_the_heads_cost_timed_here(lm, monkeypatch):
     _medusa_checkpoint(lm, CANDIDATES)
-    monkeypatch.setattr(md, "work_ratio", lambda lm, work: 0.1)
+    monkeypatch.setattr(md, "step_overhead", lambda lm, d, tokens: 0.1)
     drafter = load_drafter(lm, "medusa")
     assert drafter.pays and not drafter.notice
     # all four nodes: 1 + 1.45 tokens for 5 tokens' verification (1.2) + the heads (0.1)
@@ -102,7 +102,7 @@ def test_medusa_drafts_the_nodes_that_pay_at_the_heads_cost_timed_here(lm, monke
 
 
 def test_an_older_checkpoint_reads_its_candidates_from_its_accuracies(lm, monkeypatch):
-    monkeypatch.setattr(md, "work_ratio", lambda lm, work: 0.1)
+    monkeypatch.setattr(md, "step_overhead", lambda lm, d, tokens: 0.1)
     _medusa_checkpoint(lm, {"tree": [[0], [0, 0]], "estimate_ratio": 0.5,
                             "accuracies": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4], [0.2, 0.3]]})
     drafter = load_drafter(lm, "medusa")
@@ -133,13 +133,23 @@ def _clock(monkeypatch, seconds: list[float]) -> None:
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(reads)))
 
 
-def test_work_is_timed_in_turn_with_plain_steps(lm, monkeypatch):
-    # plain / work pairs (the warm-ups are not timed): ratios 2, 3, 1 -> median 2
-    _clock(monkeypatch, [1.0, 2.0, 1.0, 3.0, 2.0, 2.0])
-    calls = []
-    assert payoff.work_ratio(lm, lambda state: calls.append(state.hidden.shape), rounds=3) == \
-        pytest.approx(2.0)
-    assert len(calls) == 4  # a warm-up and three timed
+def test_a_drafted_step_is_timed_whole_in_turn_with_plain_steps(lm, monkeypatch):
+    """Medusa's overhead is a whole drafted step (the heads, the tree verified with its
+    mask, the commit) timed against plain steps, less what the step-cost curve prices
+    verifying its tokens at: what the heads alone cost would leave the rest unpriced."""
+    tree = md.build_tree([(0,), (0, 0), (1,)], 4)
+    heads = md.MedusaHeads(int(lm.model.config.hidden_size), md.MedusaSettings(4))
+    drafter = md.MedusaDrafter(lm, heads, tree, [0.5, 0.3, 0.2])
+    forward, verified = lm.target.forward, []
+    def counted(cache, ids, *args, **kwargs):
+        verified.append(len(ids))
+        return forward(cache, ids, *args, **kwargs)
+    monkeypatch.setattr(lm.target, "forward", counted)
+    # plain / drafted-step pairs (warm-ups untimed): ratios 1.6, 1.2, 2.0, 1.6, 1.6 -> 1.6
+    _clock(monkeypatch, [1.0, 1.6, 1.0, 1.2, 1.0, 2.0, 1.0, 1.6, 1.0, 1.6])
+    # less verifying the root and its likeliest node on the pinned curve: 1 + 0.05
+    assert drafter.overhead() == pytest.approx(1.6 - 1.05)
+    assert verified.count(2) == 6  # a warm-up and five timed steps, each verifying a node
     drafter = KangarooDrafter(lm, Adapter(lm.model), KangarooSettings(2, 0.0, 3))
     _clock(monkeypatch, [1.0, 0.5, 1.0, 1.5, 1.0, 1.0])
     assert payoff.round_ratio(lm, drafter, rounds=3) == pytest.approx(1.0)
