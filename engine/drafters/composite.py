@@ -75,9 +75,17 @@ def pick(offers: list[Offer | None], cost: StepCost) -> tuple[int, int] | None:
 def join_size(offer: Offer, tokens: float, base: int, overhead: float, cost: StepCost) -> int:
     """How many of `offer`'s nodes to graft onto a `base`-node draft expected to keep
     `tokens` tokens whose sources' own work costs `overhead`: the count that maximizes
-    tokens per step cost."""
+    tokens per step cost; 0 where that join cannot pay even at best (every node's chance
+    added, the verification no longer than the draft's own), so the offer is never built
+    for nothing (a trained source's build runs its heads)."""
     spent = overhead + offer.overhead
-    return best_size(list(offer.chances), lambda k, g: (tokens + g) / (cost(base + k) + spent))
+
+    def joined(k: int, gain: float) -> float:
+        return (tokens + gain) / (cost(base + k) + spent)
+
+    k = best_size(list(offer.chances), joined)
+    best = (tokens + sum(sorted(offer.chances, reverse=True)[:k])) / (cost(base) + spent)
+    return k if k and best > tokens / (cost(base) + overhead) else 0
 
 
 def node_chances(draft: Draft, offer: Offer, k: int) -> list[float]:

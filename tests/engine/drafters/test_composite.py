@@ -148,6 +148,22 @@ def test_a_node_two_sources_offer_counts_once():
     assert step.draft.chances == pytest.approx([1.0, 0.7, 0.6, 0.35])
 
 
+def test_an_offer_whose_join_cannot_pay_is_never_built():
+    """Heads dearer than any tokens they could add are not run to find that out: every
+    build of a trained source's offer runs its heads."""
+    flat = StepCost.linear(0.02)
+    store = chain_offer("datastore", [1, 2, 3], (0.9, 0.8, 0.7))
+    built = []
+    dear = Offer("medusa", lambda k: built.append(k) or Draft.chain(0, [4][:k], chances=[0.3]),
+                 (0.3,), overhead=0.5)  # at most 0.3 more tokens for half a step more
+    assert plan([store, dear], 0, flat, TreeJoin(), [False, False]).kind == "datastore"
+    assert built == []
+    cheap = Offer("medusa", lambda k: built.append(k) or Draft.chain(0, [4][:k], chances=[0.3]),
+                  (0.3,), overhead=0.0)
+    assert plan([store, cheap], 0, flat, TreeJoin(), [False, False]).kind == "datastore+medusa"
+    assert built == [1]
+
+
 def test_a_copy_in_progress_wins_over_a_trained_tree():
     """A copy whose continuations this reply kept beats the heads' usual tree."""
     cost = StepCost(((1, 1.0), (4, 1.1), (11, 1.6)))
