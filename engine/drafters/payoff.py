@@ -61,7 +61,8 @@ def prefilled(lm, drafter: Drafter | None = None, ids: list[int] | None = None
 
 def round_ratio(lm, drafter: Drafter, rounds: int = 5) -> float:
     """Plain steps one decode step with `drafter` costs here (propose, verify, commit, every
-    draft rejected), timed in turn with a plain step (see work_ratio)."""
+    draft rejected), timed in turn with a plain step of the same model at the same position
+    (so load on the machine hits both alike); the median of the per-round ratios."""
     state, session = prefilled(lm, drafter)
     timer = timing.StepTimer(lm)
     ratios = []
