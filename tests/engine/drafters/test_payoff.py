@@ -1,7 +1,7 @@
 """Whether drafting pays where a model runs: a step drafting with a trained drafter is timed
-whole at every load as a multiple of the plain step timed in turn with it, its tokens come from calibration
-corrected by each reply, and where no draft beats plain decoding it decodes plainly and
-says so (and Auto leaves it out)."""
+whole at every load as a multiple of the plain step timed in turn with it, its tokens come
+from calibration corrected by each reply, and where no draft beats plain decoding it decodes
+plainly and says so (and Auto leaves it out)."""
 
 from __future__ import annotations
 
@@ -141,9 +141,11 @@ def test_a_drafted_step_is_timed_whole_in_turn_with_plain_steps(lm, monkeypatch)
     heads = md.MedusaHeads(int(lm.model.config.hidden_size), md.MedusaSettings(4))
     drafter = md.MedusaDrafter(lm, heads, tree, [0.5, 0.3, 0.2])
     forward, verified = lm.target.forward, []
+
     def counted(cache, ids, *args, **kwargs):
         verified.append(len(ids))
         return forward(cache, ids, *args, **kwargs)
+
     monkeypatch.setattr(lm.target, "forward", counted)
     # plain / drafted-step pairs (warm-ups untimed): ratios 1.6, 1.2, 2.0, 1.6, 1.6 -> 1.6
     _clock(monkeypatch, [1.0, 1.6, 1.0, 1.2, 1.0, 2.0, 1.0, 1.6, 1.0, 1.6])
