@@ -42,7 +42,7 @@ CANDIDATES = 32
 PRIOR_TOKENS = 8.0
 # Nodes a drafted step is timed with: the heads' work and the rest of a drafted step hardly
 # depend on the count, and verifying one node is where the curve's share is least noisy (on
-# a 2-core EPYC a whole step of 1, 2 and 4 nodes cost 0.19-0.27 plain steps past the curve,
+# a 2-core EPYC a whole step of 1, 2 and 4 nodes cost 0.18-0.27 plain steps past the curve,
 # of 8 anywhere from 0 to 0.27).
 TIMED_NODES = 1
 
