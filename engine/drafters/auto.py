@@ -5,7 +5,7 @@ its source (lookup's copy in progress wins), an answer in fresh words does not (
 drafter wins, or plain decoding where none pays), and a reply like earlier ones repeats
 them (the datastore wins, or joins a trained drafter's tree). Every step each source offers
 a draft with its expected kept tokens, from the past only, and the composite takes what is
-expected to run fastest under the step costs timed at load.
+expected to run fastest under the step costs timed here (a sampled reply's own).
 
 An adaptive Auto that re-timed every source during replies and counted the tokens sources
 that did not run would have kept was measured against this rule: on the bundled prompts
@@ -15,8 +15,10 @@ there is (docs/benchmarks.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
+from engine.config import SamplingParams
 from engine.drafters.base import Drafter
 from engine.drafters.composite import Composite
 from engine.timing import StepCost
@@ -33,13 +35,15 @@ def fastest(sources: dict[str, Drafter]) -> str:
 
 
 def auto(sources: dict[str, Drafter], cost: StepCost | None = None,
-         labels: dict[str, str] | None = None) -> Composite:
+         labels: dict[str, str] | None = None,
+         sampled: Callable[[SamplingParams], StepCost] | None = None) -> Composite:
     """Auto over `sources` (name -> ready drafter, in the order offers are joined): those
-    measured no faster than plain decoding here are left out."""
+    measured no faster than plain decoding here are left out. `cost` prices greedy
+    replies' steps, `sampled` sampled ones' (Composite)."""
     paying = {n: d for n, d in sources.items()
               if d.pays and (d.speedup is None or d.speedup > 1.0)}
     return Composite("auto", paying, cost, pick=fastest(paying),
-                     explain=partial(_reason, labels=labels or {}))
+                     explain=partial(_reason, labels=labels or {}), sampled=sampled)
 
 
 def label(kind: str, labels: dict[str, str]) -> str:

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import SamplingParams
 from engine.drafters.base import Draft, Drafter, Offer, Session, forward_layers
-from engine.timing import StepCost
+from engine.timing import StepCost, reply_cost
 from engine.tree import TreeShape, join_trees, shape_of
 
 
@@ -194,9 +195,13 @@ class Composite(Drafter):
 
     def __init__(self, name: str, sources: dict[str, Drafter], cost: StepCost | None = None,
                  lead: str | None = None, pick: str = "",
-                 explain: Callable[[Composite, object], str] | None = None):
+                 explain: Callable[[Composite, object], str] | None = None,
+                 sampled: Callable[[SamplingParams], StepCost] | None = None):
         self.name = name
-        self.cost = cost or StepCost()  # what verifying n tokens costs here, in plain steps
+        # what verifying n tokens costs here, in plain steps: greedy replies' curve, and
+        # params -> a sampled reply's (engine.timing.sampled_cost; None: `cost` for all)
+        self.cost = cost or StepCost()
+        self.sampled = sampled
         self.lead = sources.get(lead) if lead else None  # the trained source it is judged by
         if self.lead is not None and not self.lead.pays:
             # It decodes plainly here (its notice says so): in the mix it would only make
@@ -232,16 +237,19 @@ class Composite(Drafter):
 
     def start(self, state, prefill) -> CompositeSession:
         return CompositeSession(self, [s.start(state, prefill) for s in self.sources.values()],
-                                [s.verifies for s in self.sources.values()])
+                                [s.verifies for s in self.sources.values()],
+                                reply_cost(state.params, self.cost, self.sampled))
 
 
 class CompositeSession(Session):
     """One reply of a composite: its sources' sessions and the reply's mix of steps."""
 
-    def __init__(self, composite: Composite, sessions: list[Session], verifies: list[bool]):
+    def __init__(self, composite: Composite, sessions: list[Session], verifies: list[bool],
+                 cost: StepCost):
         self.composite = composite
         self.sessions = sessions
         self.verifies = verifies
+        self.cost = cost  # the curve this reply's steps are priced by (Composite.curve)
         self.wants_hidden = composite.wants_hidden
         self.steps: Counter = Counter()  # steps per kind in this reply
         self.kept: Counter = Counter()  # draft tokens accepted per kind in this reply
@@ -252,8 +260,7 @@ class CompositeSession(Session):
     def propose(self, state) -> Draft:
         start = time.perf_counter()
         offers = [s.offer(state) for s in self.sessions]
-        c = self.composite
-        self._plan = plan(offers, state.ids[-1], c.cost, c.join, self.verifies)
+        self._plan = plan(offers, state.ids[-1], self.cost, self.composite.join, self.verifies)
         self.planning_s += time.perf_counter() - start
         return self._plan.draft
 

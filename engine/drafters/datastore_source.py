@@ -13,15 +13,17 @@ started from another version of the shipped one is rebuilt from the shipped one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+from engine.config import SamplingParams
 from engine.datastore_load import open_store
 from engine.datastore_match import Continuations
 from engine.datastore_memory import Datastore
 from engine.drafters.base import Draft, Drafter, Offer, Session
 from engine.drafters.composite import pick
 from engine.paths import data_dir
-from engine.timing import StepCost, step_cost
+from engine.timing import StepCost, reply_cost, sampled_cost, step_cost
 from engine.tree import build_tree
 
 STORE_FILE = "store.safetensors"
@@ -83,9 +85,11 @@ class StoreDrafter(Drafter):
     name = "datastore"
     drafts = True
 
-    def __init__(self, store: Datastore, cost: StepCost | None = None) -> None:
+    def __init__(self, store: Datastore, cost: StepCost | None = None,
+                 sampled: Callable[[SamplingParams], StepCost] | None = None) -> None:
         self.store = store
-        self.cost = cost or StepCost()
+        self.cost = cost or StepCost()  # greedy replies' step costs (all, where sampled is None)
+        self.sampled = sampled  # params -> a sampled reply's (engine.timing.sampled_cost)
         self.trees: dict = {}  # choices -> TreeBuffers (shapes only: shared by every reply)
 
     @classmethod
@@ -94,18 +98,20 @@ class StoreDrafter(Drafter):
 
     @classmethod
     def timed(cls, store: Datastore, lm) -> StoreDrafter:
-        """Over `store`, its trees sized by the step costs timed on `lm`."""
-        return cls(store, step_cost(lm))
+        """Over `store`, its trees sized by the step costs timed on `lm` (a sampled
+        reply's own curve, timed when the first such reply starts)."""
+        return cls(store, step_cost(lm), sampled_cost(lm))
 
     def start(self, state, prefill) -> StoreSession:
-        return StoreSession(self)
+        return StoreSession(self, reply_cost(state.params, self.cost, self.sampled))
 
 
 class StoreSession(Session):
     """One reply's drafts from the store, and how many of them were kept."""
 
-    def __init__(self, drafter: StoreDrafter) -> None:
+    def __init__(self, drafter: StoreDrafter, cost: StepCost) -> None:
         self.drafter = drafter
+        self.cost = cost  # the step costs this reply's trees are cut by, drafting alone
         self.drafted = 0  # draft tokens from the store in this reply
         self.accepted = 0  # of which the model kept
         self._mine: list[int] = []  # the nodes it drafted this step, drafting alone
@@ -125,7 +131,7 @@ class StoreSession(Session):
         offer = self.offer(state)
         if offer is None:
             return Draft.chain(state.ids[-1], [])
-        chosen = pick([offer], self.drafter.cost)  # None: no cut beats a plain step
+        chosen = pick([offer], self.cost)  # None: no cut beats a plain step
         if chosen is None:
             return Draft.chain(state.ids[-1], [])
         draft = offer.build(chosen[1])

@@ -8,8 +8,10 @@ sampling treats the continuation as point-mass proposals, which is lossless.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from engine.config import SamplingParams
 from engine.drafters.base import Draft, Drafter, Offer, Session
 from engine.timing import step_cost
 
@@ -33,11 +35,13 @@ class LookupParams:
 LONG_CHAIN_COST = 1.5
 
 
-def fitted(lm, params: LookupParams | None = None) -> LookupParams:
+def fitted(lm, params: LookupParams | None = None,
+           sampling: SamplingParams | None = None) -> LookupParams:
     """`params` with short_len raised to copy_len where long chains cost little here (a
-    model's step-cost curve, timed once per loaded model)."""
+    model's step-cost curve for replies with `sampling`, None: greedy ones; timed once per
+    loaded model)."""
     params = params or LookupParams()
-    long_chain = step_cost(lm)(params.copy_len + 1)  # the pending token and the copy
+    long_chain = step_cost(lm, sampling)(params.copy_len + 1)  # the pending token and the copy
     return replace(params, short_len=params.copy_len) if long_chain <= LONG_CHAIN_COST else params
 
 
@@ -91,11 +95,20 @@ class LookupDrafter(Drafter):
     name = "lookup"
     drafts = True
 
-    def __init__(self, params: LookupParams | None = None) -> None:
-        self.params = params or LookupParams()
+    def __init__(self, params: LookupParams | None = None,
+                 fit: Callable[[SamplingParams], LookupParams] | None = None) -> None:
+        self.params = params or LookupParams()  # greedy replies' (all, where fit is None)
+        self.fit = fit  # sampling -> a sampled reply's, fitted to its step costs
+
+    @classmethod
+    def timed(cls, lm) -> LookupDrafter:
+        """Chain lengths fitted to `lm`'s step costs: greedy replies' at load, a sampled
+        reply's when it starts (its curve is timed then, once per kind of sampling)."""
+        return cls(fitted(lm), lambda sampling: fitted(lm, sampling=sampling))
 
     def start(self, state, prefill) -> LookupSession:
-        return LookupSession(self.params)
+        sampled = self.fit is not None and not state.params.greedy
+        return LookupSession(self.fit(state.params) if sampled else self.params)
 
 
 class LookupSession(Session):

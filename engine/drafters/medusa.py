@@ -247,7 +247,8 @@ class MedusaSession(Session):
         if not d.chances:
             return d.draft(state)
         scale = self.scale()
-        k, value = d.value([min(1.0, scale * c) for c in d.chances], step_cost(d.lm))
+        k, value = d.value([min(1.0, scale * c) for c in d.chances],
+                           step_cost(d.lm, state.params))
         if k == 0 or value <= 1.0:
             return Draft.chain(state.ids[-1], [])
         return self._build(state, k, scale)

@@ -14,10 +14,10 @@ from engine.drafters.composite import Composite
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.kangaroo import KangarooDrafter
-from engine.drafters.lookup import LookupDrafter, fitted
+from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.timing import step_cost
+from engine.timing import sampled_cost, step_cost
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Method:
 METHODS = (
     Method("auto", "Auto", every_source=True),
     Method("off", "Off"),
-    Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter(fitted(lm))),
+    Method("lookup", "Lookup", lambda lm, ckpt: LookupDrafter.timed(lm)),
     Method("medusa", "Medusa", MedusaDrafter.from_checkpoint, "medusa",
            "trainer.medusa.train_heads"),
     Method("medusa+lookup", "Medusa+lookup", composes=("lookup", "medusa")),
@@ -138,13 +138,14 @@ def compose(lm, name: str, source: Callable[[str], Drafter]) -> Drafter:
                 raise
             log.warning("%s leaves %s out: %s: %s", m.label, part, type(exc).__name__, exc)
     if m.every_source:
-        return auto(parts, step_cost(lm), ACCEL_LABELS)
+        return auto(parts, step_cost(lm), ACCEL_LABELS, sampled_cost(lm))
     if len(parts) == 1 and m.checkpoint is not None and parts[name].pays:
         return parts[name]  # a trained source alone decides by its own calibration
     # One that does not pay here is a composite without it: plain steps, no states kept.
     # Model-free sources alone go through the rule too: they draft only where their offer
     # beats a plain step (a cheap match is not worth a step that verifies several tokens).
-    return Composite(name, parts, step_cost(lm), lead=base_method(name))
+    return Composite(name, parts, step_cost(lm), lead=base_method(name),
+                     sampled=sampled_cost(lm))
 
 
 def over_store(store, lm) -> Drafter:

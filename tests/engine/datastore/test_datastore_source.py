@@ -69,7 +69,7 @@ def test_the_store_joins_a_tree_only_where_its_nodes_pay():
     store.add_all([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8, 9]])
     from types import SimpleNamespace
 
-    state = SimpleNamespace(ids=[0, 2, 3, 4], room=32)
+    state = SimpleNamespace(ids=[0, 2, 3, 4], room=32, params=SamplingParams())
     offer = StoreDrafter(store).start(state, None).offer(state)
     tree = Draft.chain(4, [7, 7], chances=[0.9, 0.8])  # a 2-node trained draft
     from engine.drafters.base import Offer
@@ -105,7 +105,7 @@ def test_the_datastore_method_drafts_only_the_nodes_that_pay_when_timed():
 
     store = Datastore("fp")
     store.add_all([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8, 9]])
-    state = SimpleNamespace(ids=[0, 2, 3, 4], room=32)
+    state = SimpleNamespace(ids=[0, 2, 3, 4], room=32, params=SamplingParams())
 
     def drafted(cost):
         return StoreDrafter(store, cost).start(state, None).propose(state).tokens

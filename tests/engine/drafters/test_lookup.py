@@ -55,7 +55,7 @@ def test_shorter_matches_draft_long_chains_only_where_they_cost_little(
         cost, short_len, bundled_tokenizer, monkeypatch):
     """fp32 on a CPU: ten drafts cost ~2.2 plain steps; bf16 ~1.15."""
     curve = timing.StepCost(((1, 1.0), (11, cost)))
-    monkeypatch.setattr(lookup, "step_cost", lambda lm: curve)
+    monkeypatch.setattr(lookup, "step_cost", lambda lm, sampling=None: curve)
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
     assert lookup.fitted(lm) == LookupParams(copy_len=10, short_len=short_len)
     assert load_drafter(lm, "lookup").sources["lookup"].params.short_len == short_len
