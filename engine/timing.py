@@ -81,7 +81,8 @@ class StepTimer:
         ids = [(7 * i) % int(lm.model.config.vocab_size) for i in range(1, n + 1)]
         self.lm, self.ids, self.position = lm, ids, n - 1
         self.params = None if params is None or params.greedy else params
-        self.generator = make_generator(0, lm.device)  # the acceptance rule's draws
+        # the acceptance rule's draws, on the model's device as a reply's are
+        self.generator = None if self.params is None else make_generator(0, lm.device)
         self.cache = lm.target.new_cache()
         with torch.inference_mode():
             lm.target.forward(self.cache, ids[:-1], 0, last_only=True)

@@ -249,7 +249,7 @@ class CompositeSession(Session):
         self.composite = composite
         self.sessions = sessions
         self.verifies = verifies
-        self.cost = cost  # the curve this reply's steps are priced by (Composite.curve)
+        self.cost = cost  # the curve this reply's steps are priced by (timing.reply_cost)
         self.wants_hidden = composite.wants_hidden
         self.steps: Counter = Counter()  # steps per kind in this reply
         self.kept: Counter = Counter()  # draft tokens accepted per kind in this reply
