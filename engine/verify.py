@@ -9,15 +9,20 @@ distribution (or logits) for the token that follows node i.
 
 Each rule returns (path, next_token): the accepted draft nodes from the root downwards
 (root excluded) and the token the target model contributes after the last accepted node.
+
+The rules decide on the model's device and read it back once per step (twice for typical
+acceptance): on a GPU every read waits for the queued kernels, so a rule that read each
+candidate's probability in turn would stall the device several times a step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import sample_from, uniform
+from engine.sampling import sample_from
 
 
 def accept_greedy(
@@ -48,6 +53,71 @@ def _deepest_path(children: Sequence[Sequence[int]], ok: Sequence[bool], node: i
     return best
 
 
+@dataclass(frozen=True)
+class _Links:
+    """A draft tree's parent -> child links in the order the rules try them (each parent's
+    children together, best first), on the device in one copy. E links, n nodes."""
+
+    parent: torch.Tensor  # (E,) long: the link's parent node
+    child: torch.Tensor  # (E,) long: the link's child node
+    token: torch.Tensor  # (E,) long: the child's token
+    first: torch.Tensor  # (E,) long: the first link of the same parent
+    fresh: torch.Tensor  # (E,) bool: the token is not an earlier sibling's
+    up: torch.Tensor  # (n,) long: each node's parent (the root its own)
+    depths: torch.Tensor  # (n,) long: each node's depth below the root
+    depth: list[int]  # the same on the host
+    rounds: int  # pointer doublings that reach the root from the deepest node
+
+    @classmethod
+    def of(cls, children: Sequence[Sequence[int]], tokens: Sequence[int],
+           device: torch.device) -> _Links:
+        rows: list[list[int]] = [[], [], [], [], []]
+        up, depth = [0] * len(tokens), [0] * len(tokens)
+        stack = [0]
+        while stack:  # from the root down: depths need no node order
+            node = stack.pop()
+            start, seen = len(rows[0]), set()
+            for child in children[node]:
+                token = tokens[child]
+                for row, value in zip(rows, (node, child, token, start, token not in seen),
+                                      strict=True):
+                    row.append(value)
+                seen.add(token)
+                up[child], depth[child] = node, depth[node] + 1
+                stack.append(child)
+        # one host-to-device copy for the whole tree
+        flat = torch.tensor([*up, *depth, *(v for row in rows for v in row)], device=device)
+        n, e = len(tokens), len(rows[0])
+        parent, child, token, first, fresh = flat[2 * n:].view(5, e)
+        return cls(parent, child, token, first, fresh.bool(), flat[:n], flat[n:2 * n], depth,
+                   max(depth).bit_length())
+
+
+def _before_in_group(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """(E,) per link, the sum of `values` over the earlier links of the same parent."""
+    before = values.cumsum(0) - values  # over every earlier link
+    return before - before[first]
+
+
+def _on_path(taken: torch.Tensor, links: _Links) -> torch.Tensor:
+    """(n,) bool: the nodes reached from the root through taken links. A node is on the
+    path when no link above it was refused: refusals are summed up the tree by pointer
+    doubling (each round adds the sums of the next 2^k ancestors), log2(depth) rounds."""
+    refused = torch.zeros(len(links.depth), dtype=torch.long, device=taken.device)
+    refused = refused.index_put((links.child,), (~taken).long())  # the root's stays 0
+    up = links.up
+    for _ in range(links.rounds):
+        refused = refused + refused[up]
+        up = up[up]
+    return refused == 0
+
+
+def _row(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Row `index` (a 0-d device tensor) of `rows`, read on the device: indexing with a
+    0-d tensor can turn it into a Python int first, a read of the device."""
+    return rows.index_select(0, index.view(1))[0]
+
+
 def accept_pointmass(
     children: Sequence[Sequence[int]],
     tokens: Sequence[int],
@@ -60,28 +130,29 @@ def accept_pointmass(
     remove x from p and renormalise, then try the next child; if every child is rejected,
     sample from what is left. The accepted token is distributed exactly as p.
     target_probs: (n_nodes, V) float probabilities.
+
+    Every child's trial is drawn at once, on the device: child x, tried after the siblings
+    before it were refused, is accepted with p(x) / (what those siblings left of p); a
+    node's first accepted child is the one taken. Same distribution as trying them in turn.
     """
-    path: list[int] = []
-    node = 0
-    while True:
-        p = target_probs[node].clone()
-        chosen = None
-        for child in children[node]:
-            mass = float(p.sum())
-            if mass <= 0:
-                break
-            x = tokens[child]
-            px = float(p[x]) / mass
-            if uniform(generator) < px:
-                chosen = child
-                break
-            p[x] = 0.0
-        if chosen is None:
-            if float(p.sum()) <= 0:  # every token with mass was proposed and rejected
-                p = target_probs[node]
-            return path, sample_from(p / p.sum(), generator)
-        path.append(chosen)
-        node = chosen
+    p, device = target_probs, target_probs.device
+    links = _Links.of(children, tokens, device)
+    mass = p[links.parent, links.token] * links.fresh  # a repeated token has none left
+    left = p.sum(-1)[links.parent] - _before_in_group(mass, links.first)
+    draw = torch.rand(mass.shape, generator=generator, device=device)
+    hit = (left > 0) & (draw * left < mass)
+    taken = hit & (_before_in_group(hit.long(), links.first) == 0)
+    on = _on_path(taken, links)
+    last = (links.depths * on).argmax()  # the path's end: on-path nodes form one chain
+    row = _row(p, last)
+    # Its children were all tried and refused: sample from what they left of its row.
+    refused = torch.where(links.parent == last, 0.0, row[links.token])
+    rest = row.scatter_reduce(0, links.token, refused, "amin")
+    rest = torch.where(rest.sum() > 0, rest, row)  # every token with mass was refused
+    token = torch.multinomial(rest, 1, generator=generator)
+    read = torch.cat([on.long(), token]).tolist()  # the step's one read of the device
+    path = sorted((i for i in range(1, len(tokens)) if read[i]), key=links.depth.__getitem__)
+    return path, read[-1]
 
 
 def accept_speculative_chain(
@@ -95,21 +166,22 @@ def accept_speculative_chain(
     tokens: [root, d1, ..., dn]; draft_probs: (n, V), row j is the q that d_{j+1} was
     sampled from; target_probs: (n + 1, V). Accept d with probability min(1, p(d) / q(d)),
     else resample from norm(max(0, p - q)); if all are accepted, sample the bonus from p_n.
+    Every draft's trial is drawn at once, on the device; the first refusal ends the chain.
     """
-    n = len(tokens) - 1
-    path: list[int] = []
-    for j in range(n):
-        d = tokens[j + 1]
-        p, q = target_probs[j], draft_probs[j]
-        ratio = float(p[d]) / max(float(q[d]), 1e-20)
-        if uniform(generator) < min(1.0, ratio):
-            path.append(j + 1)
-            continue
-        residual = (p - q).clamp_min(0)
-        if float(residual.sum()) <= 0:  # p == q up to rounding: p itself is the residual
-            residual = p
-        return path, sample_from(residual / residual.sum(), generator)
-    return path, sample_from(target_probs[n], generator)
+    n, device = len(tokens) - 1, target_probs.device
+    drafted = torch.tensor(tokens[1:], device=device)
+    rows = torch.arange(n, device=device)
+    ratio = target_probs[rows, drafted] / draft_probs[rows, drafted].clamp_min(1e-20)
+    draw = torch.rand((n,), generator=generator, device=device)
+    refused = draw >= ratio.clamp(max=1.0)
+    cut = torch.where(refused.any(), refused.long().argmax(), n)  # the first refusal
+    p = _row(target_probs, cut)
+    q = _row(draft_probs, cut.clamp(max=n - 1)) * (cut < n)  # past the chain: the bonus, from p
+    residual = (p - q).clamp_min(0)
+    residual = torch.where(residual.sum() > 0, residual, p)  # p == q up to rounding
+    token = torch.multinomial(residual, 1, generator=generator)
+    kept, nxt = torch.cat([cut.view(1), token]).tolist()  # the step's one read
+    return list(range(1, kept + 1)), nxt
 
 
 def accept_typical(
@@ -126,13 +198,11 @@ def accept_typical(
     target_probs: (n_nodes, V) float probabilities.
     """
     p = target_probs
+    links = _Links.of(children, tokens, p.device)
     entropy = -(p * torch.log(p.clamp_min(1e-20))).sum(-1)  # (n,)
     threshold = torch.clamp(delta * torch.exp(-entropy), max=eps)  # (n,)
-    ok = [False] * len(tokens)
-    for node, kids in enumerate(children):
-        if kids:
-            probs = p[node, list(tokens[c] for c in kids)]
-            for child, good in zip(kids, (probs > threshold[node]).tolist(), strict=True):
-                ok[child] = good
+    good = p[links.parent, links.token] > threshold[links.parent]
+    ok = torch.zeros(len(tokens), dtype=torch.bool, device=p.device)
+    ok = ok.index_put((links.child,), good).tolist()
     path = _deepest_path(children, ok, 0)
     return path, sample_from(p[path[-1] if path else 0], generator)
