@@ -3,12 +3,16 @@ that each decides on the device with one read of it per step."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from engine import verify
 from tests.stats_util import chi_square_pvalue
 
+# scripts/gpu_check.py runs these on a GPU, where a read of the device costs a wait
+DEVICE = torch.device(os.environ.get("QUICKDRAFT_TEST_DEVICE", "cpu"))
 V = 4
 # Root (pending token 0) with children: node 1 (token 1), node 2 (token 1 again: a
 # repeated guess has nothing left once token 1 was refused) and node 3 (token 2); node 1's
@@ -20,7 +24,7 @@ TAKES = {1: 1, 2: 3}  # the first emitted token -> the node it reaches
 
 def _probs(seed: int, rows: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.rand(rows, V, generator=gen) ** 2
+    return (torch.rand(rows, V, generator=gen) ** 2).to(DEVICE)
 
 
 def _normed(p: torch.Tensor) -> torch.Tensor:
@@ -30,7 +34,7 @@ def _normed(p: torch.Tensor) -> torch.Tensor:
 def _pairs(rule, runs: int) -> torch.Tensor:
     """Counts of (first emitted token, second emitted token or none) over `runs` steps."""
     counts = torch.zeros(V, V + 1)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
     for _ in range(runs):
         emitted = rule(gen)
         counts[emitted[0], emitted[1] if len(emitted) > 1 else V] += 1
@@ -45,7 +49,7 @@ def _exact_pairs(first: torch.Tensor, second: dict[int, torch.Tensor]) -> torch.
             exact[t1, :V] = first[t1] * second[t1]
         else:
             exact[t1, V] = first[t1]
-    return exact.flatten()
+    return exact.flatten().cpu()
 
 
 def _tree_rule(probs):
@@ -65,7 +69,7 @@ def test_a_tree_whose_children_take_all_the_mass_still_samples_exactly():
     """Top-k style rows: the root's children cover every token with mass, so the token
     after a full refusal comes from nothing that was refused."""
     probs = _normed(_probs(2, len(TOKENS)))
-    probs[0] = torch.tensor([0.0, 0.7, 0.3, 0.0])  # only tokens 1 and 2, both drafted
+    probs[0] = torch.tensor([0.0, 0.7, 0.3, 0.0], device=DEVICE)  # tokens 1, 2: both drafted
     exact = _exact_pairs(probs[0], {t: probs[node] for t, node in TAKES.items()})
     assert chi_square_pvalue(_pairs(_tree_rule(probs), 4000), exact) > 1e-3
 
@@ -73,8 +77,8 @@ def test_a_tree_whose_children_take_all_the_mass_still_samples_exactly():
 def test_one_hot_rows_follow_the_target_down_the_tree():
     """A point-mass target: the rule keeps exactly the nodes greedy acceptance keeps."""
     want = [1, 0, 2, 1, 2, 3, 1]  # each node's next token under the target
-    probs = torch.nn.functional.one_hot(torch.tensor(want), V).float()
-    gen = torch.Generator().manual_seed(0)
+    probs = torch.nn.functional.one_hot(torch.tensor(want, device=DEVICE), V).float()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     assert verify.accept_pointmass(CHILDREN, TOKENS, probs, gen) == ([1, 4, 6], 1)
     assert verify.accept_greedy(CHILDREN, TOKENS, want) == ([1, 4, 6], 1)
 
@@ -85,7 +89,7 @@ def test_a_chain_drafted_from_q_emits_exactly_the_target_distribution():
     probs = _normed(_probs(3, 3))
     q = _normed(_probs(4, 2))
     firsts, seconds = torch.zeros(V), torch.zeros(V)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
     for _ in range(6000):
         drafted = torch.multinomial(q, 1, generator=gen)[:, 0].tolist()
         path, nxt = verify.accept_speculative_chain([0, *drafted], q, probs, gen)
@@ -93,8 +97,8 @@ def test_a_chain_drafted_from_q_emits_exactly_the_target_distribution():
         firsts[emitted[0]] += 1
         if len(emitted) > 1:
             seconds[emitted[1]] += 1
-    assert chi_square_pvalue(firsts, probs[0]) > 1e-3
-    assert chi_square_pvalue(seconds, probs[1]) > 1e-3
+    assert chi_square_pvalue(firsts, probs[0].cpu()) > 1e-3
+    assert chi_square_pvalue(seconds, probs[1].cpu()) > 1e-3
 
 
 class _Reads:
@@ -120,7 +124,7 @@ def test_a_sampled_step_reads_the_device_once(rule, monkeypatch):
     """On a GPU every read of a value waits for the queued kernels: a step's acceptance
     decides on the device and reads its outcome once."""
     probs = _normed(_probs(5, len(TOKENS)))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     reads = _Reads(monkeypatch)
     if rule == "pointmass":
         verify.accept_pointmass(CHILDREN, TOKENS, probs, gen)
