@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import sample_from
+from engine.sampling import draw, sample_from
 
 
 def accept_greedy(
@@ -139,8 +139,8 @@ def accept_pointmass(
     links = _Links.of(children, tokens, device)
     mass = p[links.parent, links.token] * links.fresh  # a repeated token has none left
     left = p.sum(-1)[links.parent] - _before_in_group(mass, links.first)
-    draw = torch.rand(mass.shape, generator=generator, device=device)
-    hit = (left > 0) & (draw * left < mass)
+    trial = torch.rand(mass.shape, generator=generator, device=device)
+    hit = (left > 0) & (trial * left < mass)
     taken = hit & (_before_in_group(hit.long(), links.first) == 0)
     on = _on_path(taken, links)
     last = (links.depths * on).argmax()  # the path's end: on-path nodes form one chain
@@ -149,7 +149,7 @@ def accept_pointmass(
     refused = torch.where(links.parent == last, 0.0, row[links.token])
     rest = row.scatter_reduce(0, links.token, refused, "amin")
     rest = torch.where(rest.sum() > 0, rest, row)  # every token with mass was refused
-    token = torch.multinomial(rest, 1, generator=generator)
+    token = draw(rest, generator)
     read = torch.cat([on.long(), token]).tolist()  # the step's one read of the device
     path = sorted((i for i in range(1, len(tokens)) if read[i]), key=links.depth.__getitem__)
     return path, read[-1]
@@ -172,14 +172,14 @@ def accept_speculative_chain(
     drafted = torch.tensor(tokens[1:], device=device)
     rows = torch.arange(n, device=device)
     ratio = target_probs[rows, drafted] / draft_probs[rows, drafted].clamp_min(1e-20)
-    draw = torch.rand((n,), generator=generator, device=device)
-    refused = draw >= ratio.clamp(max=1.0)
+    trial = torch.rand((n,), generator=generator, device=device)
+    refused = trial >= ratio.clamp(max=1.0)
     cut = torch.where(refused.any(), refused.long().argmax(), n)  # the first refusal
     p = _row(target_probs, cut)
     q = _row(draft_probs, cut.clamp(max=n - 1)) * (cut < n)  # past the chain: the bonus, from p
     residual = (p - q).clamp_min(0)
     residual = torch.where(residual.sum() > 0, residual, p)  # p == q up to rounding
-    token = torch.multinomial(residual, 1, generator=generator)
+    token = draw(residual, generator)
     kept, nxt = torch.cat([cut.view(1), token]).tolist()  # the step's one read
     return list(range(1, kept + 1)), nxt
 
