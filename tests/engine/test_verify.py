@@ -52,38 +52,45 @@ def _exact_pairs(first: torch.Tensor, second: dict[int, torch.Tensor]) -> torch.
     return exact.flatten().cpu()
 
 
-def _tree_rule(probs):
+def _tree_rule(probs, at_once):
     def rule(gen):
-        path, nxt = verify.accept_pointmass(CHILDREN, TOKENS, probs, gen)
+        path, nxt = verify.accept_pointmass(CHILDREN, TOKENS, probs, gen, at_once)
         return [TOKENS[i] for i in path] + [nxt]
     return rule
 
 
-def test_a_tree_emits_exactly_the_target_distribution():
+BOTH = pytest.mark.parametrize("at_once", [True, False], ids=["at-once", "in-turn"])
+
+
+@BOTH
+def test_a_tree_emits_exactly_the_target_distribution(at_once):
     probs = _normed(_probs(1, len(TOKENS)))
     exact = _exact_pairs(probs[0], {t: probs[node] for t, node in TAKES.items()})
-    assert chi_square_pvalue(_pairs(_tree_rule(probs), 6000), exact) > 1e-3
+    assert chi_square_pvalue(_pairs(_tree_rule(probs, at_once), 6000), exact) > 1e-3
 
 
-def test_a_tree_whose_children_take_all_the_mass_still_samples_exactly():
+@BOTH
+def test_a_tree_whose_children_take_all_the_mass_still_samples_exactly(at_once):
     """Top-k style rows: the root's children cover every token with mass, so the token
     after a full refusal comes from nothing that was refused."""
     probs = _normed(_probs(2, len(TOKENS)))
     probs[0] = torch.tensor([0.0, 0.7, 0.3, 0.0], device=DEVICE)  # tokens 1, 2: both drafted
     exact = _exact_pairs(probs[0], {t: probs[node] for t, node in TAKES.items()})
-    assert chi_square_pvalue(_pairs(_tree_rule(probs), 4000), exact) > 1e-3
+    assert chi_square_pvalue(_pairs(_tree_rule(probs, at_once), 4000), exact) > 1e-3
 
 
-def test_one_hot_rows_follow_the_target_down_the_tree():
+@BOTH
+def test_one_hot_rows_follow_the_target_down_the_tree(at_once):
     """A point-mass target: the rule keeps exactly the nodes greedy acceptance keeps."""
     want = [1, 0, 2, 1, 2, 3, 1]  # each node's next token under the target
     probs = torch.nn.functional.one_hot(torch.tensor(want, device=DEVICE), V).float()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    assert verify.accept_pointmass(CHILDREN, TOKENS, probs, gen) == ([1, 4, 6], 1)
+    assert verify.accept_pointmass(CHILDREN, TOKENS, probs, gen, at_once) == ([1, 4, 6], 1)
     assert verify.accept_greedy(CHILDREN, TOKENS, want) == ([1, 4, 6], 1)
 
 
-def test_a_chain_drafted_from_q_emits_exactly_the_target_distribution():
+@BOTH
+def test_a_chain_drafted_from_q_emits_exactly_the_target_distribution(at_once):
     """Drafts sampled from q: the first token emitted follows p_0 and, where the first
     draft was kept, the second follows p_1 (the row after it)."""
     probs = _normed(_probs(3, 3))
@@ -92,7 +99,7 @@ def test_a_chain_drafted_from_q_emits_exactly_the_target_distribution():
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     for _ in range(6000):
         drafted = torch.multinomial(q, 1, generator=gen)[:, 0].tolist()
-        path, nxt = verify.accept_speculative_chain([0, *drafted], q, probs, gen)
+        path, nxt = verify.accept_speculative_chain([0, *drafted], q, probs, gen, at_once)
         emitted = [drafted[i - 1] for i in path] + [nxt]
         firsts[emitted[0]] += 1
         if len(emitted) > 1:
@@ -122,12 +129,20 @@ class _Reads:
 @pytest.mark.parametrize("rule", ["pointmass", "chain"])
 def test_a_sampled_step_reads_the_device_once(rule, monkeypatch):
     """On a GPU every read of a value waits for the queued kernels: a step's acceptance
-    decides on the device and reads its outcome once."""
+    decides on the device and reads its outcome once (at once: a GPU's way)."""
     probs = _normed(_probs(5, len(TOKENS)))
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     reads = _Reads(monkeypatch)
     if rule == "pointmass":
-        verify.accept_pointmass(CHILDREN, TOKENS, probs, gen)
+        verify.accept_pointmass(CHILDREN, TOKENS, probs, gen, at_once=True)
     else:
-        verify.accept_speculative_chain([0, 2, 1, 3], probs[:3], probs[:4], gen)
+        verify.accept_speculative_chain([0, 2, 1, 3], probs[:3], probs[:4], gen, at_once=True)
     assert reads.count == 1
+
+
+def test_rules_try_in_turn_on_a_cpu_only():
+    """A CPU's reads cost nothing and trying in turn stops early; any other device draws
+    every trial at once."""
+    assert not verify._at_once(torch.zeros(1), None)
+    assert verify._at_once(torch.zeros(1, device="meta"), None)
+    assert verify._at_once(torch.zeros(1), True) and not verify._at_once(torch.zeros(1), False)
