@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.devices import staged
 from engine.sampling import draw, sample_from, uniform
 
 # Devices where the rules try candidates in turn, reading the device after each trial: a
@@ -192,8 +193,7 @@ class _Links:
             child += kids
             stack += kids
         # one host-to-device copy for the whole tree
-        flat = torch.tensor([*up, *depth, *parent, *child, *token, *first, *fresh],
-                            device=device)
+        flat = staged([*up, *depth, *parent, *child, *token, *first, *fresh], device)
         n, e = len(tokens), len(parent)
         parent, child, token, first, fresh = flat[2 * n:].view(5, e)
         return cls(parent, child, token, first, fresh.bool(), flat[:n], flat[n:2 * n], depth,
@@ -265,7 +265,7 @@ def _chain_at_once(
     """accept_speculative_chain with every draft's trial drawn at once, on the device;
     the first refusal ends the chain. One read of the device."""
     n, device = len(tokens) - 1, target_probs.device
-    drafted = torch.tensor(tokens[1:], device=device)
+    drafted = staged(list(tokens[1:]), device)
     rows = torch.arange(n, device=device)
     ratio = target_probs[rows, drafted] / draft_probs[rows, drafted].clamp_min(1e-20)
     trial = torch.rand((n,), generator=generator, device=device)
