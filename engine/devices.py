@@ -191,3 +191,19 @@ def load_kwargs(quant: str, device: torch.device) -> dict:
     else:
         bnb = BitsAndBytesConfig(load_in_8bit=True)
     return {"quantization_config": bnb, "dtype": dtype, "device_map": {"": device}}
+
+
+def staged(values, device: torch.device) -> torch.Tensor:
+    """`values` (a list of numbers, nested or not, or a tensor) as a tensor on `device`: what
+    a decode step sends its device each step (token ids, positions, a tree's mask).
+
+    A GPU gets them from a fresh pinned host copy, sent without waiting: a copy out of
+    pageable memory can hold the host until the GPU has run everything queued before it,
+    a stall in every step. Being fresh, the copy leaves the caller free to change `values`
+    at once; PyTorch's caching host allocator reuses its block only once the transfer out
+    of it has run. Elsewhere the plain tensor, as built."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+    return pinned.to(device, non_blocking=True)

@@ -102,9 +102,26 @@ def top_logprobs(logits: torch.Tensor, tokens: list[int],
             for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
 
 
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of (..., V) non-negative weights (normalised or not), as a
+    (..., 1) long tensor on their device, drawn there (no read of the device).
+
+    Inverts the cumulative distribution at one uniform number per row: torch.multinomial
+    draws on a CPU cost 1.0 ms for 49k entries against 0.09 ms this way (2-core AMD EPYC),
+    a tenth of a small model's step. The sum runs in float64 so the smallest weights keep
+    their share; a token of weight 0 is never drawn (a row of zeros draws V, past its end)."""
+    cdf = weights.cumsum(-1, dtype=torch.float64)
+    total = cdf[..., -1:]
+    u = torch.rand(total.shape, generator=generator, device=weights.device,
+                   dtype=torch.float64)
+    # the first entry past u * total, which is below total (u < 1, and float64 rounds
+    # total * (1 - 2^-53) down): zero-weight entries, where the sum stays put, never are
+    return torch.searchsorted(cdf, u * total, right=True)
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a (V,) probability vector (on the generator's device)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(draw(probs, generator).item())
 
 
 def uniform(generator: torch.Generator | None) -> float:

@@ -11,6 +11,8 @@ On a CUDA machine (under 8 minutes), one row each:
   choice became on this card (int4 is NF4 before compute capability 8.0), one reply;
 - greedy exactness on CUDA in fp32: the family matrix and the lean step against
   transformers, its CUDA-graph step against the eager one (tests that ran on the CPU in CI);
+- the sampling acceptance rules on the device: the distributions they emit, one read of the
+  device per step, the draws on a CUDA generator;
 - `bench` on the bundled model with CUDA graphs on and off: every drafter's tokens/s and
   tokens per step against Off and against generate(), and whether its greedy replies equal
   generate()'s, a difference passing only where it is a near-tie of the dtype's rounding
@@ -214,6 +216,10 @@ def run_checks(runner: Runner, cuda: bool, out: Path, big: Path | None) -> None:
             "(decodes_as_transformers or graphed)" + ("" if cuda else " and llama")]
     runner.command("fp32 exact: lean step, graphed vs eager " + ("cuda" if cuda else "cpu"),
                    lean, 300, device_env)
+    sampled = [*tests, "tests/engine/test_verify.py",
+               "tests/engine/test_reply_ends.py::test_acceptance_rules_run_with_a_cuda_generator"]
+    runner.command("sampled acceptance on the device " + ("cuda" if cuda else "cpu"),
+                   sampled, 120, device_env)
     # on a GPU the card's half precision (fp16 before compute capability 8.0)
     bench = [py, "launcher.py", "bench", "--limit", "7" if cuda else "1",
              "--max-new-tokens", "64" if cuda else "16", "--quant", "auto" if cuda else "fp32"]

@@ -26,6 +26,7 @@ import torch
 
 from engine.lean.batch import BatchRows, Step
 from engine.lean.lean_target import LeanTarget
+from engine.sampling import draw
 
 # Share of the free accelerator memory the rows' caches may take (activations, the
 # prefill and the LM head's logits need the rest).
@@ -196,17 +197,10 @@ def _greedy(live: list[_Row | None], device) -> torch.Tensor:
 
 def _choose(logits: torch.Tensor, greedy: torch.Tensor, temperature: float,
             generator: torch.Generator) -> torch.Tensor:
-    """Per row: the argmax, or a draw from softmax(logits / temperature).
-
-    The draw inverts the cumulative distribution at one uniform number per row:
-    torch.multinomial draws a random number per vocabulary entry on the CPU, which at 32
-    rows x 49k entries cost more than a third of the model's step. The sum runs in float64
-    so the smallest probabilities keep their share."""
+    """Per row: the argmax, or a draw from softmax(logits / temperature) (one uniform
+    number per row: engine.sampling.draw)."""
     top = logits.argmax(-1)
     if bool(greedy.all()) or temperature <= 0:
         return top
-    cdf = torch.softmax(logits / temperature, dim=-1).double().cumsum(-1)
-    u = torch.rand((logits.shape[0], 1), generator=generator, device=logits.device,
-                   dtype=torch.float64) * cdf[:, -1:]
-    drawn = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    drawn = draw(torch.softmax(logits / temperature, dim=-1), generator).squeeze(-1)
     return torch.where(greedy, top, drawn)

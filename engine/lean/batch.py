@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import kernels
+from engine.devices import staged
 from engine.lean.layer import BatchLengths, make_layer
 from engine.lean.lean_target import LeanTarget
 
@@ -92,7 +93,7 @@ class BatchRows:
         after it and the states of `layers`. Rows where the (B,) bool `active` is False
         decode a token nobody reads and keep their length."""
         t = self.target
-        positions = self.lengths.to(t.device)
+        positions = staged(self.lengths, t.device)
         top = int(self.lengths.max())
         if top >= self.capacity:
             raise ValueError("a row is full: reserve room before the step")
@@ -102,7 +103,7 @@ class BatchRows:
         else:
             masks = {w: self._mask(positions, top + 1, w) for w in set(t.spec.windows)}
         with torch.inference_mode():
-            x = t.embedding(tokens.to(t.device)).to(t.act_dtype)
+            x = t.embedding(staged(tokens, t.device)).to(t.act_dtype)
             cos, sin = t.rope.rows(positions, top)
             kept = {0: x} if 0 in layers else {}
             for i, w in enumerate(t.weights):

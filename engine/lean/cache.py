@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.devices import staged
+
 FIRST_CAPACITY = 512  # positions allocated at first; doubled as a reply needs more
 
 
@@ -29,12 +31,23 @@ class LeanCache:
         self.finalizer = None  # hands the tables back to the target that lends them
         if storage is not None:  # an earlier reply's tensors, and graphs captured over them
             self.keys, self.values, self.graphs = storage
+            self._zero()
             return
         capacity = min(capacity, limit)
         self.keys = [self._empty(capacity) for _ in range(layers)]
         self.values = [self._empty(capacity) for _ in range(layers)]
         # CUDA graphs captured over these tensors (engine/lean/graphs.py), by step key.
         self.graphs: dict = {}
+
+    def _zero(self) -> None:
+        """Zero every slot in place (the graphs keep the addresses they recorded). Graphed
+        steps attend over the whole capacity behind a finfo.min mask, which hides a finite
+        value but not a NaN or inf an earlier reply left in a slot (a score NaN + mask is
+        NaN; probability 0 times a NaN value is NaN): this reply must find only zeros
+        beyond what it writes, as a fresh cache holds."""
+        with torch.inference_mode():
+            for table in (*self.keys, *self.values):
+                table.zero_()
 
     @property
     def storage(self) -> tuple:
@@ -74,7 +87,7 @@ class LeanCache:
         keep = list(keep)
         if keep == list(range(len(keep))):
             return  # a chain's accepted prefix is already in place
-        source = torch.tensor([start + k for k in keep], device=self.device)
+        source = staged([start + k for k in keep], self.device)
         rows = slice(start, start + len(keep))
         with torch.inference_mode():
             for i in range(len(self.keys)) if layers is None else layers:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from engine import quant
+from engine.devices import staged
 from engine.lean import compiled as compiling
 from engine.lean import graphs
 from engine.lean.cache import LeanCache
@@ -55,6 +57,12 @@ class LeanTarget(Target):
         # what compiling means on a GPU.
         self.graphed = False
         self.graphs_failed = ""  # why capturing failed, once it has
+        # The memory pool every graph of this target allocates from (graphs.new_pool), made
+        # at the first capture; and the lock that runs one graph at a time (a training run's
+        # prompts and a reply may decode at once): graphs sharing a pool must not
+        # interleave, and a pool takes one capture at a time.
+        self.graph_pool = None
+        self._graph_lock = threading.Lock()
         # Finished replies' cache tensors with their graphs: a graphed reply takes them
         # over, so graphs are captured once per size, not once per reply.
         self._spare: list[tuple] = []
@@ -136,7 +144,7 @@ class LeanTarget(Target):
         x = torch.zeros(size, s.hidden, dtype=self.act_dtype, device=self.device)
         slots = torch.arange(start, start + size, device=self.device)
         cos, sin = (t.clone() for t in self.rope.rows(slots, start + size - 1))
-        mask = step_mask(start, list(range(size)), None, size, None, self.device)
+        mask = step_mask(start, slots, None, size, None)
         return x, cos, sin, mask, keys, values, slots
 
     def _signature(self) -> str:
@@ -152,7 +160,7 @@ class LeanTarget(Target):
         """Nothing to do: the next step's `start` leaves the last n slots uncounted."""
 
     def embed(self, tokens, start) -> torch.Tensor:
-        ids = torch.tensor([list(tokens)], device=self.device)
+        ids = staged([list(tokens)], self.device)
         return self.embedding(ids).to(self.act_dtype)
 
     def run_layers(self, h, layers, cache, start) -> torch.Tensor:
@@ -182,14 +190,16 @@ class LeanTarget(Target):
             call, size = self.steps.eager, compiling.size_for(n)
         depths = list(range(n)) if depths is None else list(depths)
         cache.reserve(start + size)
-        positions = torch.tensor(depths + [depths[-1]] * (size - n), device=self.device) + start
+        # The step's host inputs go to the device in one copy each: positions (padding
+        # rows repeat the last) and a tree's mask; the slots are made there.
+        positions = staged([start + d for d in depths + [depths[-1]] * (size - n)], self.device)
+        tree_mask = None if tree_mask is None else staged(tree_mask, self.device)
         slots = torch.arange(start, start + size, device=self.device)
         cos, sin = self.rope.rows(positions, start + max(depths))
         # A graph's shapes never change: its masks span the cache's whole capacity.
         width = cache.capacity if graphed else start + size
         windows = sorted({self.spec.windows[i] for i in layers}, key=str)
-        masks = [step_mask(start, depths, tree_mask, size, w, self.device, width)
-                 for w in windows]
+        masks = [step_mask(start, positions[:n], tree_mask, size, w, width) for w in windows]
         if size > n:
             x = torch.cat([x, x[-1:].expand(size - n, -1)])
 
@@ -219,35 +229,39 @@ class LeanTarget(Target):
         """The step as a graph; None (and eager steps from now on, said once) where
         capturing it fails: an operation that cannot be captured, or out of memory."""
         try:
-            return graphs.replay(cache.graphs, key, body, values)
+            with self._graph_lock:
+                if self.graph_pool is None:
+                    self.graph_pool = graphs.new_pool(self.device)
+                return graphs.replay(cache.graphs, key, body, values, self.graph_pool)
         except RuntimeError as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             self.graphed, self.graphs_failed = False, f"{type(exc).__name__}: {first}"[:300]
             cache.graphs.clear()
             self._spare.clear()
+            self.graph_pool = None  # its memory goes back once the last graph is gone
             log.warning("capturing the decode step failed, decoding eagerly: %s",
                         self.graphs_failed)
             return None
 
 
-def step_mask(start: int, depths: list[int], tree_mask: torch.Tensor | None, size: int,
-              window: int | None, device: torch.device, width: int | None = None
-              ) -> torch.Tensor:
-    """(size, width) additive float mask (width: start + size unless given) for
-    n = len(depths) real queries (rows past n pad the step to `size`: they see slot 0 only,
-    and no real query sees them; no query sees the slots past start + size).
+def step_mask(start: int, at: torch.Tensor, tree_mask: torch.Tensor | None, size: int,
+              window: int | None, width: int | None = None) -> torch.Tensor:
+    """(size, width) additive float mask (width: start + size unless given) for the
+    n real queries at positions `at` (n,) (rows past n pad the step to `size`: they see
+    slot 0 only, and no real query sees them; no query sees the slots past start + size).
+    Built on `at`'s device from tensors already there (no copy from the host).
 
     A query sees the slots before `start` and its ancestors among this step's (tree_mask
-    (n, n) bool, or causal for a chain); within `window` positions where one is set."""
-    n = len(depths)
+    (n, n) bool on that device, or causal for a chain); within `window` positions where one
+    is set."""
+    n, device = at.shape[0], at.device
     width = start + size if width is None else width
     allowed = torch.zeros(size, width, dtype=torch.bool, device=device)
     allowed[:n, :start] = True
     own = (torch.ones(n, n, dtype=torch.bool, device=device).tril() if tree_mask is None
-           else tree_mask.to(device))
+           else tree_mask)
     allowed[:n, start:start + n] = own
     if window is not None:
-        at = torch.tensor(depths, device=device) + start  # query positions
         keys = torch.cat([torch.arange(start, device=device), at,
                           torch.full((width - start - n,), -1, device=device)])
         allowed[:n] &= keys[None, :] > at[:, None] - window

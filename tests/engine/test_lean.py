@@ -2,7 +2,7 @@
 family decodes the same tokens and states in fp32, long prompts and long replies included;
 the compiled step equals the eager one, is kept on disk and loaded on the next start, and a
 failure to compile leaves the eager step decoding; steps over static buffers (CUDA graphs)
-decode as the eager step does."""
+decode as the eager step does, in one memory pool, and read no stale slot of a finished reply."""
 
 from __future__ import annotations
 
@@ -235,20 +235,26 @@ def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeyp
     """Steps over buffers they own (CUDA graphs on a GPU; on a CPU the same buffers run
     eagerly), attending over the cache's whole capacity: Medusa's trees with the states
     they read, Kangaroo's split layers and lookup's chains decode the eager step's tokens,
-    also once the cache grows past its first allocation (its graphs are dropped)."""
-    captured, calls = [], []  # calls: (a cache's table of steps, key, already there)
-    real, real_replay = graphs.StaticStep.__init__, graphs.replay
+    also once the cache grows past its first allocation (its graphs are dropped). Every
+    step of a target is captured into the one memory pool the target made."""
+    captured, calls, pools = [], [], []  # calls: (a cache's table of steps, key, already there)
+    real, real_replay, real_pool = graphs.StaticStep.__init__, graphs.replay, graphs.new_pool
 
-    def spy(self, body, values, capture):
-        captured.append(capture)
-        real(self, body, values, capture)
+    def spy(self, body, values, capture, pool):
+        captured.append((capture, pool))
+        real(self, body, values, capture, pool)
 
-    def replay(table, key, body, values):
+    def replay(table, key, body, values, pool):
         calls.append((table, key, key in table))
-        return real_replay(table, key, body, values)
+        return real_replay(table, key, body, values, pool)
+
+    def new_pool(device):  # a CPU captures nothing and has no pool: a token stands in
+        pools.append(real_pool(device) if device.type == "cuda" else object())
+        return pools[-1]
 
     monkeypatch.setattr(graphs.StaticStep, "__init__", spy)
     monkeypatch.setattr(graphs, "replay", replay)
+    monkeypatch.setattr(graphs, "new_pool", new_pool)
     ids = prompt(9, seed=7) * 55  # 495 tokens that repeat: lookup drafts; the reply passes 512
     params = SamplingParams(max_new_tokens=40)
     for method in ("medusa+lookup", "kangaroo+lookup"):
@@ -261,10 +267,11 @@ def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeyp
             lm.target.graphed = True
         captured.clear()
         calls.clear()
+        pools.clear()
         drafter = make_drafter(lm, method)
         _text, got, stats = run(lm, ids, params, drafter)
         assert got == want and stats.step == "lean-graphs", method
-        assert captured and all(c == (DEVICE.type == "cuda") for c in captured)
+        assert captured and all(c == (DEVICE.type == "cuda") for c, _ in captured)
         assert sum(stats.drafted) > 0
         # the next reply takes over the finished one's cache and the steps captured on it
         # (those on its tables at the end: the cache grew once, dropping the earlier ones):
@@ -276,6 +283,30 @@ def test_graphed_steps_decode_as_the_eager_step(name, bundled_tokenizer, monkeyp
         assert run(lm, ids, params, drafter)[1] == want
         assert not first & {key for _, key, there in calls if not there}
         assert first & {key for _, key, there in calls if there}
+        assert len(captured) > 1  # many graphs, one pool
+        assert len(pools) == 1 and all(pool is pools[0] for _, pool in captured)
+
+
+def test_graphed_steps_read_no_stale_slot_of_a_finished_reply(bundled_tokenizer):
+    """Graphed steps attend over the cache's whole capacity behind a finfo.min mask; the
+    tables come from the reply before. A NaN left in a slot this reply never writes would
+    reach every row (score NaN + mask; probability 0 times value NaN): the reply decodes
+    the tokens a fresh cache gives all the same."""
+    lm = family_lm("llama", bundled_tokenizer)
+    lm.target.graphed = True  # on a CPU the static steps run eagerly, over the same buffers
+    ids = prompt(9, seed=7) * 3  # repeats: lookup drafts chains of several tokens
+    params = SamplingParams(max_new_tokens=24)
+    fresh = run(lm, ids, params, LookupDrafter())[1]
+    (keys, values, _graphs), = lm.target._spare  # handed back when the reply ended
+    end = len(ids) + params.max_new_tokens + 16  # past every slot a reply of these writes
+    assert keys[0].shape[1] > end
+    with torch.inference_mode():
+        for table in (*keys, *values):
+            table[:, end:] = float("nan")
+    _text, got, stats = run(lm, ids, params, LookupDrafter())
+    assert lm.target._spare[-1][0][0] is keys[0]  # the same tables, taken over and given back
+    assert got == fresh and stats.step == "lean-graphs"
+    assert sum(stats.drafted) > 0
 
 
 def test_a_step_that_cannot_be_captured_decodes_eagerly(bundled_tokenizer, monkeypatch,

@@ -13,7 +13,7 @@ from transformers import (
 
 from engine.config import SamplingParams
 from engine.generate import run
-from engine.sampling import filter_logits, logits_to_probs
+from engine.sampling import draw, filter_logits, logits_to_probs
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 
@@ -111,3 +111,20 @@ def test_same_seed_same_output(bundled_tokenizer):
     c = run(lm, [1, 2, 3, 4], SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24, seed=8))[1]
     assert a == b
     assert a != c
+
+
+def test_draws_follow_the_weights_and_never_pick_a_weightless_token(monkeypatch):
+    weights = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 2.0]])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(3000):
+        got = draw(weights, gen)
+        assert got.shape == (2, 1) and int(got[1]) == 5  # unnormalised rows draw alike
+        counts[int(got[0])] += 1
+    assert chi_square_pvalue(counts, weights[0]) > 1e-3
+    # the ends of the uniform range: 0, and the largest float64 below 1
+    for u in (0.0, 1.0 - 2.0 ** -53):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u,
+                                                                          dtype=torch.float64))
+        edge = torch.tensor([0.0, 0.3, 0.7, 0.0]) * 0.1
+        assert edge[int(draw(edge, gen))] > 0
