@@ -112,9 +112,10 @@ class StepTimer:
     def _sampled(self, logits: torch.Tensor, tail: list[int]) -> None:
         """A sampled step's verification of (n, V) logits over the chain `tail`: every row
         made float32 probabilities under the reply's settings, then the lossless rule for
-        point-mass drafts with its host reads. The stand-in drafts repeat the pending token,
-        which the model seldom keeps, so mostly the first is refused and the token sampled
-        from what is left (n = 1: a plain sampled step)."""
+        point-mass drafts as the device runs it (in turn with its reads on a CPU, every
+        trial at once elsewhere). The stand-in drafts repeat the pending token, which the
+        model seldom keeps: the work of a step whose drafts were refused (n = 1: a plain
+        sampled step)."""
         probs = logits_to_probs(logits.float(), self.params)
         chain = [[i + 1] for i in range(len(tail) - 1)] + [[]]
         accept_pointmass(chain, tail, probs, self.generator)
