@@ -16,7 +16,7 @@ from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.medusa import MedusaDrafter
 from engine.generate import run
-from engine.timing import StepCost
+from engine.timing import StepCost, curve_key
 from engine.tree import build_tree
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.engine.drafters.kangaroo import test_kangaroo as kg
@@ -59,8 +59,13 @@ def kangaroo_of(lm, exit_layer: int = 2, gamma: int = 4, seed: int = 0,
 
 def pin_costs(lm, cost: StepCost | None = None) -> None:
     """The step costs a trained source judges itself by, pinned (a flat CPU curve) instead
-    of timed: whether it pays must not depend on what else the machine is doing."""
-    lm.step_costs[lm.target.name] = cost or StepCost.linear(0.02)
+    of timed, for greedy and every kind of sampled reply alike: whether it pays must not
+    depend on what else the machine is doing."""
+    cost = cost or StepCost.linear(0.02)
+    lm.step_costs[lm.target.name] = cost
+    for top_k, top_p in ((0, 1.0), (0, 0.9), (40, 1.0), (40, 0.9)):
+        hot = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+        lm.step_costs[curve_key(lm.target.name, hot)] = cost
 
 
 def with_lookup(trained, lookup: LookupParams | None = None, cost=None) -> Spy:
