@@ -11,6 +11,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from engine import sampling
 from engine.config import SamplingParams
 from engine.generate import run
 from engine.sampling import draw, filter_logits, logits_to_probs
@@ -128,3 +129,19 @@ def test_draws_follow_the_weights_and_never_pick_a_weightless_token(monkeypatch)
                                                                           dtype=torch.float64))
         edge = torch.tensor([0.0, 0.3, 0.7, 0.0]) * 0.1
         assert edge[int(draw(edge, gen))] > 0
+
+
+@pytest.mark.parametrize("rows", ["peaked", "mixed"])
+def test_a_cpu_nucleus_from_the_likeliest_tokens_is_the_sorted_one(rows, monkeypatch):
+    """A CPU decides top-p among a row's likeliest tokens where those reach top_p, and
+    sorts the whole row where they do not: the same nucleus as transformers' warper."""
+    monkeypatch.setattr(sampling, "NUCLEUS_FIRST", 8)
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 500, generator=gen)
+    logits[:, :4] += 9.0  # four likely tokens: a nucleus of 0.9 within the first eight
+    if rows == "mixed":
+        logits[3] = torch.randn(500, generator=gen)  # flat: a nucleus of hundreds
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    want = torch.stack([reference_probs(row, params) for row in logits])
+    assert torch.allclose(logits_to_probs(logits, params), want, atol=1e-6)
+    assert (want > 0).sum(-1).max() > (8 if rows == "mixed" else 0)
