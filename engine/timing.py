@@ -5,7 +5,7 @@ its stream around it (the device idle before); elsewhere by the wall clock. A st
 is timed once per loaded target (`step_cost`) and cached on the loaded model; a target
 whose compiled step becomes ready runs under another name and is timed again. Greedy and
 sampled steps have a curve each: a sampled step also turns every verified row into float32
-probabilities (top-p sorts the vocabulary per row) and reads the acceptance rule's draws
+probabilities (top-p finds each row's nucleus) and reads the acceptance rule's draws
 back, so its drafts cost more plain steps. The greedy curve is timed at load, a sampled one
 on the first reply with its settings. Auto, the datastore's sizing, lookup's chain length,
 Medusa's cut, calibration's plain step and the speed report all read these curves."""
