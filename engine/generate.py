@@ -202,11 +202,10 @@ def accept(
     # float32 (no copy when it already is): the rules reduce over the vocabulary per node,
     # which CPUs do several times slower in bf16.
     logits = logits.float()
-    probs = logits_to_probs(logits, params)
     if mode == "typical":
-        return verify.accept_typical(
-            draft.children, draft.tokens, probs, params.typical_eps, params.typical_delta, generator
-        )
+        return verify.accept_typical(draft.children, draft.tokens, logits_to_probs(logits, params),
+                                     params.typical_eps, params.typical_delta, generator)
+    probs = verify.probabilities(logits, params)
     if draft.draft_probs is not None:
         return verify.accept_speculative_chain(draft.tokens, draft.draft_probs, probs, generator)
     return verify.accept_pointmass(draft.children, draft.tokens, probs, generator)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import SamplingParams
-from engine.sampling import greedy_ids, logits_to_probs, make_generator
-from engine.verify import accept_pointmass
+from engine.sampling import greedy_ids, make_generator
+from engine.verify import accept_pointmass, probabilities
 
 SIZES = (1, 2, 4, 8, 16, 32)  # tokens per timed step (the pending token included)
 ROUNDS = 3  # rounds of every size in turn, after a warm-up one; the median of each is kept
@@ -110,13 +110,13 @@ class StepTimer:
         self.lm.target.rollback(self.cache, tokens)
 
     def _sampled(self, logits: torch.Tensor, tail: list[int]) -> None:
-        """A sampled step's verification of (n, V) logits over the chain `tail`: every row
-        made float32 probabilities under the reply's settings, then the lossless rule for
-        point-mass drafts as the device runs it (in turn with its reads on a CPU, every
-        trial at once elsewhere). The stand-in drafts repeat the pending token, which the
-        model seldom keeps: the work of a step whose drafts were refused (n = 1: a plain
-        sampled step)."""
-        probs = logits_to_probs(logits.float(), self.params)
+        """A sampled step's verification of (n, V) logits over the chain `tail`: float32
+        probabilities under the reply's settings, then the lossless rule for point-mass
+        drafts, both as a reply makes them here (verify.probabilities: on a CPU the rows the
+        rule reaches, tried in turn; elsewhere every row and every trial at once). The
+        stand-in drafts repeat the pending token, which the model seldom keeps: the work of
+        a step whose drafts were refused (n = 1: a plain sampled step)."""
+        probs = probabilities(logits.float(), self.params)
         chain = [[i + 1] for i in range(len(tail) - 1)] + [[]]
         accept_pointmass(chain, tail, probs, self.generator)
 

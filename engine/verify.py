@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import SamplingParams
 from engine.devices import staged
-from engine.sampling import draw, sample_from, uniform
+from engine.sampling import draw, logits_to_probs, sample_from, uniform
 
 # Devices where the rules try candidates in turn, reading the device after each trial: a
 # CPU's reads cost nothing, and trying in turn stops at the first refusal (measured on a
@@ -31,6 +32,31 @@ from engine.sampling import draw, sample_from, uniform
 # trial at once). Elsewhere a read waits for every queued kernel, so all trials are drawn
 # at once on the device and the outcome is read once.
 IN_TURN = ("cpu",)
+
+
+class RowProbs:
+    """The probabilities of (n, V) logits under a reply's settings, made row by row as a
+    rule reads them: trying candidates in turn reads only the rows of the nodes it reaches,
+    so a step whose first draft is refused shapes one row, not n (temperature, top-p and
+    softmax over 49k tokens cost a CPU 0.3-0.5 ms a row)."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams):
+        self.logits, self.params = logits, params
+        self.device = logits.device
+        self.made: dict[int, torch.Tensor] = {}  # row -> its (V,) probabilities
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self.made:
+            self.made[row] = logits_to_probs(self.logits[row], self.params)
+        return self.made[row]
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | RowProbs:
+    """What the lossless rules read for (n, V) float32 logits: made row by row where they
+    try candidates in turn (IN_TURN), all at once elsewhere."""
+    if logits.device.type in IN_TURN:
+        return RowProbs(logits, params)
+    return logits_to_probs(logits, params)
 
 
 def accept_greedy(
@@ -64,7 +90,7 @@ def _deepest_path(children: Sequence[Sequence[int]], ok: Sequence[bool], node: i
 def accept_pointmass(
     children: Sequence[Sequence[int]],
     tokens: Sequence[int],
-    target_probs: torch.Tensor,
+    target_probs: torch.Tensor | RowProbs,
     generator: torch.Generator | None,
     at_once: bool | None = None,
 ) -> tuple[list[int], int]:
@@ -73,7 +99,8 @@ def accept_pointmass(
     Each child is a point-mass proposal: accept child x with probability p(x); on rejection
     remove x from p and renormalise, then try the next child; if every child is rejected,
     sample from what is left. The accepted token is distributed exactly as p.
-    target_probs: (n_nodes, V) float probabilities. `at_once`: see IN_TURN.
+    target_probs: (n_nodes, V) float probabilities (RowProbs: in turn only). `at_once`:
+    see IN_TURN.
     """
     if _at_once(target_probs, at_once):
         return _pointmass_at_once(children, tokens, target_probs, generator)
@@ -83,7 +110,7 @@ def accept_pointmass(
 def accept_speculative_chain(
     tokens: Sequence[int],
     draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
+    target_probs: torch.Tensor | RowProbs,
     generator: torch.Generator | None,
     at_once: bool | None = None,
 ) -> tuple[list[int], int]:

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from engine import verify
+from engine.config import SamplingParams
+from engine.sampling import logits_to_probs
 from tests.stats_util import chi_square_pvalue
 
 # scripts/gpu_check.py runs these on a GPU, where a read of the device costs a wait
@@ -146,3 +148,18 @@ def test_rules_try_in_turn_on_a_cpu_only():
     assert not verify._at_once(torch.zeros(1), None)
     assert verify._at_once(torch.zeros(1, device="meta"), None)
     assert verify._at_once(torch.zeros(1), True) and not verify._at_once(torch.zeros(1), False)
+
+
+def test_a_cpu_step_shapes_only_the_rows_its_rule_reaches():
+    """Trying candidates in turn reads the rows of the nodes it reaches: a chain whose
+    first draft the target gives no chance shapes the root's row alone, and the rows it
+    does shape are the ones shaping every row at once gives."""
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    logits[0, 7] = float("-inf")  # the first draft, token 7, has no chance
+    rows = verify.probabilities(logits, params)
+    chain = [[i + 1] for i in range(5)] + [[]]
+    path, _ = verify.accept_pointmass(chain, [1, 7, 8, 9, 10, 11], rows,
+                                      torch.Generator().manual_seed(0))
+    assert path == [] and list(rows.made) == [0]
+    assert torch.equal(rows[3], logits_to_probs(logits, params)[3])
