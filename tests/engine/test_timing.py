@@ -117,11 +117,11 @@ HOT = SamplingParams(temperature=0.7, top_p=0.9)  # the app's default top-p, no 
 
 
 def test_a_sampled_step_verifies_as_a_sampled_reply_does(bundled_tokenizer, monkeypatch):
-    """Every row's probabilities under the reply's settings, then the lossless rule over a
-    chain of stand-in drafts, with the acceptance rule's draws on the model's device; a
-    greedy step does neither."""
+    """The rows' probabilities under the reply's settings, made as a reply makes them
+    (verify.probabilities), then the lossless rule over a chain of stand-in drafts, with
+    the acceptance rule's draws on the model's device; a greedy step does neither."""
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, num_layers=1)
-    calls, probs, accept = [], timing.logits_to_probs, timing.accept_pointmass
+    calls, probs, accept = [], timing.probabilities, timing.accept_pointmass
 
     def probs_spy(logits, params):
         calls.append(("probs", tuple(logits.shape), logits.dtype, params))
@@ -131,7 +131,7 @@ def test_a_sampled_step_verifies_as_a_sampled_reply_does(bundled_tokenizer, monk
         calls.append(("accept", children, len(tokens), generator.device.type))
         return accept(children, tokens, target_probs, generator)
 
-    monkeypatch.setattr(timing, "logits_to_probs", probs_spy)
+    monkeypatch.setattr(timing, "probabilities", probs_spy)
     monkeypatch.setattr(timing, "accept_pointmass", accept_spy)
     sampled, greedy = timing.StepTimer(lm, room=4, params=HOT), timing.StepTimer(lm, room=4)
     calls.clear()
