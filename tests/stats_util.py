@@ -24,3 +24,11 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     stat = ((obs - exp) ** 2 / exp).sum()
     dof = max(1, obs.numel() - 1)
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+def whole(target_probs, n: int) -> torch.Tensor:
+    """The (n, V) probabilities an acceptance rule was given, as one tensor: a CPU step
+    hands its rules rows made as they are read (engine.verify.RowProbs)."""
+    if isinstance(target_probs, torch.Tensor):
+        return target_probs
+    return torch.stack([target_probs[i] for i in range(n)])

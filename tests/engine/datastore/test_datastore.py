@@ -18,7 +18,7 @@ from engine.drafters.datastore_source import StoreDrafter, store_file, tree_draf
 from engine.generate import run
 from engine.timing import StepCost
 from tests.conftest import make_tiny_model
-from tests.stats_util import chi_square_pvalue
+from tests.stats_util import chi_square_pvalue, whole
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -165,7 +165,7 @@ def test_lossless_sampling_with_a_tree_of_drafts(bundled_tokenizer, monkeypatch)
     fair = verify.accept_pointmass
 
     def eager(children, tokens, target_probs, generator):  # accepts with ~sqrt(p)
-        root = target_probs.sqrt()
+        root = whole(target_probs, len(tokens)).sqrt()
         return fair(children, tokens, root / root.sum(-1, keepdim=True), generator)
 
     monkeypatch.setattr(verify, "accept_pointmass", eager)

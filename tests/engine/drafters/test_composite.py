@@ -22,7 +22,7 @@ from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.engine.drafters.kangaroo import test_kangaroo as kg
 from tests.engine.drafters.medusa import test_medusa as md
 from tests.engine.drafters.spy import Spy
-from tests.stats_util import chi_square_pvalue
+from tests.stats_util import chi_square_pvalue, whole
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # Single-token matches count as copies: a random tiny model copies no longer, and the tests
@@ -81,7 +81,7 @@ def break_pointmass(monkeypatch) -> None:
     fair = verify.accept_pointmass
 
     def eager(children, tokens, target_probs, generator):
-        flat = target_probs.sqrt()
+        flat = whole(target_probs, len(tokens)).sqrt()
         return fair(children, tokens, flat / flat.sum(-1, keepdim=True), generator)
 
     monkeypatch.setattr(verify, "accept_pointmass", eager)

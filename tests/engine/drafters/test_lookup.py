@@ -19,7 +19,7 @@ from engine.drafters.lookup import (
 from engine.drafters.registry import load_drafter
 from engine.generate import run
 from tests.conftest import TINY_CONFIGS, make_tiny_model
-from tests.stats_util import chi_square_pvalue
+from tests.stats_util import chi_square_pvalue, whole
 
 
 def test_index_finds_longest_most_recent_match():
@@ -148,7 +148,8 @@ def test_lossless_sampling_distribution(bundled_tokenizer, monkeypatch):
 
     def eager(children, tokens, target_probs, generator):
         # Broken on purpose: accepts a proposal with probability ~sqrt(p) instead of p.
-        return fair(children, tokens, target_probs.sqrt() / target_probs.sqrt().sum(-1, keepdim=True), generator)
+        root = whole(target_probs, len(tokens)).sqrt()
+        return fair(children, tokens, root / root.sum(-1, keepdim=True), generator)
 
     monkeypatch.setattr(verify, "accept_pointmass", eager)
     assert chi_square_pvalue(_second_token_counts(lm, prompt, 1000), second) < 0.001
