@@ -32,8 +32,10 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 def _outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """(..., V) bool: the tokens past the top-p nucleus of each row. A token is dropped when
-    the mass of the likelier ones already reaches top_p; the most likely always stays
-    (top_p 0 keeps it alone, as Hugging Face's min_tokens_to_keep=1).
+    the mass of the tokens strictly likelier than it already reaches top_p, so tokens with
+    equal logits (common under a low-bit LM head) are kept or dropped together, whatever
+    order a sort puts them in; the most likely always stays (top_p 0 keeps it alone, as
+    Hugging Face's min_tokens_to_keep=1).
 
     On a CPU the likeliest NUCLEUS_FIRST tokens are tried first: sorting a whole row costs
     there ~1.5 ms at 49k tokens, a sixth of a small model's step for every verified row,
@@ -49,20 +51,34 @@ def _outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _past_nucleus(logits: torch.Tensor, top_p: float, first: int) -> torch.Tensor | None:
     """_outside_nucleus decided among each row's `first` likeliest tokens (the rest are
-    dropped); None where those do not reach top_p in some row."""
-    if first < logits.shape[-1]:
-        top, order = torch.topk(logits, first, dim=-1)  # likeliest first
+    dropped); None where the mass strictly likelier than the next token does not reach
+    top_p in some row."""
+    partial = first < logits.shape[-1]
+    if partial:  # one more than `first`: it tells whether everything past them is dropped
+        top, order = torch.topk(logits, first + 1, dim=-1)  # likeliest first
     else:
         top, order = torch.sort(logits, dim=-1, descending=True)
     # shares of the whole row, normalised as softmax does (from the largest logit)
     largest = top[..., :1]
     probs = (top - largest).exp() / (logits - largest).exp().sum(-1, keepdim=True)
-    before = probs.cumsum(-1) - probs  # mass of the likelier tokens
-    if first < logits.shape[-1] and not bool(((before + probs)[..., -1] >= top_p).all()):
-        return None
+    before = _strictly_likelier(top, probs.cumsum(-1) - probs)
+    if partial:
+        if not bool((before[..., -1] >= top_p).all()):
+            return None
+        before, order = before[..., :first], order[..., :first]
     drop = before >= top_p
     drop[..., 0] = False
     return torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, drop)
+
+
+def _strictly_likelier(top: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """(..., n) values sorted descending and the mass before each in that order -> the mass
+    strictly likelier than each: a run of equal values takes its first member's."""
+    index = torch.arange(top.shape[-1], device=top.device).expand_as(top)
+    starts = torch.ones_like(top, dtype=torch.bool)
+    starts[..., 1:] = top[..., 1:] != top[..., :-1]
+    first = torch.where(starts, index, 0).cummax(-1).values  # each run's first position
+    return before.gather(-1, first)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

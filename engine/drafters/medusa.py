@@ -230,6 +230,7 @@ class MedusaSession(Session):
         self.kept = 0.0  # the heads' nodes kept in this reply
         self.expected = 0.0  # their summed calibrated chances
         self._step = 0.0  # the summed chances of this step's draft (0: none built)
+        self.plain = False  # no cut pays for the rest of this reply: it decodes plainly
 
     def scale(self) -> float:
         """This reply's correction of the calibrated chances: kept / expected, starting
@@ -246,10 +247,17 @@ class MedusaSession(Session):
         d = self.drafter
         if not d.chances:
             return d.draft(state)
+        if self.plain:
+            return Draft.chain(state.ids[-1], [])
         scale = self.scale()
         k, value = d.value([min(1.0, scale * c) for c in d.chances],
                            step_cost(d.lm, state.params))
         if k == 0 or value <= 1.0:
+            # Only drafted nodes move this reply's correction, and the step costs are fixed
+            # once timed (a compiled step ready mid-reply is priced from the next reply):
+            # no later step would pay either, so the rest of the reply decodes plainly,
+            # without the final states the heads would read.
+            self.plain, self.wants_hidden = True, False
             return Draft.chain(state.ids[-1], [])
         return self._build(state, k, scale)
 

@@ -145,3 +145,20 @@ def test_a_cpu_nucleus_from_the_likeliest_tokens_is_the_sorted_one(rows, monkeyp
     want = torch.stack([reference_probs(row, params) for row in logits])
     assert torch.allclose(logits_to_probs(logits, params), want, atol=1e-6)
     assert (want > 0).sum(-1).max() > (8 if rows == "mixed" else 0)
+
+
+@pytest.mark.parametrize("first", [4, 500])
+def test_tied_tokens_at_the_nucleus_edge_are_kept_or_dropped_together(first, monkeypatch):
+    """A low-bit LM head gives equal logits often: two tokens tied where the nucleus closes
+    share one verdict, on the likeliest-first path and the whole-row sort alike, in any
+    order the vocabulary puts them."""
+    monkeypatch.setattr(sampling, "NUCLEUS_FIRST", first)
+    row = torch.full((500,), -20.0)
+    row[:4] = torch.tensor([3.0, 2.0, 1.0, 1.0])  # 0.61, 0.22, 0.08, 0.08 of the mass
+    params = SamplingParams(temperature=1.0, top_p=0.85)  # 0.61 + 0.22 < 0.85 <= + 0.08
+    shuffled = torch.randperm(500, generator=torch.Generator().manual_seed(0))
+    for perm in (torch.arange(500), shuffled):
+        probs = logits_to_probs(row[perm][None], params)[0]
+        kept = probs[torch.argsort(perm)] > 0  # back in the row's own order
+        assert kept[:4].tolist() == [True, True, True, True] and not kept[4:].any()
+        assert torch.isclose(probs.sum(), torch.tensor(1.0))

@@ -250,3 +250,25 @@ def test_the_statistical_test_catches_a_broken_rule(sampling_case, monkeypatch):
     monkeypatch.setattr(verify, "accept_pointmass", _forgetful_pointmass)
     counts = _sampled_joint(lm, prompt, drafter, 3, RUNS)
     assert chi_square_pvalue(counts, exact) < 1e-3
+
+
+def test_a_reply_whose_cut_cannot_pay_decodes_plainly_without_planning_each_step(
+        tiny_lm, monkeypatch):
+    """Where no cut of the tree pays at the step costs, nothing later in the reply can
+    change that (only drafted nodes move its correction): one estimate, then plain steps
+    that ask for no final states, with plain decoding's tokens."""
+    tree = build_tree(TREE, 4)
+    drafter = MedusaDrafter(tiny_lm, random_heads(tiny_lm), tree,
+                            chances=[0.05] * (tree.size - 1), overhead=5.0)
+    estimates, asked = [], []
+    value = drafter.value
+    monkeypatch.setattr(drafter, "value", lambda *a, **k: estimates.append(1) or value(*a, **k))
+    forward = tiny_lm.target.forward
+    monkeypatch.setattr(tiny_lm.target, "forward",
+                        lambda *a, **k: asked.append(k.get("states")) or forward(*a, **k))
+    params = SamplingParams(max_new_tokens=20)
+    tokens = run(tiny_lm, PROMPTS[0], params, drafter)[1]
+    steps = asked[2:]  # past the prefill and the first step, which read the heads' state
+    assert len(estimates) == 1 and len(steps) >= 15 and not any(steps)
+    monkeypatch.undo()
+    assert tokens == run(tiny_lm, PROMPTS[0], params)[1]
