@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine import gguf, gguf_blocks, gguf_header, kernels, quant
+from engine import gguf, gguf_blocks, gguf_header, kernels, pages, quant
 from engine.errors import ModelLoadError
 from engine.fingerprint import fingerprint
 from engine.gguf_blocks import BlockEmbedding, BlockLinear
@@ -263,7 +263,7 @@ class _Reader:
         rows, row_bytes = tensor.shape[0], gguf.tensor_bytes(tensor) // tensor.shape[0]
         group = quant.group_rows(rows)
         step = rows if order is not None else max(1, READ_BYTES // row_bytes // group) * group
-        packed = torch.empty((rows + group - 1) // group * group, row_bytes, dtype=torch.uint8)
+        packed = pages.weight_buffer(((rows + group - 1) // group * group, row_bytes))
         for first in range(0, rows, step):
             count = min(step, rows - first)
             raw = torch.from_numpy(self._read(tensor, first * row_bytes, count * row_bytes))

@@ -232,11 +232,14 @@ constexpr std::array<Word, word_count<F>()> words_of() {
   return out;
 }
 
-// Copies `size` (2 or 4) bytes: typed moves, not a call per word.
-inline void move_word(uint8_t* to, const uint8_t* from, int size) {
+// Copies `size` (2 or 4) bytes: typed moves, not a call per word; a word of F's kSpread
+// field is stored with its bits spread (formats.h).
+template <class F>
+inline void move_word(uint8_t* to, const uint8_t* from, int size, int at) {
   if (size == 4) {
     uint32_t v;
     std::memcpy(&v, from, 4);
+    if (at == F::kSpread) v = spread_fifth_bits(v);
     std::memcpy(to, &v, 4);
   } else {
     uint16_t v;
@@ -256,7 +259,7 @@ void repack_group(const uint8_t* const* rows, int count, int kRows, int64_t unit
     for (const Word& word : kWords) {
       uint8_t* to = unit + kRows * word.at;
       for (int c = 0; c < count; ++c)
-        move_word(to + c * word.size, rows[c] + u * F::kBytes + word.at, word.size);
+        move_word<F>(to + c * word.size, rows[c] + u * F::kBytes + word.at, word.size, word.at);
     }
   }
   for (int c = 0; c < count && F::kTail > 0; ++c)

@@ -15,7 +15,9 @@
 // The repack puts each field's words (2 bytes for halves, 4 for the rest) of a group's kRows
 // rows side by side, unit by unit: the bytes a row stores at offset o of a unit lie, for all
 // kRows rows, at kRows * o of the repacked unit (a row's kTail bytes after its units, a
-// float, likewise after the group's units). A repacked group has the rows' own size.
+// float, likewise after the group's units); a format's kSpread word (Q5_0's and Q5_1's
+// fifth bits) is stored with its bits reordered for a cheaper unpacking. A repacked group
+// has the rows' own size.
 #pragma once
 
 #include <array>
@@ -31,9 +33,9 @@ struct Field {
 };
 
 // What most formats share: unsigned codes, one scale per block of 32, no low, nothing
-// stored per row after the units.
+// stored per row after the units, every word repacked as stored (kSpread: none).
 struct Plain {
-  static constexpr int kBias = 0, kTail = 0;
+  static constexpr int kBias = 0, kTail = 0, kSpread = -1;
   static constexpr bool kLow = false, kSigned = false, kSixteens = false;
 };
 
@@ -55,13 +57,28 @@ typename V::I split_nibbles(const uint8_t* p, int g) {
   return g < 4 ? V::and_(w, V::bytes(0x0F)) : V::nibbles_high(w);
 }
 
-// The fifth bits of a 32-bit `qh` (bit i: value i of the block) for word g's 4 values,
-// as 0x10 in each byte: bits i..i+3 spread to bytes by one multiply (no carries).
+// Q5_0's and Q5_1's 32 fifth bits as the repack stores them (the word at kSpread): the
+// file's bit 4g + i (value 4g + i of the block, byte i of word g) moved to bit 8i + g, so
+// word g's four bits are bit g of each byte (as Q5_K stores them). A transpose of 8 x 4
+// bits: for each i, the bits i, 4 + i, .., 28 + i gathered into byte i by three folds.
+inline uint32_t spread_fifth_bits(uint32_t qh) {
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    uint32_t x = (qh >> i) & 0x11111111u;  // bit 4g
+    x = (x | (x >> 3)) & 0x03030303u;  // bits g = 2k, 2k + 1 at 8k, 8k + 1
+    x = (x | (x >> 6)) & 0x000F000Fu;  // g = 0..3 at 0..3, g = 4..7 at 16..19
+    x = (x | (x >> 12)) & 0xFFu;  // g at bit g
+    out |= x << (8 * i);
+  }
+  return out;
+}
+
+// The fifth bits of word g's 4 values from a spread `qh`, as 0x10 in each byte: bit g of
+// each byte moved to bit 4.
 template <class V>
 typename V::I fifth_bits(typename V::I qh, int g) {
-  const int first = 4 * (g & 3) + 16 * (g >> 2);
-  const typename V::I four = V::and_(V::shr(qh, first), V::words(0xF));
-  return V::and_(V::mul(four, V::words(0x02040810)), V::words(0x10101010));
+  const typename V::I bit = g <= 4 ? V::shl(qh, 4 - g) : V::shr(qh, g - 4);
+  return V::and_(bit, V::bytes(0x10));
 }
 
 // Q4_0: d (f16), 16 bytes of 4-bit codes; w = (code - 8) * d.
@@ -93,9 +110,9 @@ struct Q4_1 : Plain {
   };
 };
 
-// Q5_0: d, 32 fifth bits, 16 bytes of low nibbles; w = (code - 16) * d.
+// Q5_0: d, 32 fifth bits (spread by the repack), 16 bytes of low nibbles; w = (code - 16) * d.
 struct Q5_0 : Plain {
-  static constexpr int kType = 6, kElems = 32, kBytes = 22, kBias = 16;
+  static constexpr int kType = 6, kElems = 32, kBytes = 22, kBias = 16, kSpread = 2;
   static constexpr std::array<Field, 3> kFields{{{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}};
   template <class V>
   struct Unit {
@@ -110,9 +127,9 @@ struct Q5_0 : Plain {
   };
 };
 
-// Q5_1: d, m, 32 fifth bits, 16 bytes of low nibbles; w = code * d + m.
+// Q5_1: d, m, 32 fifth bits (spread by the repack), 16 bytes of low nibbles; w = code * d + m.
 struct Q5_1 : Plain {
-  static constexpr int kType = 7, kElems = 32, kBytes = 24;
+  static constexpr int kType = 7, kElems = 32, kBytes = 24, kSpread = 4;
   static constexpr bool kLow = true;
   static constexpr std::array<Field, 4> kFields{{{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}}};
   template <class V>

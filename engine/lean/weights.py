@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import quant
+from engine import pages, quant
 from engine.lean.layer import LayerWeights, Lin
 from engine.lean.spec import LeanSpec
 
@@ -122,7 +122,11 @@ def fuse_low_bit(layers: list[quant.LowBitLinear]) -> quant.LowBitLinear | None:
     fused.out_features = sum(m.out_features for m in layers)
     fused.bias = None if first.bias is None else nn.Parameter(
         torch.cat([m.bias for m in layers]), False)
-    fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
+    parts = [m.packed for m in layers]
+    # blocks stream from memory every step: into memory in huge pages (engine/pages.py)
+    out = pages.weight_buffer((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                              parts[0].dtype) if blocks else None
+    fused.register_buffer("packed", torch.cat(parts, out=out))
     fused.register_buffer("scales", first.scales if blocks else
                           torch.cat([m.scales for m in layers], dim=axis))
     fused.wide, fused.wide_rows = None, 0
