@@ -123,9 +123,11 @@ def fuse_low_bit(layers: list[quant.LowBitLinear]) -> quant.LowBitLinear | None:
     fused.bias = None if first.bias is None else nn.Parameter(
         torch.cat([m.bias for m in layers]), False)
     parts = [m.packed for m in layers]
-    # blocks stream from memory every step: into memory in huge pages (engine/pages.py)
+    # blocks stream from memory every step: into memory in huge pages (engine/pages.py;
+    # host memory, where Quickdraft's block kernels run)
+    host = blocks and parts[0].device.type == "cpu"
     out = pages.weight_buffer((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
-                              parts[0].dtype) if blocks else None
+                              parts[0].dtype) if host else None
     fused.register_buffer("packed", torch.cat(parts, out=out))
     fused.register_buffer("scales", first.scales if blocks else
                           torch.cat([m.scales for m in layers], dim=axis))
