@@ -125,16 +125,23 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
 }
 
 // R activation rows from r0 times a group of kRows rows (`group`: its repacked units, read
-// in order: the hardware prefetcher streams them; asking for the next group's bytes in
-// software was measured slower here, 2-core AMD EPYC: it evicted lines before their use).
+// in order). With 512-bit lanes the hardware prefetcher alone streams them: asking for the
+// next group's bytes in software was measured slower there (AVX-512 VNNI AMD EPYC: the
+// prefetches cost the arithmetic's issue slots, and a K-quant's next group, 64 KB away,
+// left L1 before its use). With 256-bit lanes (AVX2 CPUs, where it was measured faster)
+// the same unit of the next group (`next`) is asked for while unit u is multiplied.
 template <class V, class F, int R>
-void tile(const uint8_t* group, const Quantized& a, int64_t r0, int64_t k,
-          typename V::F acc[R]) {
+void tile(const uint8_t* group, const uint8_t* next, const Quantized& a, int64_t r0,
+          int64_t k, typename V::F acc[R]) {
   constexpr int64_t unit_bytes = V::kRows * F::kBytes;
   constexpr int blocks = F::kElems / kBlock;
   const int64_t units = k / F::kElems;
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t u = 0; u < units; ++u) {
+    if constexpr (V::kRows == 8) {
+      for (int64_t at = 0; at < unit_bytes; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + u * unit_bytes + at), _MM_HINT_T0);
+    }
     const typename F::template Unit<V> unit(group + u * unit_bytes);
     for (int j = 0; j < blocks; ++j)
       multiply_block<V, F, R>(unit, j, a, r0, k, u * blocks + j, acc);
@@ -166,13 +173,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks) {
     alignas(64) float result[V::kRows];
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* group = base + i * group_bytes;
+      const uint8_t* next = i + 1 < groups ? group + group_bytes : group;
       for (int64_t r0 = 0; r0 < m; r0 += kTile) {
         const int64_t rows = std::min<int64_t>(kTile, m - r0);
         switch (rows) {
-          case 1: tile<V, F, 1>(group, a, r0, k, acc); break;
-          case 2: tile<V, F, 2>(group, a, r0, k, acc); break;
-          case 3: tile<V, F, 3>(group, a, r0, k, acc); break;
-          default: tile<V, F, 4>(group, a, r0, k, acc); break;
+          case 1: tile<V, F, 1>(group, next, a, r0, k, acc); break;
+          case 2: tile<V, F, 2>(group, next, a, r0, k, acc); break;
+          case 3: tile<V, F, 3>(group, next, a, r0, k, acc); break;
+          default: tile<V, F, 4>(group, next, a, r0, k, acc); break;
         }
         for (int64_t r = 0; r < rows; ++r) {
           V::store(result, acc[r]);
