@@ -125,11 +125,13 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
 }
 
 // R activation rows from r0 times a group of kRows rows (`group`: its repacked units, read
-// in order). With 512-bit lanes the hardware prefetcher alone streams them: asking for the
-// next group's bytes in software was measured slower there (AVX-512 VNNI AMD EPYC: the
-// prefetches cost the arithmetic's issue slots, and a K-quant's next group, 64 KB away,
-// left L1 before its use). With 256-bit lanes (AVX2 CPUs, where it was measured faster)
-// the same unit of the next group (`next`) is asked for while unit u is multiplied.
+// in order). Where `next` is given (the next group), its unit u is asked for while unit u
+// is multiplied: with 256-bit lanes (AVX2 CPUs, where that was measured faster), and where
+// a step's rows take several passes over each group (the later passes read it from cache
+// while the next one arrives). Otherwise the hardware prefetcher alone streams the weights:
+// with 512-bit lanes and one pass that was measured faster (AVX-512 VNNI AMD EPYC: the
+// prefetches took the arithmetic's issue slots, and a K-quant's next group, 64 KB away,
+// left L1 before its use).
 template <class V, class F, int R>
 void tile(const uint8_t* group, const uint8_t* next, const Quantized& a, int64_t r0,
           int64_t k, typename V::F acc[R]) {
@@ -138,10 +140,8 @@ void tile(const uint8_t* group, const uint8_t* next, const Quantized& a, int64_t
   const int64_t units = k / F::kElems;
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t u = 0; u < units; ++u) {
-    if constexpr (V::kRows == 8) {
-      for (int64_t at = 0; at < unit_bytes; at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + u * unit_bytes + at), _MM_HINT_T0);
-    }
+    for (int64_t at = 0; next != nullptr && at < unit_bytes; at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + u * unit_bytes + at), _MM_HINT_T0);
     const typename F::template Unit<V> unit(group + u * unit_bytes);
     for (int j = 0; j < blocks; ++j)
       multiply_block<V, F, R>(unit, j, a, r0, k, u * blocks + j, acc);
@@ -168,12 +168,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks) {
   c10::BFloat16* b16 = f32 ? nullptr : out.data_ptr<c10::BFloat16>();
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   const int64_t group_bytes = V::kRows * blocks.size(1), groups = n / V::kRows;
+  const bool prefetch = V::kRows == 8 || m > kTile;  // see tile()
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     typename V::F acc[kTile];
     alignas(64) float result[V::kRows];
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* group = base + i * group_bytes;
-      const uint8_t* next = i + 1 < groups ? group + group_bytes : group;
+      const uint8_t* next = !prefetch ? nullptr : i + 1 < groups ? group + group_bytes : group;
       for (int64_t r0 = 0; r0 < m; r0 += kTile) {
         const int64_t rows = std::min<int64_t>(kTile, m - r0);
         switch (rows) {
