@@ -84,6 +84,7 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
   I sum[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sum[r][c] = V::zero();
+  #pragma GCC unroll 8  // g known at compile time: a format's word(j, g) decodes without branches
   for (int g = 0; g < 8; ++g) {
     I w = unit.word(j, g);
     I u = w;  // signed codes: offset by 128 under VNNI, else |w| against sign-flipped rows
