@@ -56,13 +56,22 @@ class Run:
     tokens: int = 0
     heldout: int = 0
     holds_out: Callable[[str], bool] = lambda key: False  # the trainer's split, by seed key
+    answered: int = 0  # answer tokens this run wrote (its rate is what the progress shows)
+    answering_s: float = 0.0  # seconds this run has answered for
 
-    def wrote(self, n: int, seconds: float, tokens: int, keys: tuple[str, ...] = ()) -> None:
+    def wrote(self, n: int, seconds: float, tokens: int, keys: tuple[str, ...] = (),
+              answered: int = 0) -> None:
         self.count += n
         self.spent += seconds
         self.tokens += tokens
+        self.answered += answered
+        self.answering_s += seconds
         self.heldout += sum(self.holds_out(k) for k in keys)
         self.meta_path.write_text(json.dumps({"seconds": round(self.spent, 2)}))
+
+    def per_minute(self) -> float | None:
+        """Answer tokens a minute this run has written, once it has written some."""
+        return self.answered * 60 / self.answering_s if self.answered else None
 
     def enough(self, least: tuple[int, int]) -> bool:
         """Whether the file holds the (train, held-out) conversations the time budget must
@@ -83,8 +92,8 @@ def _answer_in_batches(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         size = min(budget.batch_size, run.target - run.count)
         size = sum(1 for s in todo[:size] if s.sample == todo[0].sample)  # one pass per batch
         batch, todo = todo[:size], todo[size:]
-        seconds, tokens = _write_batch(lm, fh, batch, budget)
-        run.wrote(len(batch), seconds, tokens, tuple(s.key for s in batch))
+        seconds, tokens, answered = _write_batch(lm, fh, batch, budget)
+        run.wrote(len(batch), seconds, tokens, tuple(s.key for s in batch), answered)
         report()
 
 
@@ -144,7 +153,8 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
         _write(fh, conv)
         open_convs -= 1
         now = time.perf_counter()
-        run.wrote(1, now - clock, conversation_tokens(lm, conv.messages), (conv.seed.key,))
+        run.wrote(1, now - clock, conversation_tokens(lm, conv.messages), (conv.seed.key,),
+                  conv.tokens)
         clock = now
         report()
         admit()
@@ -191,9 +201,10 @@ def _write(fh, conv: _SeedInProgress) -> None:
     fh.flush()
 
 
-def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> tuple[float, int]:
+def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> tuple[float, int, int]:
     """Answer every seed of the batch turn by turn, each turn in one batched pass, and append
-    its conversations; returns the seconds it took and the conversations' tokens."""
+    its conversations; returns the seconds it took, the conversations' tokens and their
+    answer tokens."""
     start = time.perf_counter()
     digest = hashlib.sha1(f"{budget.seed}/{batch[0].key}".encode()).hexdigest()
     torch.manual_seed(int(digest[:8], 16))  # the same batch samples the same answers
@@ -205,7 +216,7 @@ def _write_batch(lm, fh, batch: list[Seed], budget: DataBudget) -> tuple[float, 
     for conv in convs:
         _write(fh, conv)
     tokens = sum(conversation_tokens(lm, conv.messages) for conv in convs)
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, tokens, sum(conv.tokens for conv in convs)
 
 
 def _sample(lm, prompts: list[list[int]], batch: list[Seed], budget: DataBudget) -> list[list[int]]:

@@ -190,7 +190,15 @@ def _report(progress: ProgressFn, run: Run, budget: DataBudget, left: float | No
     frac = min(1.0, max(run.count / max(1, run.target), used / max(1e-9, budget.max_seconds)))
     time_left = max(0.0, budget.max_seconds - used)
     eta = time_left if left is None else min(left, time_left)
-    progress(Progress("data", round(frac * 1000), 1000, f"{run.count} conversations", eta))
+    rate = run.per_minute()
+    speed = "" if rate is None else f", {_thousands(rate)} answer tokens/min"
+    progress(Progress("data", round(frac * 1000), 1000, f"{run.count} conversations{speed}",
+                      eta))
+
+
+def _thousands(n: float) -> str:
+    """58.3k for 58,312; 950 for 950.4."""
+    return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:.0f}"
 
 
 def split_heldout(path: Path, fraction: float) -> tuple[list[list[dict]], list[list[dict]]]:

@@ -9,6 +9,7 @@ import time
 from engine.progress import Progress
 
 BAR = 28  # bar width in characters
+WIDTH = 120  # a redrawn line's width: the data stage's line with its rate, elapsed and ETA
 
 
 class ProgressLine:
@@ -27,7 +28,7 @@ class ProgressLine:
         now = time.perf_counter()
         line = render(p, now - self.start)
         if self.tty:
-            self.stream.write("\r" + line.ljust(100)[:100])
+            self.stream.write("\r" + line.ljust(WIDTH)[:WIDTH])
             self.stream.flush()
         elif (p.stage != self.last_stage or now - self.last_print >= self.every_s
               or (p.message != self.last_message and now - self.last_print >= 2.0)):

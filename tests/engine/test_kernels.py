@@ -195,3 +195,27 @@ def test_the_kernels_build_where_a_compiler_and_avx2_are_there():
 def test_the_vnni_dot_product_is_built_in_where_the_cpu_has_one(cpu, flags, monkeypatch):
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: cpu)
     assert kernels.vnni_flags() == flags
+
+
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (5.0, 0), (0.0, 13)])
+def test_decode_attention_is_each_rows_softmax_over_its_own_positions(softcap, window):
+    """The batched rows' attention (engine/kernels/attention.cpp) over float32 caches: each
+    row's query heads against its own first `length` positions (the last `window` of them
+    where set), from one position to the cache's whole capacity."""
+    if not kernels.available():
+        pytest.skip(f"kernels not built here: {kernels.problem}")
+    g = torch.Generator().manual_seed(0)
+    rows, kv, groups, capacity, d = 5, 2, 3, 40, 16
+    q = torch.randn(rows, kv * groups, d, generator=g)
+    keys, values = (torch.randn(rows, kv, capacity, d, generator=g) for _ in range(2))
+    lengths = torch.tensor([1, 7, 8, 17, 40])
+    got = torch.ops.quickdraft.decode_attention(q, keys, values, lengths, 0.25, softcap, window)
+    for r, n in enumerate(lengths.tolist()):
+        first = max(0, n - window) if window else 0
+        k = keys[r, :, first:n].float().repeat_interleave(groups, 0)  # (heads, n, D)
+        v = values[r, :, first:n].float().repeat_interleave(groups, 0)
+        scores = (q[r][:, None] @ k.transpose(1, 2))[:, 0] * 0.25
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        want = (torch.softmax(scores, -1)[:, None] @ v)[:, 0]
+        torch.testing.assert_close(got[r], want, atol=1e-5, rtol=1e-5)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 import threading
 from types import SimpleNamespace
 
 import pytest
 
 from engine.errors import QuickdraftError
+from engine.progress import Progress
 from engine.prompt_files import PromptRecord, read_prompt_file
 from tests.conftest import make_tiny_model
 from trainer import answering
@@ -110,6 +112,43 @@ def test_generation_writes_conversations_with_the_models_answers(lm, tmp_path):
         assert roles[0] == "user" and roles == ["user", "assistant"] * (len(roles) // 2)
     multi = [m for m in convs if len(m) >= 4]  # answered turn by turn
     assert len(multi) == 4 and all(m[1]["content"] != m[3]["content"] for m in multi)
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_the_progress_says_answer_tokens_a_minute(lm, tmp_path, monkeypatch, rows):
+    """The data stage's progress line (the Train tab's and the command line's) gives the
+    rate of the answers' tokens, not of the conversations' (prompts included), on the
+    batched rows and on generate() alike."""
+    monkeypatch.setattr(answering, "supports_rows", lambda lm: rows)
+    out = tmp_path / "conversations.jsonl"
+    budget = DataBudget(max_conversations=12, batch_size=4, max_new_tokens=4)
+    reports = []
+    summary = generate_data(lm, out, None, budget, reports.append)
+    assert "answer tokens" not in reports[0].message  # nothing written yet: no rate
+    message = reports[-1].message
+    number, k = re.search(r"([0-9.]+)(k?) answer tokens/min", message).groups()
+    rate = float(number) * (1000 if k else 1)
+    answered = summary["tokens"]  # the answers' tokens, as the file counts them
+    conversation = sum(conversation_tokens(lm, c) for c in load_conversations(out))
+    assert answered < conversation / 2
+    seconds = json.loads(out.with_suffix(".meta.json").read_text())["seconds"]  # 10 ms steps
+    assert rate == pytest.approx(answered * 60 / seconds, rel=0.25)  # not conversation tokens
+
+
+def test_the_data_stages_line_keeps_its_eta_on_a_terminal():
+    import io
+
+    from app.commands.progress_line import ProgressLine
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    bar = ProgressLine(stream)
+    bar(Progress("data", 500, 1000, "1708 conversations, 58.3k answer tokens/min",
+                 eta_s=3599))
+    assert "58.3k answer tokens/min" in stream.getvalue() and "ETA 59:59" in stream.getvalue()
 
 
 def test_multi_turn_seeds_come_in_blocks_spread_through_each_pass():
