@@ -84,6 +84,7 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
   I sum[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sum[r][c] = V::zero();
+  #pragma GCC unroll 8  // g known at compile time: a format's word(j, g) decodes without branches
   for (int g = 0; g < 8; ++g) {
     I w = unit.word(j, g);
     I u = w;  // signed codes: offset by 128 under VNNI, else |w| against sign-flipped rows
@@ -124,9 +125,14 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
   }
 }
 
-// R activation rows from r0 times a group of kRows rows (`group`: its repacked units).
-// Weights stream from memory once per step: while unit u of this group is multiplied the
-// same unit of the next group (`next`) is asked for, so it is in cache when that one starts.
+// R activation rows from r0 times a group of kRows rows (`group`: its repacked units, read
+// in order). Where `next` is given (the next group), its unit u is asked for while unit u
+// is multiplied: with 256-bit lanes (AVX2 CPUs, where that was measured faster), and where
+// a step's rows take several passes over each group (the later passes read it from cache
+// while the next one arrives). Otherwise the hardware prefetcher alone streams the weights:
+// with 512-bit lanes and one pass that was measured faster (AVX-512 VNNI AMD EPYC: the
+// prefetches took the arithmetic's issue slots, and a K-quant's next group, 64 KB away,
+// left L1 before its use).
 template <class V, class F, int R>
 void tile(const uint8_t* group, const uint8_t* next, const Quantized& a, int64_t r0,
           int64_t k, typename V::F acc[R]) {
@@ -135,7 +141,7 @@ void tile(const uint8_t* group, const uint8_t* next, const Quantized& a, int64_t
   const int64_t units = k / F::kElems;
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t u = 0; u < units; ++u) {
-    for (int64_t at = 0; at < unit_bytes; at += 64)
+    for (int64_t at = 0; next != nullptr && at < unit_bytes; at += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + u * unit_bytes + at), _MM_HINT_T0);
     const typename F::template Unit<V> unit(group + u * unit_bytes);
     for (int j = 0; j < blocks; ++j)
@@ -163,12 +169,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks) {
   c10::BFloat16* b16 = f32 ? nullptr : out.data_ptr<c10::BFloat16>();
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   const int64_t group_bytes = V::kRows * blocks.size(1), groups = n / V::kRows;
+  const bool prefetch = V::kRows == 8 || m > kTile;  // see tile()
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     typename V::F acc[kTile];
     alignas(64) float result[V::kRows];
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* group = base + i * group_bytes;
-      const uint8_t* next = i + 1 < groups ? group + group_bytes : group;
+      const uint8_t* next = !prefetch ? nullptr : i + 1 < groups ? group + group_bytes : group;
       for (int64_t r0 = 0; r0 < m; r0 += kTile) {
         const int64_t rows = std::min<int64_t>(kTile, m - r0);
         switch (rows) {
@@ -249,17 +256,27 @@ inline void move_word(uint8_t* to, const uint8_t* from, int size, int at) {
 }
 
 // One group of `count` (<= kRows) rows, repacked into `group` (zeroed: missing rows stay
-// zero blocks): for each unit, each word of the block for every row side by side.
+// zero blocks): for each unit, each word of the block (rearranged first where the format
+// stores its bits in another order: kArranged) for every row side by side.
 template <class F>
 void repack_group(const uint8_t* const* rows, int count, int kRows, int64_t units,
                   uint8_t* group) {
   constexpr auto kWords = words_of<F>();
+  uint8_t arranged[F::kArranged ? 16 : 1][F::kArranged ? F::kBytes : 1];
   for (int64_t u = 0; u < units; ++u) {
     uint8_t* unit = group + u * kRows * F::kBytes;
+    const uint8_t* block[16];  // each row's block of this unit, in the order stored here
+    for (int c = 0; c < count; ++c) {
+      block[c] = rows[c] + u * F::kBytes;
+      if constexpr (F::kArranged) {
+        F::arrange(block[c], arranged[c]);
+        block[c] = arranged[c];
+      }
+    }
     for (const Word& word : kWords) {
       uint8_t* to = unit + kRows * word.at;
       for (int c = 0; c < count; ++c)
-        move_word<F>(to + c * word.size, rows[c] + u * F::kBytes + word.at, word.size, word.at);
+        move_word<F>(to + c * word.size, block[c] + word.at, word.size, word.at);
     }
   }
   for (int c = 0; c < count && F::kTail > 0; ++c)

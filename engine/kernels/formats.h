@@ -22,6 +22,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace quickdraft {
@@ -37,6 +38,7 @@ struct Field {
 struct Plain {
   static constexpr int kBias = 0, kTail = 0, kSpread = -1;
   static constexpr bool kLow = false, kSigned = false, kSixteens = false;
+  static constexpr bool kArranged = false;  // true: arrange() reorders a block's bits first
 };
 
 // Lane helpers: byte b of each lane as an int32 (unsigned, or sign-extended).
@@ -230,25 +232,54 @@ struct Q5_K : Plain {
 };
 
 // Q6_K: 256 values; per 128, 64 bytes of low nibbles and 32 of 2-bit tops, then 16 int8
-// scales (one per 16 values) and d (f16); w = (code - 32) * sc * d.
+// scales (one per 16 values) and d (f16); w = (code - 32) * sc * d. The repack rearranges
+// the 192 bytes of codes (arrange) so that a block of 32 reads one 6-bit code per byte for
+// its first 16 values: see `arrange`.
 struct Q6_K : Plain {
   static constexpr int kType = 14, kElems = 256, kBytes = 210, kBias = 32;
-  static constexpr bool kSixteens = true;
-  static constexpr std::array<Field, 4> kFields{{{0, 128, 4}, {128, 64, 4}, {192, 16, 4}, {208, 2, 2}}};
+  static constexpr bool kSixteens = true, kArranged = true;
+  static constexpr std::array<Field, 3> kFields{{{0, 192, 4}, {192, 16, 4}, {208, 2, 2}}};
+
+  // A stored block's codes (`in`, gguf's layout: value 128h + 32i + l has its low nibble in
+  // byte 64h + l + 32(i & 1) of ql, low (i < 2) or high, and its top 2 bits at 2i of byte
+  // 32h + l of qh) rewritten in `out` as 24 bytes per block j of 32 values v = 32j + ..:
+  //   bytes 0..15 (words A0..A3): byte n = code(v = n) | top 2 bits of code(16 + n) << 6,
+  //   bytes 16..23 (words B0, B1): byte n = low nibble of code(16 + n) | that of
+  //   code(20 + n) << 4 (B0; B1 the same for 24 + n, 28 + n);
+  // the scales and d stay where they are: out has in's size, and the same bits.
+  static void arrange(const uint8_t* in, uint8_t* out) {
+    uint8_t code[256];
+    for (int v = 0; v < 256; ++v) {
+      const int h = v >> 7, i = (v >> 5) & 3, l = v & 31;
+      const uint8_t ql = in[64 * h + l + 32 * (i & 1)], qh = in[128 + 32 * h + l];
+      code[v] = static_cast<uint8_t>(((i < 2 ? ql : ql >> 4) & 0x0F) | ((qh >> 2 * i) & 3) << 4);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* c = code + 32 * j;
+      uint8_t* o = out + 24 * j;
+      for (int n = 0; n < 16; ++n) o[n] = static_cast<uint8_t>(c[n] | (c[16 + n] >> 4) << 6);
+      for (int n = 0; n < 4; ++n) {
+        o[16 + n] = static_cast<uint8_t>((c[16 + n] & 0x0F) | (c[20 + n] & 0x0F) << 4);
+        o[20 + n] = static_cast<uint8_t>((c[24 + n] & 0x0F) | (c[28 + n] & 0x0F) << 4);
+      }
+    }
+    std::memcpy(out + 192, in + 192, kBytes - 192);
+  }
+
   template <class V>
   struct Unit {
     const uint8_t* p;
     explicit Unit(const uint8_t* unit) : p(unit) {}
     typename V::F scale(int) const { return V::halves(p + V::kRows * 208); }
     typename V::F low(int) const { return V::fzero(); }
-    // block j: half h = j / 4 of the unit; its part i = j % 4 takes the low (i < 2) or
-    // high nibbles of bytes 32 * (i & 1).. of the half's 64, and bits 2i, 2i + 1 of its tops
+    // word g < 4 of block j: its bytes' low 6 bits; g >= 4: a nibble of B0 or B1 and, as
+    // bits 4 and 5, the top 2 bits of the bytes of word g - 4
     typename V::I word(int j, int g) const {
-      const int h = j >> 2, i = j & 3;
-      const auto w = V::load(p + V::kRows * (64 * h + 32 * (i & 1) + 4 * g));
-      const auto low4 = i < 2 ? V::and_(w, V::bytes(0x0F)) : V::nibbles_high(w);
-      const auto qh = V::load(p + V::kRows * (128 + 32 * h + 4 * g));
-      const auto top = i <= 2 ? V::shl(qh, 4 - 2 * i) : V::shr(qh, 2);  // bits 2i.. -> 4..
+      const uint8_t* b = p + V::kRows * 24 * j;
+      if (g < 4) return V::and_(V::load(b + V::kRows * 4 * g), V::bytes(0x3F));
+      const auto nibbles = V::load(b + V::kRows * (16 + 4 * ((g - 4) >> 1)));
+      const auto low4 = g & 1 ? V::nibbles_high(nibbles) : V::and_(nibbles, V::bytes(0x0F));
+      const auto top = V::shr(V::load(b + V::kRows * 4 * (g - 4)), 2);  // bits 6, 7 -> 4, 5
       return V::or_(low4, V::and_(top, V::bytes(0x30)));
     }
     void sixteens(int j, typename V::I& first, typename V::I& second) const {

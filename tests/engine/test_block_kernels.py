@@ -86,6 +86,45 @@ def test_a_row_gives_the_same_bits_in_a_step_of_any_size_and_group_width(kind):
                        layer.low_bit(x))
 
 
+def q6_k_rows(codes: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (one per row) of 6-bit `codes` (rows, 256), in gguf's layout (per 128
+    values: 64 bytes of low nibbles, 32 of top 2-bit pairs), sub-scales 1 and d 1."""
+    ql = np.zeros((len(codes), 128), np.uint8)
+    qh = np.zeros((len(codes), 64), np.uint8)
+    for h in range(2):
+        c = codes[:, 128 * h:128 * h + 128].reshape(-1, 4, 32)  # part i: values 32i + l
+        ql[:, 64 * h:64 * h + 32] = (c[:, 0] & 15) | (c[:, 2] & 15) << 4
+        ql[:, 64 * h + 32:64 * h + 64] = (c[:, 1] & 15) | (c[:, 3] & 15) << 4
+        qh[:, 32 * h:32 * h + 32] = sum((c[:, i] >> 4) << 2 * i for i in range(4))
+    tail = np.tile(np.array([1] * 16 + list(np.float16(1).tobytes()), np.uint8), (len(codes), 1))
+    return np.concatenate([ql, qh, tail], axis=1)
+
+
+def _stored_at(c: int, o: int) -> int:
+    """Where row c's byte o of a Q6_K block lies in a repacked unit of 8 rows: the rows'
+    words at o (4 bytes; d's, 2) side by side."""
+    return 8 * (o - o % 4) + 4 * c + o % 4 if o < 208 else 8 * 208 + 2 * c + o - 208
+
+
+@built
+def test_q6_k_codes_are_stored_six_bits_to_a_byte_for_the_kernel():
+    """The repack stores each Q6_K block of 32 values as 24 bytes a row: bytes 0..15 hold
+    codes 0..15 whole, with the top 2 bits of codes 16..31 above them; bytes 16..23 the low
+    nibbles of codes 16..31 (the kernel then unpacks half the words with one AND)."""
+    codes = np.random.default_rng(5).integers(0, 64, (8, 256), dtype=np.uint8)
+    rows = q6_k_rows(codes)
+    assert torch.equal(gguf_values("Q6_K", rows, 256), torch.from_numpy(codes - 32.0))
+    unit = torch.ops.quickdraft.block_repack(torch.from_numpy(rows), 14, 8).numpy().reshape(-1)
+    stored = np.array([[unit[_stored_at(c, o)] for o in range(210)] for c in range(8)])
+    for j in range(8):
+        c = codes[:, 32 * j:32 * j + 32]
+        block = stored[:, 24 * j:24 * j + 24]
+        assert np.array_equal(block[:, :16], c[:, :16] | (c[:, 16:] >> 4) << 6)
+        assert np.array_equal(block[:, 16:20], (c[:, 16:20] & 15) | (c[:, 20:24] & 15) << 4)
+        assert np.array_equal(block[:, 20:24], (c[:, 24:28] & 15) | (c[:, 28:32] & 15) << 4)
+    assert np.array_equal(stored[:, 192:], rows[:, 192:])  # sub-scales and d as stored
+
+
 NARROW = '''
 import sys, torch
 from engine import gguf_blocks, kernels
