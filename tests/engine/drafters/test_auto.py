@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config import SamplingParams
-from engine.drafters.auto import COPY, auto, fastest
+from engine.drafters.auto import COPY, JOIN_MARGIN, auto, fastest, joining
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_LABELS, load_drafter
 from engine.errors import AcceleratorError
@@ -60,6 +60,16 @@ def test_the_lead_is_the_best_measured_speedup_or_off():
     assert fastest({MEDUSA: d(1.1), KANGAROO: d(1.25)}) == KANGAROO
     assert fastest({MEDUSA: d(0.9)}) == "off"  # nothing beats plain decoding
     assert fastest({}) == "off"
+
+
+def test_a_trained_source_joins_only_where_it_pays_by_the_margin():
+    """Its work runs on every Auto step, its drafts win only some: a trained source
+    estimated barely faster than plain decoding would slow Auto down."""
+    d = lambda s, pays=True: SimpleNamespace(speedup=s, pays=pays)  # noqa: E731
+    found = joining({"lookup": d(None), "datastore": d(None), MEDUSA: d(1.04),
+                     KANGAROO: d(JOIN_MARGIN + 0.2), "grammar": d(None, pays=False)})
+    assert set(found) == {"lookup", "datastore", KANGAROO}
+    assert set(joining({MEDUSA: d(JOIN_MARGIN)})) == {MEDUSA}
 
 
 @pytest.mark.parametrize("best", [KANGAROO, MEDUSA, "off"])
