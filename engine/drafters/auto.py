@@ -27,9 +27,9 @@ COPY = "copy"  # the kind of a step that copies a 3-gram match's continuation al
 # A trained source joins Auto only when estimated at least this much faster than plain
 # decoding alone: its work (the heads, the adapter's layers) runs on every Auto step, while
 # its drafts win only the steps the model-free sources do not. Measured on int8w (2-core
-# AMD EPYC Zen 4, 7 prompts, 2026-12-07): Medusa estimated just above 1x at load made Auto
-# 13% slower than the datastore alone (132.1 against 151.4 tok/s); without it Auto ran
-# level with the datastore (151.0, 151.5).
+# AMD EPYC Zen 4, 7 prompts, 2026-12-07): Medusa estimated above 1x at load (alone it ran
+# 1.01-1.04x Off that day) made Auto 13% slower than the datastore alone (132.1 against
+# 151.4 tok/s); without it Auto ran level with the datastore (151.0, 151.5).
 JOIN_MARGIN = 1.1
 
 

@@ -127,7 +127,8 @@ inline void multiply_block(const typename F::template Unit<V>& unit, int j, cons
 
 // R activation rows from r0 times a group of kRows rows (`group`: its repacked units, read
 // in order). Where `next` is given (the next group), its unit u is asked for while unit u
-// is multiplied: with 256-bit lanes (AVX2 CPUs, where that was measured faster), and where
+// is multiplied: with 256-bit lanes (8-row groups: AVX2 CPUs, where that was measured
+// faster, and layers too small to fill 16-row groups), and where
 // a step's rows take several passes over each group (the later passes read it from cache
 // while the next one arrives). Otherwise the hardware prefetcher alone streams the weights:
 // with 512-bit lanes and one pass that was measured faster (AVX-512 VNNI AMD EPYC: the
