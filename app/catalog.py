@@ -13,18 +13,20 @@ from pathlib import Path
 import torch
 
 from app.model_folders import ModelFolders, find_models
-from engine import devices, gguf, gguf_header, gguf_model, hub, memory_fit, quant, quant_auto
+from engine import devices, hub
 from engine.config import ModelSpec
+from engine.decode.loaded import LoadedModel
 from engine.errors import ModelLoadError, QuickdraftError
-from engine.loading import LoadedModel, bundled_folder, missing_source
+from engine.model.loading import bundled_folder, missing_source
 from engine.progress import Progress, ProgressFn
+from engine.weights import gguf, gguf_header, gguf_model, memory_fit, quant, quant_auto
 
 log = logging.getLogger(__name__)
 
 # Bytes per parameter of each resolved quantization, where only the parameter count is known
-# (a GGUF file; engine/memory_fit.py sizes a folder by its tensors). NF4 packs two weights per
-# byte plus (double-quantized) block scales; 8-bit keeps one fp32 scale per row. int4 / int8w:
-# codes, scales and the 8-bit LM head, whose codes also serve a tied embedding table (the
+# (a GGUF file; engine/weights/memory_fit.py sizes a folder by its tensors). NF4 packs two
+# weights per byte plus (double-quantized) block scales; 8-bit keeps one fp32 scale per row.
+# int4 / int8w: codes, scales and the 8-bit LM head, whose codes also serve a tied embedding table (the
 # bundled model's tensors measured 0.71 and 1.00). With --wide-copies they also keep bf16
 # copies of the weights for steps of many tokens: COPY_BYTES more per parameter.
 BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.05, "nf4": 0.55,

@@ -95,7 +95,7 @@ def _message(m, i: int) -> dict:
     return {**m, "content": content}
 
 
-# The figures of a stored reply the page reads (engine.stats.GenerationStats.to_json), by
+# The figures of a stored reply the page reads (engine.decode.stats.GenerationStats.to_json), by
 # type; keys it does not know (a newer version's) are left alone.
 NUMBERS = ("tokens", "steps", "tokens_per_s", "ttft_s", "mean_accepted", "prompt_tokens",
            "prompt_dropped", "elapsed_s", "datastore_drafted", "datastore_accepted",

@@ -17,7 +17,9 @@ from app.speed_record import CpuWatch, SpeedRecord
 from app.speed_words import Taken, measured_lines, ready_line, slower, speed_words, what_auto_does
 from app.store import Store
 from app.store_writer import StoreWriter
-from engine.accelerators import (
+from engine.decode.drafter import Drafter
+from engine.decode.loaded import LoadedModel
+from engine.drafters.accelerators import (
     INFO,
     METRICS,
     checkpoint_dir,
@@ -26,7 +28,6 @@ from engine.accelerators import (
     measured_speedup,
     shipped_root,
 )
-from engine.drafters.base import Drafter
 from engine.drafters.datastore_source import open_datastore, store_file
 from engine.drafters.registry import (
     ACCEL_CHOICES,
@@ -39,7 +40,6 @@ from engine.drafters.registry import (
     over_store,
 )
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.loading import LoadedModel
 
 
 def accel_label(method: str) -> str:

@@ -16,8 +16,9 @@ from app import catalog
 from app.jobs import Job
 from app.store import Store
 from engine.config import ModelSpec
+from engine.decode.loaded import LoadedModel
 from engine.errors import QuickdraftError
-from engine.loading import LoadedModel, load_model, start_compiling
+from engine.model.loading import load_model, start_compiling
 from engine.progress import Progress, ProgressFn, ignore
 
 
@@ -174,5 +175,5 @@ STEP_WORDS = {
 
 
 def step_line(lm: LoadedModel) -> str:
-    """How decode steps run for `lm` now, in words (engine/target.py's state)."""
+    """How decode steps run for `lm` now, in words (engine/decode/target.py's state)."""
     return STEP_WORDS.get(lm.target.name, lm.target.name)

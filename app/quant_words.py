@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import html
 
-from engine import kernels
-from engine.quant_auto import PPL_TOLERANCE, RIGHT_SLACK
+from engine.weights import kernels
+from engine.weights.quant_auto import PPL_TOLERANCE, RIGHT_SLACK
 
 NAMES = {"fp32": "32-bit floats (fp32)", "bf16": "16-bit floats (bf16)",
          "int8w": "8-bit weights (int8w)", "int4": "4-bit weights (int4)",

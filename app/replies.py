@@ -17,12 +17,12 @@ from app.host import ModelHost
 from app.reply_core import Ask, ReplyCore, ReplyStep
 from app.speed_record import CpuWatch, measure_of
 from app.store import Store, StoreError
-from engine import neartie
-from engine.chat_template import conversation, fit_to_context
 from engine.config import ChatMessage, ChatPrompt, SamplingParams
+from engine.decode import neartie
+from engine.decode.chat_template import conversation, fit_to_context
+from engine.decode.neartie import Divergence
+from engine.decode.stats import GenerationStats
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.neartie import Divergence
-from engine.stats import GenerationStats
 
 COMPARE_PROMPT = "Explain in a few sentences how a rainbow forms."  # Compare with no chat yet
 

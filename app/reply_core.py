@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from app.drafting import Accelerators
 from app.host import ModelHost
 from app.speed_record import CpuWatch, measure_of
-from engine.chat_template import encode
 from engine.config import ChatPrompt, SamplingParams
-from engine.drafters.base import Drafter
-from engine.generate import StepEvent, generate, run
-from engine.grammar import Grammar
-from engine.stats import GenerationStats
+from engine.decode.chat_template import encode
+from engine.decode.drafter import Drafter
+from engine.decode.generate import StepEvent, generate, run
+from engine.decode.grammar import Grammar
+from engine.decode.stats import GenerationStats
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Ask:
     # with a notice (the page and the API)
     strict: bool = False
     learn: bool = False  # a finished reply of the model's own goes to its datastore
-    grammar: Grammar | None = None  # what the reply must match (engine/grammar.py)
+    grammar: Grammar | None = None  # what the reply must match (engine/decode/grammar.py)
     ids: tuple[int, ...] | None = None  # the prompt already encoded (the API's), or None
 
 

@@ -11,7 +11,7 @@ from app.settings_saves import PageSettings
 from app.store import Store
 from app.training import Training
 from engine.config import ModelSpec
-from engine.loading import LoadedModel
+from engine.decode.loaded import LoadedModel
 from engine.progress import ProgressFn
 
 

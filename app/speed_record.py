@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from engine.stats import GenerationStats
+from engine.decode.stats import GenerationStats
 
 KEEP = 8  # latest measures kept per method
 # Other programs used more than this share of the CPU while a figure was taken: it is

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from app.speed_record import BUSY_SHARE, Measure, SpeedRecord
-from engine.drafters.base import Drafter
+from engine.decode.drafter import Drafter
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The datastore's disk writes, on a background thread: a reply's final update reaches the
 page (or the API's client, or the terminal) first, and the next reply never waits on the
 disk. Writes run one at a time in the order their documents were learned, which the
-store's log needs (engine.datastore_file.persist)."""
+store's log needs (engine.datastore.disk.persist)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from engine import datastore_file
-from engine.datastore_file import Pending
+from engine.datastore import disk
+from engine.datastore.disk import Pending
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class StoreWriter:
                     return
                 path, pending = self._jobs.popleft()
             try:
-                datastore_file.persist(path, pending)  # looked up here: tests slow the disk
+                disk.persist(path, pending)  # looked up here: tests slow the disk
             except Exception:  # noqa: BLE001 - e.g. a full disk; the thread must live on, or
                 # flush() would wait forever. The reply stays in memory; it is in the chats too.
                 log.exception("the datastore could not be written to %s", path)

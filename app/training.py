@@ -10,7 +10,7 @@ from app.drafting import accel_label
 from app.host import ModelHost, model_name
 from app.jobs import Job
 from app.store import Store
-from engine.accelerators import describe, is_shipped
+from engine.drafters.accelerators import describe, is_shipped
 from engine.drafters.registry import TRAINED
 from engine.errors import QuickdraftError
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from engine.errors import QuickdraftError
 
-# int4 / int8w: weight-only low-bit on Quickdraft's or PyTorch's kernels (engine/quant.py);
-# gguf: a GGUF file's own blocks, as stored (engine/gguf_model.py); nf4 / int8: bitsandbytes;
+# int4 / int8w: weight-only low-bit on Quickdraft's or PyTorch's kernels
+# (engine/weights/quant.py); gguf: a GGUF file's own blocks, as stored
+# (engine/weights/gguf_model.py); nf4 / int8: bitsandbytes;
 # fp16: what GPUs without native bf16 compute in.
 QUANT_CHOICES = ("auto", "gguf", "int4", "int8w", "nf4", "int8", "bf16", "fp16", "fp32")
 # auto: CUDA when present, else Apple's GPU (mps), else the CPU (engine/devices.py)
@@ -31,7 +32,7 @@ class ModelSpec:
     device: str = "auto"  # one of DEVICE_CHOICES; "auto" = CUDA, else mps, else the CPU
     trust_remote_code: bool = False  # run code shipped with a hub model (off: secure default)
     revision: str | None = None  # hub branch, tag or commit; None = the default branch
-    step: str = "auto"  # one of STEP_CHOICES: how decode steps run (engine/target.py)
+    step: str = "auto"  # one of STEP_CHOICES: how decode steps run (engine/decode/target.py)
     # int4/int8w on a CPU: also keep bf16 copies of the weights for steps of many tokens,
     # where this CPU runs them faster (about 2.6 bytes per parameter in all for int4)
     wide_copies: bool = False
@@ -69,7 +70,7 @@ class SamplingParams:
     max_new_tokens: int = 256  # hard cap on generated tokens
     stop: tuple[str, ...] = ()  # generation ends before any of these strings is emitted
     seed: int | None = None  # fixes the sampling RNG; None = fresh randomness
-    acceptance: str = "auto"  # drafters only: see ACCEPTANCE_CHOICES and engine.verify
+    acceptance: str = "auto"  # drafters only: see ACCEPTANCE_CHOICES and engine.decode.verify
     typical_eps: float = 0.09  # typical acceptance: hard probability floor (Medusa paper)
     typical_delta: float = 0.3  # typical acceptance: entropy-scaled floor (Medusa paper)
     # OpenAI's penalties, over the reply's own tokens: a token's logit loses presence_penalty

@@ -10,6 +10,8 @@ from pathlib import Path
 import platformdirs
 
 APP_NAME = "quickdraft"
+# What ships with the project: the bundled model, prompts, questions and accelerators.
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def data_dir() -> Path:

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
 
 def summarize(out: Path, quants: list[str], command: str) -> str:
     """One Markdown page: each quantization's overall and per-category tables."""
-    from engine.benchmark.report import category_table, notes, overall_table
+    from bench.report import category_table, notes, overall_table
 
     lines = ["# Quickdraft speed report: quantizations", "", f"Command: `{command}`", ""]
     for quant in quants:

@@ -14,11 +14,12 @@ import argparse
 import time
 
 from engine.config import ModelSpec
-from engine.datastore_memory import Datastore
+from engine.datastore.memory import Datastore
 from engine.drafters.datastore_source import shipped_path
-from engine.loading import load_model
+from engine.model.loading import load_model
 from engine.paths import cache_dir
-from trainer.selfdistill import DataBudget, data_path, generate_data, load_conversations
+from trainer.seeds import DataBudget
+from trainer.selfdistill import data_path, generate_data, load_conversations
 
 
 def replies(lm, convs: list[list[dict]]) -> list[list[int]]:

@@ -7,7 +7,7 @@ On a CUDA machine (under 8 minutes), one row each:
 - the launcher's NVIDIA detection and the lock it installs, torch's build, and the device,
   dtype and kernels Quickdraft picks there, with why;
 - the bundled model and a 1B-class model loaded in bf16, fp16, int4 and nf4: the memory the
-  weights take against engine/memory_fit's estimate, the peak while loading, what each
+  weights take against engine/weights/memory_fit's estimate, the peak while loading, what each
   choice became on this card (int4 is NF4 before compute capability 8.0), one reply;
 - greedy exactness on CUDA in fp32: the family matrix and the lean step against
   transformers, its CUDA-graph step against the eager one (tests that ran on the CPU in CI);
@@ -16,7 +16,7 @@ On a CUDA machine (under 8 minutes), one row each:
 - `bench` on the bundled model with CUDA graphs on and off: every drafter's tokens/s and
   tokens per step against Off and against generate(), and whether its greedy replies equal
   generate()'s, a difference passing only where it is a near-tie of the dtype's rounding
-  (engine/neartie.py: cuBLAS and attention round differently for steps of different sizes);
+  (engine/decode/neartie.py: cuBLAS and attention round differently for steps of different sizes);
 - a 20-second Medusa training run.
 The 1B-class model is Llama-3.2-1B's shapes with random weights (written once into DIR; no
 download) unless --big names a real model folder. Exits non-zero when any row fails.
@@ -93,9 +93,9 @@ class Runner:
 
 def device_row(cuda: bool) -> tuple[bool, str]:
     """The launcher's detection and lock, torch's build, the device picked and why."""
-    import launcher
     import torch
 
+    import launcher
     from engine import devices
 
     gpu = launcher.nvidia_gpu()
@@ -114,7 +114,7 @@ def model_folder(out: Path, shapes: dict, name: str) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.loading import bundled_folder
+    from engine.model.loading import bundled_folder
 
     folder = out / name
     if (folder / "model.safetensors").is_file():
@@ -137,11 +137,11 @@ def load_row(source: str, folder: Path, quant: str, device: str) -> tuple[bool, 
     import torch
 
     from app.catalog import measured_size
-    from engine import memory_fit
-    from engine.chat_template import conversation, encode
     from engine.config import ModelSpec, SamplingParams
-    from engine.generate import run
-    from engine.loading import load_model
+    from engine.decode.chat_template import conversation, encode
+    from engine.decode.generate import run
+    from engine.model.loading import load_model
+    from engine.weights import memory_fit
 
     cuda = device == "cuda"
     if cuda:
@@ -192,7 +192,7 @@ def bench_rows(runner: Runner, label: str, argv: list[str], out: Path) -> None:
 
 
 def run_checks(runner: Runner, cuda: bool, out: Path, big: Path | None) -> None:
-    from engine.loading import bundled_folder
+    from engine.model.loading import bundled_folder
 
     py = sys.executable
     runner.timed("device and install", device_row, cuda)

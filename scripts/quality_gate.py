@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from engine.benchmark.llamacpp import gguf_file
+from bench.llamacpp import gguf_file
 from engine.config import ModelSpec
-from engine.loading import load_model
-from engine.quant import LOW_BIT, quantize_model
-from engine.quant_auto import heldout_ids
+from engine.model.loading import load_model
+from engine.weights.quant import LOW_BIT, quantize_model
+from engine.weights.quant_auto import heldout_ids
 
 
 def score(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from engine.config import ModelSpec
-from engine.loading import load_model
+from engine.model.loading import load_model
 
 
 def scaled_model(scale: float, folder: Path) -> int:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     # The suite's GGUF writer (llama.cpp's tensor names and row order, quantized blocks).
-    from engine.benchmark.gguf_writer import tokenizer_fields, write_gguf
+    from bench.gguf_writer import tokenizer_fields, write_gguf
 
     if args.like:
         model = shaped_model(args.like)

@@ -4,7 +4,7 @@ forced tokens drafted, without them, and unconstrained.
 
     python -m scripts.structured_bench [--quant auto] [--rounds 2] [--out DIR]
 
-Greedy replies, methods interleaved prompt by prompt (engine/interleave.py): "off" decodes
+Greedy replies, methods interleaved prompt by prompt (engine/decode/interleave.py): "off" decodes
 plainly under the schema's mask, "grammar" drafts the forced tokens, "auto" is Auto with
 every source (the grammar's included), "auto-no-grammar" Auto without it, and "free" the
 same prompts with no schema (plain decoding). Writes DIR/report.json and prints a table.
@@ -20,17 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-from engine import grammar as grammars
-from engine.chat_template import conversation, encode
 from engine.config import ModelSpec, SamplingParams
+from engine.decode import grammar as grammars
+from engine.decode.chat_template import conversation, encode
+from engine.decode.drafter import Drafter
+from engine.decode.generate import run
+from engine.decode.interleave import interleaved
+from engine.decode.timing import step_cost
 from engine.drafters.auto import auto
-from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter, load_source, sources
 from engine.errors import AcceleratorError
-from engine.generate import run
-from engine.interleave import interleaved
-from engine.loading import load_model
-from engine.timing import step_cost
+from engine.model.loading import load_model
 
 SCHEMAS = Path(__file__).with_name("structured_schemas.json")
 METHODS = ("off", "grammar", "auto", "auto-no-grammar", "free")

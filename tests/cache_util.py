@@ -1,4 +1,4 @@
-"""Reading a decode cache in tests, whichever target made it (engine/target.py)."""
+"""Reading a decode cache in tests, whichever target made it (engine/decode/target.py)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 from engine.config import ModelSpec  # noqa: E402
-from engine.loading import load_model, wrap_model  # noqa: E402
+from engine.model.loading import load_model, wrap_model  # noqa: E402
 
 TINY_CONFIGS = {
     # Llama-style, multi-head attention, tied embeddings
@@ -66,7 +66,7 @@ def bundled_tokenizer():
     """The bundled model's tokenizer (ChatML template, 49k vocabulary)."""
     from transformers import AutoTokenizer
 
-    from engine.loading import bundled_folder
+    from engine.model.loading import bundled_folder
 
     return AutoTokenizer.from_pretrained(bundled_folder())
 
@@ -128,9 +128,9 @@ FORCED_TREE = [(0,), (1,), (0, 0), (1, 0)]
 def drafting(lm, drafter):
     """`drafter`, or (when calibration switched it off, so it would decode plainly) its trained
     weights with a forced tree / schedule: exactness checks then hold while drafting."""
+    from engine.decode.tree import build_tree
     from engine.drafters.kangaroo import KangarooDrafter
     from engine.drafters.medusa import MedusaDrafter
-    from engine.tree import build_tree
 
     if isinstance(drafter, KangarooDrafter) and drafter.off:
         return drafter.with_schedule(0.0, 3)
@@ -142,7 +142,7 @@ def drafting(lm, drafter):
 
 def assert_exact_while_drafting(lm, prompt: list[int], params, drafter) -> None:
     """Greedy with `drafter` gives plain decoding's tokens, and it did draft."""
-    from engine.generate import run
+    from engine.decode.generate import run
 
     _t, ids, stats = run(lm, prompt, params, drafting(lm, drafter))
     assert ids == run(lm, prompt, params)[1]

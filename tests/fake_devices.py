@@ -1,6 +1,6 @@
 """Fake accelerators for tests on a CPU: torch.cuda's and torch.mps's queries answer as a
 given card would (compute capability, name, free and total memory, native bf16), so the
-choices made from them (engine/devices.py, engine/memory_fit.py) are checked without one."""
+choices made from them (engine/devices.py, engine/weights/memory_fit.py) are checked without one."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
 
 def whole(target_probs, n: int) -> torch.Tensor:
     """The (n, V) probabilities an acceptance rule was given, as one tensor: a CPU step
-    hands its rules rows made as they are read (engine.verify.RowProbs)."""
+    hands its rules rows made as they are read (engine.decode.verify.RowProbs)."""
     if isinstance(target_probs, torch.Tensor):
         return target_probs
     return torch.stack([target_probs[i] for i in range(n)])

@@ -1,5 +1,6 @@
-"""The code's shape, checked on its source: no import cycle among engine/, trainer/ and app/
-(imports inside functions count too), app/ reaches drafters only through the registry
+"""The code's shape, checked on its source: the folders import one another as
+docs/architecture.md's picture draws it, no import cycle among engine/, trainer/, bench/ and
+app/ (imports inside functions count too), app/ reaches drafters only through the registry
 and the Drafter interface, never by a drafter class's name, no script patches `sys.path`
 (each runs as `python -m scripts.NAME`), and the README stays an overview (details in docs/)."""
 
@@ -11,10 +12,11 @@ import pkgutil
 from pathlib import Path
 
 import engine.drafters
-from engine.drafters.base import Drafter
+from engine.decode.drafter import Drafter
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "trainer", "app")
+PACKAGES = ("engine", "trainer", "bench", "app")
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 README_MAX_LINES = 250
 
 
@@ -28,22 +30,24 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node of `tree` outside `if TYPE_CHECKING:` blocks (imports there never run)."""
-    skip = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+def _runtime_nodes(tree: ast.AST, typing: bool = False):
+    """Every node of `tree` outside `if TYPE_CHECKING:` blocks (imports there never run),
+    or with `typing`, every node."""
+    skip = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and not typing
             and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
             for stmt in block.body for n in ast.walk(stmt)}
     return [n for n in ast.walk(tree) if id(n) not in skip]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports anywhere in its source."""
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere in its source (with `typing`,
+    the imports only type checkers read too)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text()), typing):
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -85,11 +89,70 @@ def test_the_finder_sees_a_cycle_through_a_lazy_import():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
     graph = import_graph()
-    assert "engine.accelerators" in graph["engine.drafters.registry"]  # imported in a function
+    # imported in a function:
+    assert "engine.drafters.accelerators" in graph["engine.drafters.registry"]
 
 
 def test_engine_trainer_and_app_have_no_import_cycle():
     assert find_cycle(import_graph()) == []
+
+
+def test_no_two_modules_import_each_other_even_for_type_checkers():
+    assert find_cycle(import_graph(typing=True)) == []
+
+
+def folder(module: str) -> str:
+    """The folder a module lives in, as the picture names it: `engine` is the engine's own
+    modules at its top (the foundation), `engine/decode` one of its folders, `app` the
+    whole app (its subfolders are parts of one layer)."""
+    parts = module.split(".")
+    if parts[0] == "engine" and len(parts) > 1 and (ROOT / "engine" / parts[1]).is_dir():
+        return f"engine/{parts[1]}"
+    return parts[0]
+
+
+def folder_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) folders over `graph`'s edges between different folders."""
+    return {(folder(a), folder(b)) for a, targets in graph.items() for b in targets
+            if folder(a) != folder(b)}
+
+
+def drawn_edges(text: str) -> set[tuple[str, str]]:
+    """The edges of the picture in the first fenced block under "## Layers": one line per
+    folder, `FOLDER/ -> FOLDER/, FOLDER/, ...` (`-` for none)."""
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    edges = set()
+    for line in block.splitlines():
+        if "->" in line:
+            left, right = (side.strip() for side in line.split("->", 1))
+            edges |= {(left.rstrip("/"), target.strip().rstrip("/"))
+                      for target in right.split(",") if target.strip() not in ("", "-")}
+    return edges
+
+
+def test_the_folder_finder_and_the_picture_reader():
+    assert folder("engine.decode.generate") == "engine/decode"
+    assert folder("engine.weights.kernels") == "engine/weights"
+    assert folder("engine.drafters") == "engine/drafters"
+    assert folder("engine.errors") == "engine"
+    assert folder("app.ui.layout") == "app"
+    graph = {"app.ui.layout": {"engine.decode.tree", "app.service"}, "engine.decode.tree": set()}
+    assert folder_edges(graph) == {("app", "engine/decode")}
+    text = "## Layers\n\n```\napp/ -> engine/decode/, engine/\nengine/ -> -\n```\n"
+    assert drawn_edges(text) == {("app", "engine/decode"), ("app", "engine")}
+
+
+def test_the_architecture_picture_is_the_real_imports():
+    """docs/architecture.md draws which folder imports which: every import the code has
+    between folders is drawn, and every line drawn is an import the code has."""
+    real = folder_edges(import_graph(typing=True))
+    drawn = drawn_edges(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert real - drawn == set(), f"imports the picture lacks: {sorted(real - drawn)}"
+    assert drawn - real == set(), f"drawn but never imported: {sorted(drawn - real)}"
+    layers = {a: set() for a, _ in drawn} | {b: set() for _, b in drawn}
+    for a, b in drawn:
+        layers[a].add(b)
+    assert find_cycle(layers) == []
 
 
 def drafter_classes() -> set[str]:
@@ -140,7 +203,7 @@ def test_the_readme_stays_an_overview():
 
 
 def generate_callers(sources: dict[str, str]) -> set[str]:
-    """The modules (name -> source) that call the decode loop: engine.generate's
+    """The modules (name -> source) that call the decode loop: engine.decode.generate's
     `generate` or `run`, imported by name or reached through the module."""
     loop = {"generate", "run"}
     found = set()
@@ -148,12 +211,13 @@ def generate_callers(sources: dict[str, str]) -> set[str]:
         tree = ast.parse(source)
         names, modules = set(), set()  # local names of the loop's functions and of its module
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "engine.generate":
+            if isinstance(node, ast.ImportFrom) and node.module == "engine.decode.generate":
                 names |= {a.asname or a.name for a in node.names if a.name in loop}
-            elif isinstance(node, ast.ImportFrom) and node.module == "engine":
+            elif isinstance(node, ast.ImportFrom) and node.module == "engine.decode":
                 modules |= {a.asname or a.name for a in node.names if a.name == "generate"}
             elif isinstance(node, ast.Import):
-                modules |= {a.asname or a.name for a in node.names if a.name == "engine.generate"}
+                modules |= {a.asname or a.name for a in node.names
+                            if a.name == "engine.decode.generate"}
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
@@ -167,11 +231,12 @@ def generate_callers(sources: dict[str, str]) -> set[str]:
 
 def test_the_caller_finder_sees_each_way_of_reaching_the_loop():
     sources = {
-        "a": "from engine.generate import generate\ngenerate(lm, ids, p)",
-        "b": "from engine.generate import run as r\ndef f():\n    return r(lm, ids, p)",
-        "c": "import engine.generate\nengine.generate.generate(lm, ids, p)",
-        "d": "from engine import generate as g\ng.run(lm, ids, p)",
-        "e": "from engine.generate import StepEvent\nself.model.generate(ids)",  # not the loop
+        "a": "from engine.decode.generate import generate\ngenerate(lm, ids, p)",
+        "b": "from engine.decode.generate import run as r\ndef f():\n    return r(lm, ids, p)",
+        "c": "import engine.decode.generate\nengine.decode.generate.generate(lm, ids, p)",
+        "d": "from engine.decode import generate as g\ng.run(lm, ids, p)",
+        # not the loop:
+        "e": "from engine.decode.generate import StepEvent\nself.model.generate(ids)",
     }
     assert generate_callers(sources) == {"a", "b", "c", "d"}
 
@@ -195,19 +260,20 @@ def reached(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_reach_finder_follows_imports_through_others():
-    graph = {"engine.loading": {"engine.quant_auto"}, "engine.quant_auto": {"engine.drafters.x"}}
-    assert "engine.drafters.x" in reached(graph, "engine.loading")
+    graph = {"engine.model.loading": {"engine.weights.quant_auto"},
+             "engine.weights.quant_auto": {"engine.drafters.x"}}
+    assert "engine.drafters.x" in reached(graph, "engine.model.loading")
     assert reached({"a": {"b"}, "c": {"a"}}, "a") == {"b"}
 
 
 def test_loading_depends_on_no_drafter():
-    """Model loading times steps with engine.timing, never through a drafter."""
-    drafters = {m for m in reached(import_graph(), "engine.loading")
+    """Model loading times steps with engine.decode.timing, never through a drafter."""
+    drafters = {m for m in reached(import_graph(), "engine.model.loading")
                 if m.startswith("engine.drafters")}
-    assert not drafters, f"engine.loading reaches {sorted(drafters)}"
+    assert not drafters, f"engine.model.loading reaches {sorted(drafters)}"
 
 
-# What times a decode step's cost: defined once, in engine/timing.py (a drafter's own round,
+# What times a decode step's cost: defined once, in engine/decode/timing.py (a drafter's own round,
 # e.g. engine.drafters.payoff.round_seconds, is timed on top of it, not beside it).
 STEP_TIMERS = {"step_cost", "step_costs", "step_seconds", "plain_step_seconds", "StepCost",
                "StepTimer", "PlainStep"}
@@ -229,4 +295,4 @@ def test_the_timer_finder_sees_a_second_timer():
 def test_one_step_cost_timer_in_engine():
     sources = {".".join(path.relative_to(ROOT).with_suffix("").parts): path.read_text()
                for path in (ROOT / "engine").rglob("*.py")}
-    assert step_timers(sources) == {"engine.timing"}
+    assert step_timers(sources) == {"engine.decode.timing"}

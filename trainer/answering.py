@@ -13,19 +13,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.chat_template import encode
 from engine.config import ChatMessage, ChatPrompt
+from engine.decode.chat_template import encode
 from trainer import recorded
 from trainer.context import answer_room, fit_prompt, padded
 from trainer.features import conversation_tokens
 from trainer.sampler import AnswerJob, Record, SamplerConfig, answers, rows_that_fit, supports_rows
-
-if TYPE_CHECKING:
-    from trainer.selfdistill import DataBudget, Seed
+from trainer.seeds import DataBudget, Seed
 
 # Past its time budget a streamed run lets the answers under way end for at most this
 # share of the budget (and at most GRACE_MAX_S): the stage ends within its budget + 3%.

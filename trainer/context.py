@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.chat_template import conversation, encode, fit_to_context
+from engine.decode.chat_template import conversation, encode, fit_to_context
 
 
 def prompt_ids(lm, conv: list[dict]) -> list[int]:

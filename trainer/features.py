@@ -19,8 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from engine import timing
-from engine.chat_template import render
+from engine.decode import timing
+from engine.decode.chat_template import render
 from engine.errors import QuickdraftError
 from engine.paths import atomic_write, cache_dir
 from engine.progress import Eta, Progress, ProgressFn, ignore

@@ -1,5 +1,5 @@
 """Timed greedy replies for calibration: plain decoding and each candidate drafter decode
-the same held-out prompts, interleaved prompt by prompt (engine.interleave), and each is
+the same held-out prompts, interleaved prompt by prompt (engine.decode.interleave), and each is
 judged by its median per-prompt speed ratio to plain decoding."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import statistics
 import threading
 
 from engine.config import SamplingParams
-from engine.drafters.base import Drafter
-from engine.generate import run
-from engine.interleave import interleaved
+from engine.decode.drafter import Drafter
+from engine.decode.generate import run
+from engine.decode.interleave import interleaved
+from engine.decode.stats import GenerationStats
 from engine.progress import Progress, ProgressFn, ignore
-from engine.stats import GenerationStats
 
 PLAIN = "plain"  # the name plain decoding goes by among the measured drafters
 

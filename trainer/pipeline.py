@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.accelerators import save_checkpoint
+from engine.drafters.accelerators import save_checkpoint
 from engine.drafters.registry import TRAINED, method
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
@@ -21,7 +21,8 @@ from trainer.medusa.calibrate_tree import CalibrationConfig
 from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.resume import Resume, load_resume
 from trainer.sampler import supports_rows
-from trainer.selfdistill import DataBudget, data_path, generate_data, split_heldout
+from trainer.seeds import DataBudget
+from trainer.selfdistill import data_path, generate_data, split_heldout
 from trainer.training_loop import TrainConfig
 
 # (train, held-out) conversations a run collects even past its data share: the least a

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.chat_template import render
+from engine.decode.chat_template import render
 from engine.paths import atomic_write, cache_dir
 
 SHARD_TOKENS = 65536  # tokens per shard: what a kill can lose

@@ -1,6 +1,6 @@
 """Continue training from the stored accelerator instead of starting from nothing.
 
-The pipeline loads the method's checkpoint for this model (engine.accelerators refuses one
+The pipeline loads the method's checkpoint for this model (engine.drafters.accelerators refuses one
 built for another model, a newer format or a corrupt file) into a Resume; each method's
 trainer then calls start_from on every module it builds, right after building it fresh.
 Where the stored tensors do not fit the new module (another head count, another layout)
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.accelerators import load_checkpoint
+from engine.drafters.accelerators import load_checkpoint
 from engine.errors import AcceleratorError
 from engine.progress import Progress, ProgressFn, ignore
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.decode.sampling import draw
 from engine.lean.batch import BatchRows, Step
 from engine.lean.lean_target import LeanTarget
-from engine.sampling import draw
 
 # Share of the free accelerator memory the rows' caches may take (activations, the
 # prefill and the LM head's logits need the rest).
@@ -198,7 +198,7 @@ def _greedy(live: list[_Row | None], device) -> torch.Tensor:
 def _choose(logits: torch.Tensor, greedy: torch.Tensor, temperature: float,
             generator: torch.Generator) -> torch.Tensor:
     """Per row: the argmax, or a draw from softmax(logits / temperature) (one uniform
-    number per row: engine.sampling.draw)."""
+    number per row: engine.decode.sampling.draw)."""
     top = logits.argmax(-1)
     if bool(greedy.all()) or temperature <= 0:
         return top

@@ -35,12 +35,12 @@ from app.host import model_name
 from app.reply_core import Ask
 from app.security import DEFAULT_REPLY_CAP, bearer_token
 from app.service import Service
-from engine import grammar as grammars
-from engine.chat_template import encode, supports_tools
 from engine.config import ChatPrompt, SamplingParams
-from engine.embed import embed
+from engine.decode import grammar as grammars
+from engine.decode.chat_template import encode, supports_tools
+from engine.decode.loaded import LoadedModel
 from engine.errors import QuickdraftError
-from engine.loading import LoadedModel
+from engine.model.embed import embed
 
 ROUTES = {"/v1/models": ("GET",), "/v1/chat/completions": ("POST",),
           "/v1/completions": ("POST",), "/v1/embeddings": ("POST",)}

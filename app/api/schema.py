@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from app.api.tools import ToolSpec, parse_tools, template_calls, tool_grammar
 from app.security import prompt_too_long
 from app.settings_rules import text_problem
-from engine import grammar as grammars
 from engine.config import MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
+from engine.decode import grammar as grammars
+from engine.decode.grammar import Grammar, GrammarError
 from engine.drafters.registry import ACCEL_CHOICES
-from engine.grammar import Grammar, GrammarError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": the newer "system"
 MAX_STOP = 4  # OpenAI accepts up to four stop sequences

@@ -4,7 +4,7 @@ Tools reach the model through its chat template (`apply_chat_template(tools=...)
 model whose template has no tools is refused. Replies are read in the markup those
 templates teach (Hermes / Qwen2.5 / SmolLM3): `<tool_call>\\n{"name": ..., "arguments":
 {...}}\\n</tool_call>`, one block per call. `tool_choice: required` or a named function
-constrains the reply to such blocks with a grammar (engine/grammar.py), whose arguments
+constrains the reply to such blocks with a grammar (engine/decode/grammar.py), whose arguments
 follow the function's parameter schema.
 """
 
@@ -14,7 +14,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from engine.grammar import JSON_OPTIONS, Grammar, lark
+from engine.decode.grammar import JSON_OPTIONS, Grammar, lark
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.commands.common import add_model_args, load
 from app.commands.progress_line import ProgressLine
-from engine.benchmark.methods import METHOD_CHOICES
+from bench.methods import METHOD_CHOICES
 from engine.config import ModelSpec, SamplingParams
 from engine.errors import QuickdraftError
 
@@ -69,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(args: argparse.Namespace, command: str) -> int:
     """Check the arguments, load, run, print the table and write the outputs."""
-    from engine.benchmark.bench_run import bench_report
-    from engine.benchmark.methods import build_methods, method_names
-    from engine.benchmark.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
-    from engine.benchmark.report import notes, overall_table, write_report
+    from bench.bench_run import bench_report
+    from bench.methods import build_methods, method_names
+    from bench.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
+    from bench.report import notes, overall_table, write_report
 
     # Everything that can be wrong with the arguments fails before the model loads.
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
@@ -107,8 +107,8 @@ def _peer(args: argparse.Namespace, lm):
     """llama-bench on the model's GGUF file (or the one named), or None (said on stderr)."""
     import torch
 
-    from engine.benchmark.llamabench import LlamaBench, find
-    from engine.benchmark.llamacpp import gguf_file
+    from bench.llamabench import LlamaBench, find
+    from bench.llamacpp import gguf_file
 
     exe = find(args.llama_bench)
     if exe is None:
@@ -122,7 +122,7 @@ def _peer(args: argparse.Namespace, lm):
 
 
 def _load_assistant(args: argparse.Namespace):
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     print(f"Loading assistant {args.assistant}...", file=sys.stderr, flush=True)
     return load_model(ModelSpec(source=args.assistant, quant=args.quant, device=args.device,

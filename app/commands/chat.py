@@ -39,7 +39,7 @@ def sampling(args: argparse.Namespace) -> SamplingParams:
 def run(args: argparse.Namespace) -> int:
     from app.service import Service
     from app.store import Store
-    from engine.chat_template import conversation
+    from engine.decode.chat_template import conversation
 
     params = sampling(args)
     # an empty prompt is refused before anything loads
@@ -100,7 +100,7 @@ def _reply(service, params, args, prompt, echo: bool):
 
 
 def _interactive(service, params, args) -> int:
-    from engine.chat_template import conversation
+    from engine.decode.chat_template import conversation
     from engine.errors import PromptError
 
     print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)

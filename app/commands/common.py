@@ -64,7 +64,7 @@ def load(args: argparse.Namespace, compiled: str = "load"):
     while decoding eagerly, "wait" builds it first (timings then measure the compiled
     step), with a progress line."""
     from app.commands.progress_line import ProgressLine
-    from engine.loading import load_model, start_compiling
+    from engine.model.loading import load_model, start_compiling
 
     spec = model_spec(args)
     print(f"Loading {spec.source} ({args.quant})...", file=sys.stderr, flush=True)
@@ -88,7 +88,7 @@ def build_for_next_start(lm) -> None:
     """Before a one-shot command ends on the eager step: have the compiled step built for
     the next start by a builder process that outlives this one (engine/lean/builder.py),
     saying so on stderr. Nothing where it is built, building, or not wanted."""
-    from engine.loading import start_compiling
+    from engine.model.loading import start_compiling
 
     if lm.spec.step != "auto" or lm.target.name != "lean-eager":
         return

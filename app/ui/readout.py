@@ -14,8 +14,8 @@ from app.jobs import Job
 from app.replies import CompareResult, ReplyUpdate
 from app.sources import SourceMix, label, mix_of
 from app.speed_record import BUSY_SHARE
+from engine.decode.stats import CTAR_WINDOWS, GenerationStats
 from engine.progress import Progress
-from engine.stats import CTAR_WINDOWS, GenerationStats
 
 STOP_REASONS = {"eos": "finished", "length": "hit the token limit", "stop": "stop string",
                 "cancelled": "stopped"}

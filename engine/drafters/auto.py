@@ -19,9 +19,9 @@ from collections.abc import Callable
 from functools import partial
 
 from engine.config import SamplingParams
-from engine.drafters.base import Drafter
+from engine.decode.drafter import Drafter
+from engine.decode.timing import StepCost
 from engine.drafters.composite import Composite
-from engine.timing import StepCost
 
 COPY = "copy"  # the kind of a step that copies a 3-gram match's continuation alone
 # A trained source joins Auto only when estimated at least this much faster than plain

@@ -1,12 +1,12 @@
 """Drafting sources composed into one drafter by one rule.
 
 Every step each source's session offers, from the past only, a draft and each node's chance
-of being kept (engine.drafters.base.Offer): from counts (lookup, the datastore), or from a
+of being kept (engine.decode.drafter.Offer): from counts (lookup, the datastore), or from a
 trained source's calibration corrected by what this reply kept, with the source's own work
 timed here. The step takes the offer with the most expected tokens per unit of the step's
 measured cost, cut to its most likely nodes where that pays, plain decoding when none
 beats it; then every other offer that may join is grafted on (one tree,
-engine.tree.join_trees) where the added tokens pay for the longer verification, a node two
+engine.decode.tree.join_trees) where the added tokens pay for the longer verification, a node two
 sources both offer counted once.
 
 A step drafted by one source that verifies its own drafts (Kangaroo: only the layers above
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import SamplingParams
-from engine.drafters.base import Draft, Drafter, Offer, Session, forward_layers
-from engine.timing import StepCost, reply_cost
-from engine.tree import TreeShape, join_trees, shape_of
+from engine.decode.drafter import Draft, Drafter, Offer, Session, forward_layers
+from engine.decode.timing import StepCost, reply_cost
+from engine.decode.tree import TreeShape, join_trees, shape_of
 
 
 def best_size(chances: list[float], value: Callable[[int, float], float]) -> int:
@@ -112,7 +112,7 @@ def added_tokens(chances: list[float], extra: list[float], where: list[int]) -> 
 
 
 class TreeJoin:
-    """Grafts one draft onto another as one tree (engine.tree.join_trees); the structures
+    """Grafts one draft onto another as one tree (engine.decode.tree.join_trees); the structures
     are kept per shape, so a repeated shape costs no new mask. It keeps what a join takes
     (an average over the latest ones), so a join must pay for itself too."""
 
@@ -199,7 +199,7 @@ class Composite(Drafter):
                  sampled: Callable[[SamplingParams], StepCost] | None = None):
         self.name = name
         # what verifying n tokens costs here, in plain steps: greedy replies' curve, and
-        # params -> a sampled reply's (engine.timing.sampled_cost; None: `cost` for all)
+        # params -> a sampled reply's (engine.decode.timing.sampled_cost; None: `cost` for all)
         self.cost = cost or StepCost()
         self.sampled = sampled
         self.lead = sources.get(lead) if lead else None  # the trained source it is judged by

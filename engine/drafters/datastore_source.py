@@ -1,4 +1,4 @@
-"""Drafting from the datastore of the model's own outputs (engine/datastore_memory.py).
+"""Drafting from the datastore of the model's own outputs (engine/datastore/memory.py).
 
 Each step matches the longest suffix of the latest tokens against everything the model
 has said before and offers the tree of what followed, each node with its chance of being
@@ -17,14 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.config import SamplingParams
-from engine.datastore_load import open_store
-from engine.datastore_match import Continuations
-from engine.datastore_memory import Datastore
-from engine.drafters.base import Draft, Drafter, Offer, Session
+from engine.datastore.load import open_store
+from engine.datastore.match import Continuations
+from engine.datastore.memory import Datastore
+from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.timing import StepCost, reply_cost, sampled_cost, step_cost
+from engine.decode.tree import build_tree
 from engine.drafters.composite import pick
 from engine.paths import data_dir
-from engine.timing import StepCost, reply_cost, sampled_cost, step_cost
-from engine.tree import build_tree
 
 STORE_FILE = "store.safetensors"
 
@@ -41,7 +41,7 @@ def store_file(lm) -> Path:
 
 def shipped_path(fingerprint: str) -> Path:
     """The datastore shipped beside the bundled model's accelerators."""
-    from engine.accelerators import shipped_root
+    from engine.drafters.accelerators import shipped_root
 
     return shipped_root() / f"{fingerprint}-datastore" / STORE_FILE
 
@@ -89,7 +89,7 @@ class StoreDrafter(Drafter):
                  sampled: Callable[[SamplingParams], StepCost] | None = None) -> None:
         self.store = store
         self.cost = cost or StepCost()  # greedy replies' step costs (all, where sampled is None)
-        self.sampled = sampled  # params -> a sampled reply's (engine.timing.sampled_cost)
+        self.sampled = sampled  # params -> a sampled reply's (engine.decode.timing.sampled_cost)
         self.trees: dict = {}  # choices -> TreeBuffers (shapes only: shared by every reply)
 
     @classmethod

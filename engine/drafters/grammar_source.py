@@ -1,6 +1,6 @@
 """The grammar's forced tokens as a draft source: where a reply's grammar allows one
 continuation only (a JSON schema's keys, separators, the rest of an enum value), the tokens
-that spell it are drafted (llguidance's fast-forward tokens, engine/grammar.py), as
+that spell it are drafted (llguidance's fast-forward tokens, engine/decode/grammar.py), as
 SGLang's jump-forward decoding does, and verified like any other draft, so greedy replies
 stay exactly plain decoding and sampling lossless. A reply without a grammar gets no offer.
 
@@ -10,7 +10,7 @@ chance of each token being kept is counted per reply, from a high prior, as look
 
 from __future__ import annotations
 
-from engine.drafters.base import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, Offer, Session
 
 # What a forced token is kept with before this reply says otherwise, and how many tokens'
 # worth that prior counts for.

@@ -18,14 +18,15 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from transformers import DynamicCache
 
-from engine import kv_cache, quant
-from engine import split as layers
-from engine.accelerators import check_format
-from engine.drafters.base import Draft, Drafter, Offer, Session
+from engine.decode import kv_cache
+from engine.decode import split as layers
+from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.sampling import logits_to_probs, sample_from
+from engine.drafters.accelerators import check_format
 from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
 from engine.drafters.payoff import not_paying_notice, round_ratio
 from engine.errors import AcceleratorError
-from engine.sampling import logits_to_probs, sample_from
+from engine.weights import quant
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class KangarooDrafter(Drafter):
 
     @classmethod
     def from_checkpoint(cls, lm, ckpt) -> KangarooDrafter:
-        """Rebuild the drafter stored in `ckpt` (engine.accelerators.Checkpoint) for `lm`;
+        """Rebuild the drafter stored in `ckpt` (engine.drafters.accelerators.Checkpoint) for `lm`;
         its rounds are timed here, and where they would not pay it decodes plainly and
         says so."""
         layers.check_supported(lm.model)

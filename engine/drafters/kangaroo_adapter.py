@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from engine import quant
-from engine import split as layers
+from engine.decode import split as layers
+from engine.weights import quant
 
 
 def source_index(model, source: int) -> int:

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.config import SamplingParams
-from engine.drafters.base import Draft, Drafter, Offer, Session
-from engine.timing import step_cost
+from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.timing import step_cost
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,16 @@ from collections.abc import Sequence
 
 import torch
 
-from engine import quant
-from engine.accelerators import check_format
-from engine.drafters.base import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.timing import StepCost, step_cost
+from engine.decode.tree import (
+    TreeBuffers,
+    build_tree,
+    expected_tokens,
+    greedy_tree,
+    marginal_accuracies,
+)
+from engine.drafters.accelerators import check_format
 from engine.drafters.composite import alone
 from engine.drafters.medusa_heads import (
     FIX,
@@ -27,14 +34,7 @@ from engine.drafters.medusa_heads import (
 )
 from engine.drafters.payoff import not_paying_notice, step_overhead
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.timing import StepCost, step_cost
-from engine.tree import (
-    TreeBuffers,
-    build_tree,
-    expected_tokens,
-    greedy_tree,
-    marginal_accuracies,
-)
+from engine.weights import quant
 
 # Nodes of the candidate tree an older checkpoint (accuracies only) is read into.
 CANDIDATES = 32
@@ -99,7 +99,7 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def from_checkpoint(cls, lm, ckpt) -> MedusaDrafter:
-        """Build from a validated engine.accelerators.Checkpoint."""
+        """Build from a validated engine.drafters.accelerators.Checkpoint."""
         s = ckpt.info.get("settings", {})
         check_format(s.get("format", 1), FORMAT, "medusa", ckpt.folder, "heads")
         try:

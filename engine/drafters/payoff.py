@@ -1,7 +1,7 @@
 """Whether drafting pays here: a whole decode step with a trained drafter timed on this
 machine, in this dtype, on this device and step kind, as a multiple of the plain step timed
 in turn with it (so load on the machine hits both alike and the ratio stands); verifying
-more or fewer tokens is priced by engine.timing's step-cost curve.
+more or fewer tokens is priced by engine.decode.timing's step-cost curve.
 
 A drafted step costs a different multiple of a plain one on every setup (on one CPU bf16
 verifies 8 tokens for ~1.1 plain steps, on another without bf16 arithmetic for ~6), so
@@ -15,10 +15,12 @@ import statistics
 
 import torch
 
-from engine import devices, kernels, timing
+from engine import devices
 from engine.config import SamplingParams
-from engine.drafters.base import DecodeState, Draft, Drafter, Session, start_session
-from engine.sampling import make_generator
+from engine.decode import timing
+from engine.decode.drafter import DecodeState, Draft, Drafter, Session, start_session
+from engine.decode.sampling import make_generator
+from engine.weights import kernels
 
 
 def machine(lm) -> str:

@@ -8,8 +8,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.decode.drafter import Drafter
+from engine.decode.timing import sampled_cost, step_cost
 from engine.drafters.auto import auto
-from engine.drafters.base import Drafter
 from engine.drafters.composite import Composite
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.grammar_source import GrammarDrafter
@@ -17,7 +18,6 @@ from engine.drafters.kangaroo import KangarooDrafter
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
 from engine.errors import AcceleratorError, QuickdraftError
-from engine.timing import sampled_cost, step_cost
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def load_source(lm, name: str) -> Drafter:
     m = method(name)
     if m.checkpoint is None:
         return m.build(lm, None)
-    from engine.accelerators import load_checkpoint
+    from engine.drafters.accelerators import load_checkpoint
 
     ckpt = load_checkpoint(lm, m.checkpoint)
     try:

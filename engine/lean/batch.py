@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kernels
 from engine.devices import staged
 from engine.lean.layer import BatchLengths, make_layer
 from engine.lean.lean_target import LeanTarget
+from engine.weights import kernels
 
 
 @dataclass
@@ -98,7 +98,7 @@ class BatchRows:
         if top >= self.capacity:
             raise ValueError("a row is full: reserve room before the step")
         if t.device.type == "cpu" and t.cache_dtype == torch.float32 and kernels.available():
-            # each row reads only its own positions (engine/kernels/attention.cpp)
+            # each row reads only its own positions (engine/weights/kernels/attention.cpp)
             masks = {w: BatchLengths(positions + 1, w) for w in set(t.spec.windows)}
         else:
             masks = {w: self._mask(positions, top + 1, w) for w in set(t.spec.windows)}

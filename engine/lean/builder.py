@@ -245,9 +245,9 @@ def build_package(layer: Callable, kind: Kind, args: tuple, path: Path) -> None:
 
 def build(folder: Path, request: dict) -> Status:
     """Build every package `request` lists that `folder` lacks, saying how far it got."""
-    from engine import kernels
     from engine.lean.layer import make_layer
     from engine.lean.spec import LeanSpec
+    from engine.weights import kernels
 
     use_inductor_cache()
     begin = time.perf_counter()

@@ -17,15 +17,15 @@ from torch.nn import functional as F
 from transformers.activations import ACT2FN
 
 from engine.lean.spec import LeanSpec
-from engine.quant import lowbit_mm
+from engine.weights.quant import lowbit_mm
 
 
 class Lin(NamedTuple):
     """A linear layer's tensors. weight: (N, K) dense, or packed low-bit codes (Quickdraft's
-    blocks, (N, bytes per row) uint8, or PyTorch's packings; engine.quant.lowbit_mm picks
+    blocks, (N, bytes per row) uint8, or PyTorch's packings; engine.weights.quant.lowbit_mm picks
     the kernel); scales: None for dense weights, the blocks' type (int64) or PyTorch's
     scales; wide: the low-bit weights' bf16 copy where one is kept for steps of many rows
-    (engine/quant.py)."""
+    (engine/weights/quant.py)."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None

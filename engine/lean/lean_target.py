@@ -1,4 +1,4 @@
-"""The lean step as the decode loop's target (engine/target.py): the Llama family run from
+"""The lean step as the decode loop's target (engine/decode/target.py): the Llama family run from
 its own layer function (engine/lean/layer.py) over a preallocated cache, one layer call per
 decoder layer, eager or compiled per step size (engine/lean/compiled.py).
 
@@ -18,16 +18,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine import quant
+from engine.decode.target import Forward, Target
 from engine.devices import staged
 from engine.lean import compiled as compiling
 from engine.lean import graphs
 from engine.lean.cache import LeanCache
 from engine.lean.layer import make_layer
+from engine.lean.layer_weights import layer_weights
 from engine.lean.rope import RopeTable
 from engine.lean.spec import LeanSpec, spec_for
-from engine.lean.weights import layer_weights
-from engine.target import Forward, Target
+from engine.weights import quant
 
 log = logging.getLogger(__name__)
 

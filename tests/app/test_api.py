@@ -18,10 +18,10 @@ import pytest
 
 from app.cli import main as cli_main
 from app.ui.launch import LaunchOptions, check_api_key, check_exposure, launch
-from engine.chat_template import conversation, encode
 from engine.config import ModelSpec, SamplingParams
+from engine.decode.chat_template import conversation, encode
+from engine.decode.generate import run
 from engine.errors import QuickdraftError
-from engine.generate import run
 from tests.paths import ROOT
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from app.api import ApiOptions, completions, mount
 from app.service import Service
 from app.store import Store
 from engine.config import SamplingParams
-from engine.generate import run
+from engine.decode.generate import run
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

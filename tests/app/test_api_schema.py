@@ -18,9 +18,9 @@ from app.api.worker import END, Reply, ReplyWorker
 from app.host import model_name
 from app.service import Service
 from app.store import Store
-from engine.chat_template import encode
 from engine.config import ChatMessage, ChatPrompt, SamplingParams
-from engine.generate import run
+from engine.decode.chat_template import encode
+from engine.decode.generate import run
 from tests.conftest import make_tiny_model
 
 USER = {"role": "user", "content": "hi"}

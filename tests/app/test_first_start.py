@@ -80,7 +80,8 @@ def test_the_compiled_steps_build_shows_in_the_header_and_the_terminal(tmp_path,
 
 
 def test_a_first_kernel_build_is_announced(tmp_path, monkeypatch, bundled_tokenizer):
-    from engine import kernels, loading
+    from engine.model import loading
+    from engine.weights import kernels
 
     lm = make_tiny_model("llama-gqa", bundled_tokenizer)
     lm.model.save_pretrained(tmp_path / "tiny")

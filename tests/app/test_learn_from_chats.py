@@ -15,14 +15,14 @@ import torch
 
 from app.service import Service
 from app.store import Conversation, Store
-from engine.accelerators import checkpoint_dir, load_checkpoint
-from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
+from engine.decode.chat_template import conversation, encode
+from engine.decode.generate import run
+from engine.drafters.accelerators import checkpoint_dir, load_checkpoint
 from engine.drafters.kangaroo import KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import Adapter
 from engine.drafters.medusa import MedusaHeads, MedusaSettings, heads_from_tensors
 from engine.drafters.registry import load_source
-from engine.generate import run
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
 from trainer.kangaroo.calibrate_exit import KangarooCalibration
 from trainer.kangaroo.train_adapter import KangarooTrainConfig
@@ -30,7 +30,8 @@ from trainer.medusa.calibrate_tree import CalibrationConfig
 from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
 from trainer.resume import Resume, load_resume, start_from
-from trainer.selfdistill import DataBudget, data_path
+from trainer.seeds import DataBudget
+from trainer.selfdistill import data_path
 from trainer.training_loop import TrainConfig
 
 # the module (trainer.medusa exports its train function under the same name)

@@ -17,7 +17,7 @@ from gradio.state_holder import SessionState
 from app.service import Service
 from app.store import Store
 from app.ui.layout import build_app
-from engine.loading import resolve_folder
+from engine.model.loading import resolve_folder
 
 HOSTILE = [None, 5, [1, 2], "x" * 200_000, "a\ud800b"]
 # What only Python says: exception and type names, its messages, tracebacks, file paths.

@@ -19,8 +19,8 @@ from app.speed_words import Taken, speed_words
 from app.store import Store
 from app.ui.chat_tab import ChatTab
 from app.ui.readout import compare_html
-from engine.drafters.base import Drafter
-from engine.stats import GenerationStats
+from engine.decode.drafter import Drafter
+from engine.decode.stats import GenerationStats
 from tests.conftest import make_tiny_model
 
 

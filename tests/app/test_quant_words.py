@@ -12,7 +12,7 @@ import torch
 from app.quant_words import quant_record, quant_short
 from app.ui.models import quant_labels
 from engine.config import ModelSpec
-from engine.quant_auto import Choice
+from engine.weights.quant_auto import Choice
 
 RECORDS = {"fp32": dict(right=31, same=36, perplexity=35.13, ms=359.9, admitted=True),
            "bf16": dict(right=32, same=40, perplexity=35.10, ms=170.0, admitted=True),
@@ -43,11 +43,11 @@ def test_the_models_tab_says_what_auto_measured_in_words():
 
 
 def test_each_low_bit_choice_names_the_kernels_that_run_it(monkeypatch):
-    monkeypatch.setattr("engine.kernels.problem", "")  # they built here
+    monkeypatch.setattr("engine.weights.kernels.problem", "")  # they built here
     cpu = dict((v, k) for k, v in quant_labels("cpu"))
     assert cpu["int4"] == "4-bit (Quickdraft's own CPU kernels)"
     assert cpu["int8w"] == "8-bit (Quickdraft's own CPU kernels)"
     assert dict((v, k) for k, v in quant_labels("cuda"))["int4"] == "4-bit (PyTorch's CUDA kernels)"
     assert not any("PyTorch kernels" in label for label, _q in quant_labels("cpu"))
-    monkeypatch.setattr("engine.kernels.problem", "no compiler")  # they could not be built
+    monkeypatch.setattr("engine.weights.kernels.problem", "no compiler")  # they could not be built
     assert dict((v, k) for k, v in quant_labels("cpu"))["int4"] == "4-bit (PyTorch's kernels)"

@@ -13,8 +13,8 @@ from app.replies import ReplyRequest
 from app.service import Service
 from app.store import Store
 from app.ui import readout
-from engine import datastore_file, datastore_load
 from engine.config import SamplingParams
+from engine.datastore import disk, load
 from engine.drafters.datastore_source import store_file
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -26,7 +26,7 @@ def test_the_final_update_goes_out_before_the_datastore_is_written(service, monk
     comes first, and the next reply runs to its end while the write still waits."""
     order: list[str] = []
     writing, release = threading.Event(), threading.Event()
-    real = datastore_file.persist
+    real = disk.persist
 
     def slow_disk(path, pending):
         order.append("write starts")
@@ -35,7 +35,7 @@ def test_the_final_update_goes_out_before_the_datastore_is_written(service, monk
         real(path, pending)
         order.append("write ends")
 
-    monkeypatch.setattr(datastore_file, "persist", slow_disk)
+    monkeypatch.setattr(disk, "persist", slow_disk)
     conv = service.store.new()
     for update in service.replies.chat(ReplyRequest(conv.id, GREEDY), "Tell me about rain"):
         if update.done:
@@ -49,7 +49,7 @@ def test_the_final_update_goes_out_before_the_datastore_is_written(service, monk
     assert last.done and last.stats.stop_reason in ("eos", "length")
     assert order == ["final update", "write starts", "next reply ends", "write ends",
                      "write starts", "write ends"]
-    reloaded = datastore_load.load(store_file(service.host.lm), service.host.lm.fingerprint)
+    reloaded = load.load(store_file(service.host.lm), service.host.lm.fingerprint)
     assert [d.tolist() for d in reloaded.docs] == [d.tolist() for d in
                                                    service.accels.datastore.docs]
 
@@ -70,7 +70,7 @@ def test_the_terminal_chat_learns_into_the_apps_datastore(tiny, monkeypatch, cap
 
 def test_api_replies_are_kept_out_of_the_datastore(service):
     from app.reply_core import Ask
-    from engine.chat_template import conversation
+    from engine.decode.chat_template import conversation
 
     steps = list(service.replies.complete(Ask(conversation("hello"), GREEDY), None))
     service.accels.writer.flush()
@@ -82,7 +82,7 @@ def test_a_reply_that_waited_for_the_model_is_timed_from_when_its_turn_came(serv
                                                                             monkeypatch):
     """Injects timings: a clock that moves 100 s while the reply waits for the model (another
     reply holds it) and a millisecond per reading after that."""
-    import engine.generate
+    import engine.decode.generate
 
     now = [0.0]
 
@@ -90,7 +90,7 @@ def test_a_reply_that_waited_for_the_model_is_timed_from_when_its_turn_came(serv
         now[0] += 0.001
         return now[0]
 
-    monkeypatch.setattr(engine.generate, "time", type("Clock", (), {"perf_counter": clock}))
+    monkeypatch.setattr(engine.decode.generate, "time", type("Clock", (), {"perf_counter": clock}))
     conv = service.store.new()
     done = []
     with service.host.lock:  # the model is busy: the reply waits for it

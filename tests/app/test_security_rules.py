@@ -290,7 +290,7 @@ def test_uploads_go_to_the_cache_folder_and_old_ones_are_removed(tmp_path, monke
 
 def test_a_huge_gguf_string_is_reported_as_too_long(tmp_path):
     from engine.errors import QuickdraftError
-    from engine.gguf import inspect
+    from engine.weights.gguf import inspect
 
     path = tmp_path / "huge.gguf"
     # magic, version 3, 0 tensors, 1 key; the key's name claims 2^40 bytes
@@ -303,7 +303,7 @@ def test_a_huge_gguf_string_is_reported_as_too_long(tmp_path):
 
 def test_an_unknown_gguf_version_is_named(tmp_path):
     from engine.errors import QuickdraftError
-    from engine.gguf import inspect
+    from engine.weights.gguf import inspect
 
     path = tmp_path / "v99.gguf"
     path.write_bytes(b"GGUF" + (99).to_bytes(4, "little") + bytes(16))
@@ -317,7 +317,7 @@ def test_settings_never_store_a_permission_to_run_code():
 
 
 def test_a_negative_head_count_is_an_invalid_value(bundled_tokenizer):
-    from engine.accelerators import INFO
+    from engine.drafters.accelerators import INFO
     from engine.drafters.registry import load_drafter
     from engine.errors import AcceleratorError
     from tests.conftest import make_tiny_model

@@ -19,8 +19,8 @@ import pytest
 
 from app.security import Limits
 from app.ui.launch import LaunchOptions, launch
-from engine.accelerators import INFO, METRICS, WEIGHTS, checkpoint_dir
 from engine.config import ModelSpec
+from engine.drafters.accelerators import INFO, METRICS, WEIGHTS, checkpoint_dir
 from tests.app.test_page_events import PYTHONISMS
 from tests.conftest import make_tiny_model
 
@@ -183,7 +183,7 @@ def _slow_chunks(forward, size: int, chunks: list, started: threading.Event):
 
 
 def test_a_client_that_hangs_up_during_a_long_prompt_frees_the_model(server, monkeypatch):
-    from engine import generate as loop
+    from engine.decode import generate as loop
 
     url, service = server
     lm = service.host.lm
@@ -218,6 +218,6 @@ def test_a_plain_reply_reads_no_accelerator_file(server, monkeypatch):
         raise AssertionError(f"{path} was read")
 
     for name in ("read_json", "check_regular"):
-        monkeypatch.setattr(f"engine.accelerators.{name}", refuse)
+        monkeypatch.setattr(f"engine.drafters.accelerators.{name}", refuse)
     r = _post(url, {**ASK, "accel": "off"})
     assert r.status_code == 200 and r.json()["quickdraft"]["accel"] == "off" and read == []

@@ -14,13 +14,13 @@ import pytest
 from app.replies import ReplyRequest
 from app.service import Service
 from app.store import Store, StoreError
-from engine import generate as generate_mod
-from engine.accelerators import checkpoint_dir
-from engine.chat_template import conversation, encode
 from engine.config import ModelSpec, SamplingParams
+from engine.decode import generate as generate_mod
+from engine.decode.chat_template import conversation, encode
+from engine.decode.generate import run
+from engine.drafters.accelerators import checkpoint_dir
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError, ModelLoadError, PromptError, QuickdraftError
-from engine.generate import run
 from tests.conftest import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -245,7 +245,7 @@ def _untrained_medusa(lm, num_heads: int = 2) -> None:
     """Store Medusa heads as they start training (zero residual: each head repeats the
     model's own next-token guess), with the node chances a calibration would store: a
     valid accelerator with modest acceptance."""
-    from engine.accelerators import save_checkpoint
+    from engine.drafters.accelerators import save_checkpoint
     from engine.drafters.medusa import MedusaHeads, MedusaSettings
 
     heads = MedusaHeads(int(lm.model.config.hidden_size), MedusaSettings(num_heads))
@@ -259,8 +259,8 @@ def _cheap_heads(monkeypatch, lm) -> None:
     """The heads' own cost and the step costs pinned instead of timed (a tenth of a plain
     step; a flat CPU curve): whether the heads pay must not depend on what else the machine
     is doing, nor on a tiny model whose LM head is most of its step."""
+    from engine.decode.timing import StepCost
     from engine.drafters import medusa as medusa_mod
-    from engine.timing import StepCost
 
     monkeypatch.setattr(medusa_mod, "step_overhead", lambda lm, d, tokens: 0.1)
     monkeypatch.setitem(lm.step_costs, lm.target.name, StepCost.linear(0.02))
@@ -290,7 +290,7 @@ def test_stored_accelerators_are_read_again_only_when_a_checkpoint_changes(servi
 
 
 def test_a_stored_accelerator_that_does_not_pay_says_so(service, tiny):
-    from engine.accelerators import save_checkpoint
+    from engine.drafters.accelerators import save_checkpoint
     from engine.drafters.medusa import MedusaHeads, MedusaSettings
 
     heads = MedusaHeads(int(tiny.model.config.hidden_size), MedusaSettings(2))
@@ -350,7 +350,7 @@ def _fast_training(max_conversations: int):
     calibration)."""
     from trainer.medusa.calibrate_tree import CalibrationConfig
     from trainer.pipeline import TrainOptions
-    from trainer.selfdistill import DataBudget
+    from trainer.seeds import DataBudget
 
     return TrainOptions(
         method="medusa", max_minutes=2.0, calibration_seconds=2.0,

@@ -13,7 +13,7 @@ from engine.errors import ModelLoadError
 
 def test_models_tab_figures_before_loading(tiny, tmp_path):
     from app import catalog
-    from engine import memory_fit
+    from engine.weights import memory_fit
 
     folder = tmp_path / "tiny-folder"
     tiny.model.save_pretrained(folder)

@@ -8,8 +8,8 @@ import pytest
 
 from app.sources import SourceMix, label, mix_of
 from engine.config import SamplingParams
+from engine.decode.generate import run
 from engine.drafters.lookup import LookupDrafter, LookupParams
-from engine.generate import run
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.test_auto import make_auto
 from tests.engine.drafters.test_composite import repetitive_prompt

@@ -13,9 +13,9 @@ from app.sources import mix_of
 from app.speed_record import Measure, SpeedRecord, measure_of
 from app.speed_words import measured_lines, ready_line, slower, what_auto_does
 from app.ui.readout import compare_html, sources_chip
-from engine.drafters.base import Drafter
-from engine.neartie import Divergence
-from engine.stats import GenerationStats
+from engine.decode.drafter import Drafter
+from engine.decode.neartie import Divergence
+from engine.decode.stats import GenerationStats
 
 NOON = 1_800_000_000.0  # a fixed time.time()
 

@@ -19,9 +19,9 @@ from app.replies import ReplyRequest
 from app.service import Service
 from app.store import Store, StoreError
 from app.ui.chat_tab import ChatTab
-from engine.accelerators import INFO, METRICS, WEIGHTS
 from engine.config import SamplingParams
-from engine.datastore_file import log_path
+from engine.datastore.disk import log_path
+from engine.drafters.accelerators import INFO, METRICS, WEIGHTS
 from engine.drafters.datastore_source import store_file
 from engine.errors import QuickdraftError
 from engine.prompt_files import read_prompt_file
@@ -170,7 +170,7 @@ def test_damaged_settings(app):
 
 @pytest.mark.parametrize("name", [INFO, METRICS, WEIGHTS])
 def test_damaged_accelerators(app, name):
-    from engine.accelerators import checkpoint_dir
+    from engine.drafters.accelerators import checkpoint_dir
 
     folder = checkpoint_dir(app[0].host.lm.fingerprint, "medusa")
     _run(app, folder / name, ("auto", "medusa", "medusa+datastore"),

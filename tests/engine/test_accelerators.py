@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from app.cli import main
-from engine.accelerators import INFO, WEIGHTS, save_checkpoint
 from engine.config import SamplingParams
+from engine.decode.generate import run
+from engine.decode.tree import greedy_tree
+from engine.drafters.accelerators import INFO, WEIGHTS, save_checkpoint
 from engine.drafters.medusa import MedusaHeads, MedusaSettings
 from engine.drafters.registry import load_source
 from engine.errors import AcceleratorError
-from engine.generate import run
-from engine.tree import greedy_tree
 from tests.conftest import make_tiny_model
 
 TREE = [list(c) for c in greedy_tree([[0.5, 0.2], [0.3, 0.1], [0.2], [0.1]], 8)]

@@ -1,4 +1,4 @@
-"""The GGUF block kernels (engine/kernels/blocks.cpp, formats.h) on random blocks of every
+"""The GGUF block kernels (engine/weights/kernels/blocks.cpp, formats.h) on random blocks of every
 format: the rows they read are gguf's own dequantized values bit for bit, their products
 are the block-quantized activations times those values (the same arithmetic in PyTorch),
 and a row's result has the same bits in a step of any size, in either vector width, with or
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import gguf_blocks, kernels
-from engine.gguf_blocks import BlockLinear
+from engine.weights import gguf_blocks, kernels
+from engine.weights.gguf_blocks import BlockLinear
 from tests.engine.test_kernels import quantized
 
 built = pytest.mark.skipif(not kernels.available(),
@@ -127,7 +127,7 @@ def test_q6_k_codes_are_stored_six_bits_to_a_byte_for_the_kernel():
 
 NARROW = '''
 import sys, torch
-from engine import gguf_blocks, kernels
+from engine.weights import gguf_blocks, kernels
 kernels._cpu_flags = lambda: {"avx2"}
 assert kernels.vnni_flags() == () and kernels.wide_flags() == () and kernels.available()
 assert torch.ops.quickdraft.block_group_rows() == 8, kernels.problem

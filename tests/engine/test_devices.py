@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import devices, memory_fit
+from engine import devices
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
-from engine.memory_fit import Checkpoint
+from engine.weights import memory_fit
+from engine.weights.memory_fit import Checkpoint
 from tests.fake_devices import (
     ADA,
     AMPERE,
@@ -165,7 +166,7 @@ def test_a_checkpoint_is_read_from_its_headers_in_the_dtype_it_is_stored_in(tiny
 
 
 def test_out_of_memory_while_loading_is_one_line_with_what_fits(tiny, tmp_path, monkeypatch):
-    from engine import loading
+    from engine.model import loading
 
     folder = tmp_path / "Tiny-Chat-1B"
     tiny.model.save_pretrained(folder)
@@ -189,7 +190,7 @@ def test_out_of_memory_while_loading_is_one_line_with_what_fits(tiny, tmp_path, 
 
 def test_low_bit_weights_reach_the_gpu_layer_by_layer_never_whole_in_bf16(tiny, tmp_path,
                                                                           monkeypatch):
-    from engine import loading
+    from engine.model import loading
 
     folder = tmp_path / "tiny"
     tiny.model.save_pretrained(folder)
@@ -213,7 +214,7 @@ def test_low_bit_weights_reach_the_gpu_layer_by_layer_never_whole_in_bf16(tiny, 
 def test_quantizing_onto_another_device_moves_every_tensor_there(tiny):
     import copy
 
-    from engine import quant
+    from engine.weights import quant
 
     model = copy.deepcopy(tiny.model)
     quant.quantize_model(model, "int8w", device=torch.device("meta"))
@@ -222,8 +223,8 @@ def test_quantizing_onto_another_device_moves_every_tensor_there(tiny):
 
 
 def test_a_layer_packed_for_one_devices_kernel_refuses_to_run_on_another():
-    from engine import quant
-    from engine.lean.weights import fuse_low_bit
+    from engine.lean.layer_weights import fuse_low_bit
+    from engine.weights import quant
 
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     four = quant.LowBitLinear(quant.Codes.of(weight, "int4"), None, torch.device("cpu"))
@@ -242,7 +243,7 @@ def test_the_loaded_model_and_the_models_tab_say_which_device_runs_and_why(tiny,
     from types import SimpleNamespace
 
     from app.ui.models import ModelsTab
-    from engine import loading
+    from engine.model import loading
 
     folder = tmp_path / "tiny"
     tiny.model.save_pretrained(folder)

@@ -20,15 +20,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.config import ModelSpec, SamplingParams
-from engine.datastore_memory import Datastore
+from engine.datastore.memory import Datastore
+from engine.decode.generate import run
+from engine.decode.tree import build_tree
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.registry import compose
 from engine.errors import AcceleratorError
-from engine.generate import run
-from engine.loading import wrap_model
-from engine.tree import build_tree
+from engine.model.loading import wrap_model
 from tests.cache_util import held
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, pin_costs
 
@@ -106,7 +106,7 @@ def drafter_or_skip(name: str, lm, method: str):
 
 def capture_state(monkeypatch) -> list:
     """The decode state of each generation, to read its cache afterwards."""
-    from engine import generate
+    from engine.decode import generate
 
     states, prefill = [], generate._prefill
 
@@ -217,10 +217,10 @@ def test_a_tree_step_keeping_a_non_contiguous_path_equals_one_by_one_decoding(
     """Verify a token tree past the sliding window, keep a path that skips nodes, and
     compare the cache and the next logits with feeding the path one token at a time (the
     lean step and transformers' own; GPT-2 runs through transformers either way)."""
-    from engine.drafters.base import Draft, forward_nodes
-    from engine.generate import DecodeState
-    from engine.loading import make_target
-    from engine.sampling import make_generator
+    from engine.decode.drafter import Draft, forward_nodes
+    from engine.decode.generate import DecodeState
+    from engine.decode.sampling import make_generator
+    from engine.model.loading import make_target
 
     lm = family_model(name, bundled_tokenizer)
     lm = dataclasses.replace(lm, target=make_target(lm.model, step, torch.float32))

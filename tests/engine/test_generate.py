@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from engine.chat_template import conversation, encode, fit_to_context
 from engine.config import SamplingParams
+from engine.decode.chat_template import conversation, encode, fit_to_context
+from engine.decode.generate import generate, run
+from engine.decode.textstream import TextStream
 from engine.errors import PromptError
-from engine.generate import generate, run
-from engine.textstream import TextStream
 from tests.conftest import make_tiny_model
 
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""Quickdraft's CPU kernels (engine/kernels) for its own int8w and int4 layers: weights x
+"""Quickdraft's CPU kernels (engine/weights/kernels) for its own int8w and int4 layers: weights x
 activations quantized to int8 per block of 32, against the same arithmetic written out in
 PyTorch (the GGUF formats': tests/engine/test_block_kernels.py)."""
 
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine import kernels, quant
-from engine.lean.weights import fuse_low_bit
+from engine.lean.layer_weights import fuse_low_bit
+from engine.weights import kernels, quant
 
 built = pytest.mark.skipif(not kernels.available(),
                            reason=f"kernels not built here: {kernels.problem}")
@@ -93,7 +93,7 @@ def test_a_row_gives_the_same_bits_in_a_step_of_any_size():
 
 NO_VNNI = '''
 import sys, torch
-from engine import kernels, quant
+from engine.weights import kernels, quant
 kernels._cpu_flags = lambda: {"avx2"}
 assert kernels.vnni_flags() == () and kernels.available(), kernels.problem
 x, codes, scale, weight = torch.load(sys.argv[1])
@@ -199,7 +199,7 @@ def test_the_vnni_dot_product_is_built_in_where_the_cpu_has_one(cpu, flags, monk
 
 @pytest.mark.parametrize("softcap, window", [(0.0, 0), (5.0, 0), (0.0, 13)])
 def test_decode_attention_is_each_rows_softmax_over_its_own_positions(softcap, window):
-    """The batched rows' attention (engine/kernels/attention.cpp) over float32 caches: each
+    """The batched rows' attention (engine/weights/kernels/attention.cpp) over float32 caches: each
     row's query heads against its own first `length` positions (the last `window` of them
     where set), from one position to the cache's whole capacity."""
     if not kernels.available():

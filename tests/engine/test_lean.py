@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import kernels, quant
 from engine.config import ModelSpec, SamplingParams
+from engine.decode.generate import generate, run
+from engine.decode.target import TransformersTarget
 from engine.drafters.lookup import LookupDrafter
-from engine.generate import generate, run
 from engine.lean import builder, compiled, graphs
 from engine.lean.lean_target import LeanTarget
-from engine.loading import make_target, wrap_model
-from engine.target import TransformersTarget
+from engine.model.loading import make_target, wrap_model
+from engine.weights import kernels, quant
 from tests.engine.test_family_matrix import make_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")

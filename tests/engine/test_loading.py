@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import ModelSpec, SamplingParams
+from engine.decode.generate import run
 from engine.errors import ModelLoadError, QuickdraftError
-from engine.generate import run
-from engine.loading import fingerprint, load_model
+from engine.model.loading import fingerprint, load_model
 from tests.conftest import make_tiny_model
 
 

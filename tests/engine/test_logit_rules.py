@@ -10,18 +10,18 @@ import math
 import pytest
 import torch
 
-from engine import grammar as grammars
 from engine.config import SamplingParams
-from engine.datastore_memory import Datastore
+from engine.datastore.memory import Datastore
+from engine.decode import grammar as grammars
+from engine.decode.generate import run
+from engine.decode.logit_rules import LogitRules, node_paths
+from engine.decode.sampling import logits_to_probs, top_logprobs
+from engine.decode.timing import StepCost
 from engine.drafters.composite import Composite
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.errors import QuickdraftError
-from engine.generate import run
-from engine.logit_rules import LogitRules, node_paths
-from engine.sampling import logits_to_probs, top_logprobs
-from engine.timing import StepCost
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.medusa import test_medusa as md
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, repetitive_prompt

@@ -8,12 +8,12 @@ import torch
 
 from app.replies import CompareResult
 from app.ui.readout import compare_html
-from engine.benchmark.report import divergences, notes, summarize
-from engine.benchmark.runner import Measurement
+from bench.report import divergences, notes, summarize
+from bench.runner import Measurement
 from engine.config import SamplingParams
-from engine.generate import run
-from engine.neartie import ROUNDING_SPACINGS, Divergence, first_difference, judge, measure
-from engine.stats import GenerationStats
+from engine.decode.generate import run
+from engine.decode.neartie import ROUNDING_SPACINGS, Divergence, first_difference, judge, measure
+from engine.decode.stats import GenerationStats
 from tests.conftest import make_tiny_model
 
 PROMPT = list(range(30, 50))
@@ -98,7 +98,7 @@ def test_service_compare_calls_a_wrong_token_in_bf16_a_mismatch(tiny, tmp_path, 
     from app.service import Service
     from app.store import Store
     from engine.config import ModelSpec
-    from engine.loading import wrap_model
+    from engine.model.loading import wrap_model
     from tests.app.test_service import _untrained_medusa
 
     # Reduced precision, where Compare used to call any difference a flipped near-tie.

@@ -1,4 +1,4 @@
-"""Weights' memory (engine/pages.py): large buffers 2 MiB aligned and advised for huge
+"""Weights' memory (engine/weights/pages.py): large buffers 2 MiB aligned and advised for huge
 pages on Linux, small ones ordinary tensors; either way a plain writable CPU tensor."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from engine import pages
+from engine.weights import pages
 
 
 def vm_flags(address: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""The prompt is read in chunks (engine.generate.PREFILL_CHUNK tokens a forward): a cancel
+"""The prompt is read in chunks (engine.decode.generate.PREFILL_CHUNK tokens a forward): a cancel
 set while a long prompt is read stops the reply at the next chunk, not after the whole
 prompt, and the chunks change no token: greedy decoding, plain or drafting with sources
 that read the prompt's hidden states, gives what one forward over the prompt gives."""
@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from engine import generate as loop
 from engine.config import SamplingParams
-from engine.generate import generate, run
+from engine.decode import generate as loop
+from engine.decode.generate import generate, run
 from tests.conftest import assert_exact_while_drafting, make_tiny_model
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of
 

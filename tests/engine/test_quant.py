@@ -1,4 +1,4 @@
-"""Weight-only int4 / int8 (engine/quant.py): every family's linear layers, the LM head
+"""Weight-only int4 / int8 (engine/weights/quant.py): every family's linear layers, the LM head
 included, run through PyTorch's kernels; logits stay close to fp32's; greedy replies with
 every drafter equal plain decoding with the same quantized weights; auto's pure choices."""
 
@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import neartie, quant, quant_wide
 from engine.config import ModelSpec, SamplingParams
+from engine.decode import neartie
+from engine.decode.generate import run
 from engine.errors import AcceleratorError
-from engine.generate import run
-from engine.loading import fingerprint, load_model, wrap_model
+from engine.model.loading import fingerprint, load_model, wrap_model
+from engine.weights import quant, quant_wide
 from tests.conftest import make_tiny_model
 from tests.engine import test_family_matrix as fm
 

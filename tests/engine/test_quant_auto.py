@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from engine import quant, quant_answers, quant_auto
 from engine.config import ModelSpec, SamplingParams
-from engine.generate import run
-from engine.loading import load_model, wrap_model
+from engine.decode.generate import run
+from engine.model.loading import load_model, wrap_model
+from engine.weights import quant, quant_answers, quant_auto
 from tests.conftest import make_tiny_model
 
 # Plain-step seconds of the bundled model's choices measured on a 2-core CPU (lean step).

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from engine import verify
 from engine.config import SamplingParams
-from engine.drafters.base import Draft, Drafter, Session
+from engine.decode import verify
+from engine.decode.drafter import Draft, Drafter, Session
+from engine.decode.generate import run
 from engine.errors import QuickdraftError
-from engine.generate import run
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.spy import Spy
 

@@ -11,10 +11,10 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from engine import sampling
 from engine.config import SamplingParams
-from engine.generate import run
-from engine.sampling import draw, filter_logits, logits_to_probs
+from engine.decode import sampling
+from engine.decode.generate import run
+from engine.decode.sampling import draw, filter_logits, logits_to_probs
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 
@@ -65,7 +65,7 @@ def _first_token_counts(lm, prompt, params, n):
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The next-token distribution by transformers' own warpers, in generate()'s order
-    (temperature, top-k, top-p): an implementation independent of engine.sampling."""
+    (temperature, top-k, top-p): an implementation independent of engine.decode.sampling."""
     warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
     if params.top_k:
         warpers.append(TopKLogitsWarper(params.top_k))

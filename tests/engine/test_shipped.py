@@ -10,9 +10,13 @@ import shutil
 import pytest
 import torch
 
-import engine.accelerators as accelerators
+import engine.drafters.accelerators as accelerators
 from app.training import training_summary
-from engine.accelerators import (
+from engine.config import SamplingParams
+from engine.decode.generate import run
+from engine.decode.timing import StepCost
+from engine.drafters import medusa as medusa_mod
+from engine.drafters.accelerators import (
     INFO,
     WEIGHTS,
     checkpoint_dir,
@@ -20,11 +24,7 @@ from engine.accelerators import (
     is_shipped,
     load_checkpoint,
 )
-from engine.config import SamplingParams
-from engine.drafters import medusa as medusa_mod
 from engine.drafters.registry import TRAINED, load_drafter, load_source
-from engine.generate import run
-from engine.timing import StepCost
 from tests.conftest import make_tiny_model
 from tests.engine.test_accelerators import _save
 from trainer.resume import load_resume
@@ -124,7 +124,7 @@ def test_the_repository_ships_both_accelerators_for_the_bundled_model(bundled_lm
 
 @pytest.mark.slow
 def test_a_fresh_install_chats_with_auto_over_them_exactly(bundled_lm, monkeypatch):
-    from engine.chat_template import conversation, encode
+    from engine.decode.chat_template import conversation, encode
 
     monkeypatch.setenv("QUICKDRAFT_SHIPPED_DIR", str(REPO_SHIPPED))
     for method in TRAINED:

@@ -1,4 +1,4 @@
-"""Streaming text (engine/textstream.py): the pieces add up to exactly the text of the whole
+"""Streaming text (engine/decode/textstream.py): the pieces add up to exactly the text of the whole
 reply when decoding is not additive (multi-byte characters split across tokens, a clean-up
 that merges a token into the one before, SentencePiece's leading spaces), stop strings are
 found across pieces, and the work is linear in the reply's length."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from engine.textstream import TextStream
+from engine.decode.textstream import TextStream
 
 
 class PieceTokenizer:

@@ -1,4 +1,4 @@
-"""The step-cost curve drafters size their drafts by (engine/timing.py): priced at the size a
+"""The step-cost curve drafters size their drafts by (engine/decode/timing.py): priced at the size a
 step really runs at, timed so that one step's aftermath does not leak into another's, by
 CUDA events on a CUDA device, and for sampled replies on a curve of their own."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import timing
 from engine.config import SamplingParams
+from engine.decode import timing
 from engine.lean import compiled
 from tests.conftest import make_tiny_model
 
@@ -29,7 +29,7 @@ def test_lean_steps_say_they_pad(bundled_lm):
     step at its own size."""
     import dataclasses
 
-    from engine.loading import make_target
+    from engine.model.loading import make_target
 
     assert bundled_lm.target.padded_sizes() == compiled.SIZES
     other = make_target(bundled_lm.model, "transformers", bundled_lm.dtype)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from engine.decode.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
 from engine.errors import QuickdraftError
-from engine.tree import build_tree, expected_tokens, greedy_tree, marginal_accuracies
 
 # root -> a (0,), b (1,);  a -> c (0,0), d (0,1);  b -> e (1,0)
 CHOICES = [(1, 0), (0,), (0, 1), (1,), (0, 0)]

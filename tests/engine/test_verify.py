@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from engine import verify
 from engine.config import SamplingParams
-from engine.sampling import logits_to_probs
+from engine.decode import verify
+from engine.decode.sampling import logits_to_probs
 from tests.stats_util import chi_square_pvalue
 
 # scripts/gpu_check.py runs these on a GPU, where a read of the device costs a wait

@@ -1,4 +1,4 @@
-"""A grammar over a tiny vocabulary, written to the interface engine.grammar's matchers
+"""A grammar over a tiny vocabulary, written to the interface engine.decode.grammar's matchers
 offer (`start(lm)` -> allowed / consume / rollback / advance / forced): a reply repeats
 `pattern`, one set of allowed tokens per position, so a position whose set has one token is
 forced. The exact distribution of a reply under it can be enumerated (statistical tests)."""

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.accelerators import save_checkpoint
 from engine.config import ModelSpec, SamplingParams
+from engine.decode.generate import run
+from engine.drafters.accelerators import save_checkpoint
 from engine.drafters.registry import load_source
-from engine.generate import run
-from engine.loading import wrap_model
+from engine.model.loading import wrap_model
 from trainer.kangaroo.calibrate_exit import KangarooCalibration
 from trainer.kangaroo.train_adapter import KangarooTrainConfig, train
 from trainer.pipeline import TrainOptions

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import timing
-from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
+from engine.decode import timing
+from engine.decode.chat_template import conversation, encode
+from engine.decode.generate import run
 from engine.drafters import kangaroo as kangaroo_mod
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.registry import load_drafter
-from engine.generate import run
 from tests.conftest import make_tiny_model
 from trainer.features import Features, encode_conversations, hidden_states
 from trainer.kangaroo import calibrate_exit as calibrate_mod
@@ -188,7 +188,7 @@ def test_each_trained_exit_layer_lowers_the_loss_and_stays_exact(bundled_tokeniz
 def test_pipeline_trains_calibrates_and_saves_a_loadable_drafter(bundled_tokenizer,
                                                                  monkeypatch):
     from trainer.pipeline import TrainOptions, train_accelerator
-    from trainer.selfdistill import DataBudget
+    from trainer.seeds import DataBudget
 
     # Injected step costs (ms) instead of timed ones: a plain step 10, a draft step 0.5, a
     # verification 1 + 0.5 per node. Any drafting then beats plain decoding, so the branch

@@ -18,13 +18,8 @@ from engine.prompt_files import PromptRecord, read_prompt_file
 from tests.conftest import make_tiny_model
 from trainer import answering
 from trainer.features import conversation_tokens
-from trainer.selfdistill import (
-    DataBudget,
-    build_seeds,
-    generate_data,
-    load_conversations,
-    split_heldout,
-)
+from trainer.seeds import DataBudget, build_seeds
+from trainer.selfdistill import generate_data, load_conversations, split_heldout
 
 SMALL = DataBudget(max_conversations=6, batch_size=4, max_new_tokens=6, samples_per_seed=2)
 

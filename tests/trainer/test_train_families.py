@@ -12,18 +12,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from app.cli import main
 from engine.config import ModelSpec, SamplingParams
+from engine.decode.tree import build_tree
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings
 from engine.drafters.registry import load_source
 from engine.errors import AcceleratorError
-from engine.loading import wrap_model
-from engine.tree import build_tree
+from engine.model.loading import wrap_model
 from tests.conftest import assert_exact_while_drafting
 from trainer.kangaroo.calibrate_exit import KangarooCalibration
 from trainer.kangaroo.train_adapter import KangarooTrainConfig
 from trainer.medusa.calibrate_tree import CalibrationConfig
 from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
-from trainer.selfdistill import DataBudget, data_path
+from trainer.seeds import DataBudget
+from trainer.selfdistill import data_path
 from trainer.training_loop import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

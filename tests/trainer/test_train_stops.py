@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 
 from app.commands.train import summary
-from engine.accelerators import load_checkpoint, save_checkpoint, stored_dir
 from engine.drafters import medusa as md
+from engine.drafters.accelerators import load_checkpoint, save_checkpoint, stored_dir
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.registry import load_drafter
 from engine.errors import QuickdraftError
-from engine.loading import fingerprint
+from engine.model.loading import fingerprint
 from tests.conftest import make_tiny_model
 from trainer.kangaroo.calibrate_exit import KangarooCalibration
 from trainer.kangaroo.train_adapter import KangarooTrainConfig
 from trainer.medusa.calibrate_tree import CalibrationConfig
 from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import TrainOptions, train_accelerator
-from trainer.selfdistill import DataBudget
+from trainer.seeds import DataBudget
 from trainer.training_loop import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

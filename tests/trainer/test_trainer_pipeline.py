@@ -25,7 +25,8 @@ from trainer.medusa.calibrate_tree import CalibrationConfig, prompts_that_fit
 from trainer.medusa.train_heads import MedusaTrainConfig
 from trainer.pipeline import LEAST_DATA, TrainOptions, _data_budget, train_accelerator
 from trainer.sampler import supports_rows
-from trainer.selfdistill import DataBudget, data_path, split_heldout
+from trainer.seeds import DataBudget
+from trainer.selfdistill import data_path, split_heldout
 from trainer.training_loop import TrainConfig
 
 
@@ -169,7 +170,8 @@ def test_the_data_share_leaves_the_features_of_data_and_chats_their_time(lm, met
     # Injected timings: every timed piece lasts one second on its own clock, so the figure is
     # what the division makes of it: the feature forward's tokens (4 rows of min(256, the
     # context) tokens), plus for Medusa one teacher chunk's positions.
-    clocks = [importlib.import_module("engine.timing")] + ([trainer] if method == "medusa" else [])
+    timing = importlib.import_module("engine.decode.timing")
+    clocks = [timing] + ([trainer] if method == "medusa" else [])
     for module in clocks:  # the feature forward's clock, and Medusa's teacher chunk's
         ticks = itertools.count()
         monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=ticks.__next__))

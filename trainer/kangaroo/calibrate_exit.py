@@ -27,12 +27,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from engine import kv_cache, timing
-from engine import split as layers
 from engine.config import SamplingParams
+from engine.decode import kv_cache, timing
+from engine.decode import split as layers
+from engine.decode.generate import run
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import adapt, sequence_states
-from engine.generate import run
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import answer_room, fit_prompt
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import split as layers
+from engine.decode import split as layers
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head, sequence_states
 from engine.drafters.payoff import machine

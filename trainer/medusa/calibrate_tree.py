@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import SamplingParams
-from engine.drafters.base import Drafter
+from engine.decode.drafter import Drafter
+from engine.decode.timing import plain_step_seconds
+from engine.decode.tree import build_tree, greedy_tree, marginal_accuracies
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.progress import Progress, ProgressFn, ignore
-from engine.timing import plain_step_seconds
-from engine.tree import build_tree, greedy_tree, marginal_accuracies
 from trainer.context import answer_room
 from trainer.measure import PLAIN, measure
 

@@ -8,9 +8,9 @@ import pytest
 
 from app.service import Service
 from app.store import Store
-from engine import quant
 from engine.config import ModelSpec
-from engine.loading import wrap_model
+from engine.model.loading import wrap_model
+from engine.weights import quant
 from tests.conftest import make_tiny_model
 from tests.page_server import browser, open_page, serve
 

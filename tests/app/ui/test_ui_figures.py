@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.neartie import Divergence
-from engine.stats import GenerationStats
+from engine.decode.neartie import Divergence
+from engine.decode.stats import GenerationStats
 from tests.page_server import REPLY_MS, send
 
 pytestmark = pytest.mark.browser

@@ -17,9 +17,9 @@ import pytest
 from app.jobs import Job
 from app.sources import label, mix_of
 from app.ui.train_tab import MIN_MINUTES
-from engine import quant
 from engine.errors import QuickdraftError
 from engine.progress import Progress
+from engine.weights import quant
 from tests.page_server import BOTS, REPLY_MS, open_conv_id, open_page, send
 
 pytestmark = pytest.mark.browser

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from app import cli
-from engine.benchmark import runner as runner_mod
-from engine.benchmark.bench_run import bench_report
-from engine.benchmark.methods import (
+from bench import runner as runner_mod
+from bench.bench_run import bench_report
+from bench.methods import (
     METHOD_CHOICES,
     Contender,
     Outcome,
@@ -22,13 +22,11 @@ from engine.benchmark.methods import (
     engine_method,
     method_names,
 )
-from engine.benchmark.prompts import (
-    BenchPrompt,
-)
-from engine.benchmark.report import notes, summarize, to_markdown, write_report
-from engine.benchmark.runner import Measurement
+from bench.prompts import BenchPrompt
+from bench.report import notes, summarize, to_markdown, write_report
+from bench.runner import Measurement
 from engine.config import SamplingParams
-from engine.drafters.base import Drafter, Session
+from engine.decode.drafter import Drafter, Session
 from engine.errors import QuickdraftError
 from scripts import bench_gpu, scaled_gguf
 from tests.conftest import make_tiny_model

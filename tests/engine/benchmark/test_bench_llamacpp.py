@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.benchmark import llamacpp
-from engine.benchmark.methods import METHOD_CHOICES, build_methods, method_names
-from engine.benchmark.report import build_report, notes, overall_table, summarize
-from engine.benchmark.runner import Measurement
+from bench import llamacpp
+from bench.methods import METHOD_CHOICES, build_methods, method_names
+from bench.report import build_report, notes, overall_table, summarize
+from bench.runner import Measurement
 from engine.config import ModelSpec, SamplingParams
 from tests.conftest import make_tiny_model
 
@@ -67,7 +67,7 @@ def test_vs_llamacpp_column():
 
 
 def test_llamacpp_text_differences_are_named_as_other_weights_not_mismatches():
-    from engine.benchmark.report import notes
+    from bench.report import notes
 
     peer = {"mismatched_prompts": ["p1", "p2"], "prompts": 3, "greedy_match_rate": 1 / 3}
     report = {"settings": {"temperature": 0.0, "dtype": "bf16"}, "skipped": {},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.benchmark.report import category_table, summarize
+from bench.report import category_table, summarize
 from tests.engine.benchmark.test_bench import _m, near
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.benchmark.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts, round_robin
+from bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts, round_robin
 from engine.errors import QuickdraftError
 
 

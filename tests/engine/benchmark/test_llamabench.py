@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from engine.benchmark import llamabench
-from engine.benchmark.report import overall_table
+from bench import llamabench
+from bench.report import overall_table
 from engine.errors import QuickdraftError
 
 FAKE = """#!{python}

@@ -12,11 +12,12 @@ import torch
 from app.service import Service
 from app.store import Store
 from engine.config import SamplingParams
-from engine.datastore_load import load, open_store
-from engine.datastore_memory import Datastore, DatastoreParams
+from engine.datastore.load import load, open_store
+from engine.datastore.memory import Datastore
+from engine.datastore.params import DatastoreParams
+from engine.decode.generate import run
+from engine.decode.timing import StepCost
 from engine.drafters.datastore_source import StoreDrafter, store_file, tree_draft
-from engine.generate import run
-from engine.timing import StepCost
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue, whole
 
@@ -114,7 +115,7 @@ def test_a_newer_shipped_store_reaches_a_user_who_already_has_one(tmp_path):
 
 def test_a_save_that_fails_midway_keeps_the_old_store(tmp_path, monkeypatch):
     """A full disk while saving: the old file stays loadable and no temporary file is left."""
-    import engine.datastore_file as datastore_module
+    import engine.datastore.disk as datastore_module
 
     path = tmp_path / "store.safetensors"
     store = Datastore("fp-a")
@@ -145,7 +146,7 @@ def _second_token_counts(lm, prompt, store, n):
 def test_lossless_sampling_with_a_tree_of_drafts(bundled_tokenizer, monkeypatch):
     """Second-token frequencies with datastore trees (two children under the root) match
     the exact distribution, and the same test rejects a rule that accepts too eagerly."""
-    from engine import verify
+    from engine.decode import verify
 
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=8)
     lm.eos_ids = ()

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.datastore_file import log_path, persist
-from engine.datastore_load import load, open_store
-from engine.datastore_memory import Datastore, DatastoreParams
+from engine.datastore.disk import log_path, persist
+from engine.datastore.load import load, open_store
+from engine.datastore.memory import Datastore
+from engine.datastore.params import DatastoreParams
 from tests.paths import ROOT
 
 # A small recent tier: every few replies the index is rebuilt and a snapshot is due.
@@ -78,7 +79,7 @@ def test_a_log_of_a_rebuilt_store_is_never_replayed_into_the_new_one(tmp_path):
 CHILD = """
 import sys, time
 from pathlib import Path
-import engine.datastore_file as ds
+import engine.datastore.disk as ds
 from tests.engine.datastore.test_datastore_log import _learned, _doc
 
 path, count, where = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

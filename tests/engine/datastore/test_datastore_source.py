@@ -8,20 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import verify
 from engine.config import SamplingParams
-from engine.datastore_match import Continuations
-from engine.datastore_memory import Datastore, DatastoreParams
+from engine.datastore.match import Continuations
+from engine.datastore.memory import Datastore
+from engine.datastore.params import DatastoreParams
+from engine.decode import verify
+from engine.decode.drafter import Draft
+from engine.decode.generate import run
+from engine.decode.timing import StepCost
+from engine.decode.tree import join_trees, shape_of
 from engine.drafters.auto import COPY, auto
-from engine.drafters.base import Draft
 from engine.drafters.composite import Composite, TreeJoin, plan
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_LABELS, load_drafter
 from engine.errors import AcceleratorError
-from engine.generate import run
-from engine.timing import StepCost
-from engine.tree import join_trees, shape_of
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.engine.drafters.medusa import test_medusa as md
 from tests.engine.drafters.spy import Spy
@@ -72,7 +73,7 @@ def test_the_store_joins_a_tree_only_where_its_nodes_pay():
     state = SimpleNamespace(ids=[0, 2, 3, 4], room=32, params=SamplingParams())
     offer = StoreDrafter(store).start(state, None).offer(state)
     tree = Draft.chain(4, [7, 7], chances=[0.9, 0.8])  # a 2-node trained draft
-    from engine.drafters.base import Offer
+    from engine.decode.drafter import Offer
 
     trained = Offer("medusa", lambda k: tree, (0.9, 0.8))
     flat, steep = StepCost.linear(0.02), StepCost.linear(0.5)
@@ -235,7 +236,7 @@ def test_registry_rows(bundled_tokenizer):
 def test_a_deep_node_sees_only_its_window_of_the_tree():
     """A store's deep tree on a sliding-window layer: a node's window ends inside the tree
     (position > its own - window), as it would one token at a time."""
-    from engine.kv_cache import _layer_mask
+    from engine.decode.kv_cache import _layer_mask
 
     shape = shape_of([-1, 0, 1, 2, 0])  # a chain of 3 under the root and a sibling
     depths = torch.tensor(shape.depths)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.drafters.base import Drafter, Session
+from engine.decode.drafter import Drafter, Session
 
 
 class Spy(Drafter):

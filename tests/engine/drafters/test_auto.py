@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config import SamplingParams
+from engine.decode.generate import run
+from engine.decode.stats import GenerationStats
 from engine.drafters.auto import COPY, JOIN_MARGIN, auto, fastest, joining
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_LABELS, load_drafter
 from engine.errors import AcceleratorError
-from engine.generate import run
-from engine.stats import GenerationStats
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.engine.drafters.kangaroo import test_kangaroo as kg
 from tests.engine.drafters.spy import Spy

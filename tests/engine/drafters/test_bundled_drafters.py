@@ -14,17 +14,17 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
+from engine.decode.chat_template import conversation, encode
+from engine.decode.generate import run
+from engine.decode.timing import StepCost
+from engine.decode.tree import build_tree
 from engine.drafters.auto import COPY, auto
 from engine.drafters.composite import Composite
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.medusa import MedusaDrafter
-from engine.generate import run
-from engine.timing import StepCost
-from engine.tree import build_tree
 from tests.engine.drafters.medusa.test_medusa_bundled import TREE, _random_heads
 from tests.paths import ROOT
 from trainer.features import encode_conversations, hidden_states

@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import verify
 from engine.config import SamplingParams
-from engine.drafters.base import Draft, Offer
+from engine.decode import verify
+from engine.decode.drafter import Draft, Offer
+from engine.decode.generate import run
+from engine.decode.timing import StepCost, curve_key
+from engine.decode.tree import build_tree
 from engine.drafters.composite import Composite, TreeJoin, best_size, pick, plan
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.medusa import MedusaDrafter
-from engine.generate import run
-from engine.timing import StepCost, curve_key
-from engine.tree import build_tree
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.engine.drafters.kangaroo import test_kangaroo as kg
 from tests.engine.drafters.medusa import test_medusa as md

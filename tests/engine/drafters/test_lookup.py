@@ -7,17 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import timing
 from engine.config import SamplingParams
+from engine.decode import timing
+from engine.decode.generate import run
 from engine.drafters import lookup
-from engine.drafters.lookup import (
-    LookupDrafter,
-    LookupParams,
-    LookupSession,
-    NgramIndex,
-)
+from engine.drafters.lookup import LookupDrafter, LookupParams, LookupSession, NgramIndex
 from engine.drafters.registry import load_drafter
-from engine.generate import run
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.stats_util import chi_square_pvalue, whole
 
@@ -106,7 +101,7 @@ def test_greedy_exact_on_tiny_configs(name, bundled_tokenizer):
 
 @pytest.mark.slow
 def test_greedy_exact_and_accepting_on_bundled_model(bundled_lm):
-    from engine.chat_template import conversation, encode
+    from engine.decode.chat_template import conversation, encode
 
     text = ("def area(width, height):\n    return width * height\n\n"
             "def perimeter(width, height):\n    return 2 * (width + height)\n")
@@ -131,7 +126,7 @@ def _second_token_counts(lm, prompt, n):
 def test_lossless_sampling_distribution(bundled_tokenizer, monkeypatch):
     """Second-token frequencies with lookup drafts match plain sampling's distribution, and
     the same test rejects an acceptance rule that accepts drafts too eagerly."""
-    from engine import verify
+    from engine.decode import verify
 
     lm = make_tiny_model("llama-gqa", bundled_tokenizer, vocab_size=8)
     lm.eos_ids = ()  # always three tokens

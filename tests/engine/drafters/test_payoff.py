@@ -12,16 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import timing
-from engine.accelerators import Checkpoint, save_checkpoint
 from engine.config import SamplingParams
+from engine.decode import timing
+from engine.decode.generate import run
+from engine.decode.timing import StepCost
 from engine.drafters import kangaroo as kg
 from engine.drafters import medusa as md
 from engine.drafters import payoff
+from engine.drafters.accelerators import Checkpoint, save_checkpoint
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.registry import load_drafter
-from engine.generate import run
-from engine.timing import StepCost
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

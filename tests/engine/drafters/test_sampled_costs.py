@@ -9,15 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine import timing
 from engine.config import SamplingParams
-from engine.datastore_memory import Datastore
+from engine.datastore.memory import Datastore
+from engine.decode import timing
+from engine.decode.generate import run
+from engine.decode.timing import StepCost
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.lookup import LookupDrafter
 from engine.drafters.payoff import prefilled
 from engine.drafters.registry import load_drafter
-from engine.generate import run
-from engine.timing import StepCost
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.test_composite import medusa_of, repetitive_prompt
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SamplingParams
-from engine.datastore_memory import Datastore
+from engine.datastore.memory import Datastore
+from engine.decode.generate import generate, run
 from engine.drafters import registry
 from engine.drafters.datastore_source import StoreDrafter
 from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_CHOICES, Method, compose, load_drafter
-from engine.generate import generate, run
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, repetitive_prompt
 from tests.engine.drafters.toy_source import ToyDrafter

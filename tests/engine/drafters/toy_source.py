@@ -4,7 +4,7 @@ chance `sure` of being kept."""
 
 from __future__ import annotations
 
-from engine.drafters.base import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, Offer, Session
 
 
 class ToyDrafter(Drafter):

@@ -14,13 +14,13 @@ import time
 import pytest
 import torch
 
-from engine import gguf as qd_gguf
-from engine.benchmark.gguf_writer import tokenizer_fields, write_gguf
-from engine.chat_template import conversation, encode
+from bench.gguf_writer import tokenizer_fields, write_gguf
 from engine.config import ModelSpec, SamplingParams
+from engine.decode.chat_template import conversation, encode
+from engine.decode.generate import run
 from engine.errors import ModelLoadError
-from engine.generate import run
-from engine.loading import load_model, resolve_folder
+from engine.model.loading import load_model, resolve_folder
+from engine.weights import gguf as qd_gguf
 from tests.paths import ROOT
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)

@@ -13,9 +13,9 @@ import pytest
 
 from app import catalog
 from app.model_folders import ModelFolders, find_models, ollama_name
-from engine import gguf as qd_gguf
 from engine.config import ModelSpec
-from engine.loading import load_model
+from engine.model.loading import load_model
+from engine.weights import gguf as qd_gguf
 
 
 def small_gguf(path: Path, arch: str = "llama") -> Path:
@@ -124,7 +124,7 @@ def test_ollama_models_env_is_searched(tmp_path, monkeypatch):
 
 def test_an_ollama_blob_opens_like_a_gguf_file(tmp_path, monkeypatch):
     """The blob has no extension: its header, not its name, says it is GGUF."""
-    from engine.benchmark.gguf_writer import tokenizer_fields, write_gguf
+    from bench.gguf_writer import tokenizer_fields, write_gguf
     from tests.engine.gguf.test_gguf import tiny_llama
 
     monkeypatch.setattr(qd_gguf, "cache_dir", lambda: tmp_path / "cache")

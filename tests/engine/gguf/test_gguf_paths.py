@@ -1,6 +1,6 @@
 """GGUF paths the bundled-model test does not reach, on tiny files written here: quantized
 tensors, a file that changes under its converted folder, the hub's errors, and the one
-internal transformers name engine/gguf.py relies on."""
+internal transformers name engine/weights/gguf.py relies on."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import gguf as qd_gguf
-from engine.benchmark.gguf_writer import gguf_tensors, write_gguf
+from bench.gguf_writer import gguf_tensors, write_gguf
 from engine.config import ModelSpec
 from engine.errors import ModelLoadError
-from engine.loading import load_model, resolve_folder
+from engine.model.loading import load_model, resolve_folder
+from engine.weights import gguf as qd_gguf
 from tests.engine.gguf.test_gguf import tiny_llama
 
 QUANTIZED = {"blk.0.ffn_up.weight": "Q8_0", "blk.1.ffn_down.weight": "Q4_0",
@@ -25,7 +25,7 @@ HF_NAMES = {"blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
 
 @pytest.fixture(scope="module")
 def vocab():
-    from engine.benchmark.gguf_writer import tokenizer_fields
+    from bench.gguf_writer import tokenizer_fields
 
     return tokenizer_fields()
 
@@ -127,7 +127,7 @@ def test_hub_errors_become_one_line_each(monkeypatch, error, message):
 
 
 def test_the_internal_transformers_name_engine_gguf_relies_on_is_still_there():
-    """engine.gguf.supported_architectures reads this internal transformers module (there is
+    """engine.weights.gguf.supported_architectures reads this internal transformers module (there is
     no public list); an upgrade that moves it fails here, by name."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 

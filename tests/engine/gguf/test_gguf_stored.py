@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import gguf as qd_gguf
-from engine import gguf_model, kernels
-from engine.benchmark.gguf_writer import tokenizer_fields, write_gguf
-from engine.chat_template import conversation, encode
+from bench.gguf_writer import tokenizer_fields, write_gguf
 from engine.config import ModelSpec, SamplingParams
+from engine.decode.chat_template import conversation, encode
 from engine.errors import ModelLoadError
-from engine.gguf_blocks import BlockEmbedding, BlockLinear
-from engine.loading import load_model
+from engine.model.loading import load_model
+from engine.weights import gguf as qd_gguf
+from engine.weights import gguf_model, kernels
+from engine.weights.gguf_blocks import BlockEmbedding, BlockLinear
 from tests.engine.test_block_kernels import random_rows
 
 pytestmark = pytest.mark.skipif(not kernels.available(),
@@ -129,9 +129,9 @@ def test_nothing_is_expanded(files):
 
 
 def test_replies_are_the_converted_models_and_drafting_keeps_them(files):
-    from engine import neartie
+    from engine.decode import neartie
+    from engine.decode.generate import run
     from engine.drafters.payoff import FixedChain
-    from engine.generate import run
 
     _, stored, converted = files
     ids = encode(stored.tokenizer, conversation(PROMPT))

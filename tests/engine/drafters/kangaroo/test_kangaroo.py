@@ -7,18 +7,18 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import engine.generate as generate_mod
-from engine import split as layers
-from engine import verify
-from engine.accelerators import load_checkpoint, save_checkpoint
-from engine.chat_template import conversation, encode
+import engine.decode.generate as generate_mod
 from engine.config import SamplingParams
+from engine.decode import split as layers
+from engine.decode import verify
+from engine.decode.chat_template import conversation, encode
+from engine.decode.generate import run
+from engine.decode.sampling import sample_from
+from engine.drafters.accelerators import load_checkpoint, save_checkpoint
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSession, KangarooSettings
 from engine.drafters.kangaroo_adapter import adapt
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
-from engine.generate import run
-from engine.sampling import sample_from
 from tests.cache_util import held
 from tests.conftest import make_tiny_model
 from tests.engine.drafters.spy import Spy, sessions_of
@@ -83,7 +83,7 @@ def test_greedy_matches_plain_decoding_on_other_families(bundled_tokenizer, fami
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.config import ModelSpec
-    from engine.loading import wrap_model
+    from engine.model.loading import wrap_model
 
     model_type, extra = FAMILIES[family]
     config = AutoConfig.for_model(
@@ -271,7 +271,7 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
 @pytest.mark.parametrize("step", ["auto", "transformers"])
 def test_caches_equal_one_by_one_decoding_after_any_accept_pattern(bundled_tokenizer, monkeypatch,
                                                                    step):
-    from engine.loading import make_target
+    from engine.model.loading import make_target
 
     lm = make_tiny_model("qwen2", bundled_tokenizer)
     lm.eos_ids = ()
@@ -319,7 +319,7 @@ def test_checkpoint_round_trip_and_bad_input(bundled_tokenizer):
 
 
 def loaded_folder(lm):
-    from engine.accelerators import checkpoint_dir
+    from engine.drafters.accelerators import checkpoint_dir
 
     return checkpoint_dir(lm.fingerprint, "kangaroo")
 

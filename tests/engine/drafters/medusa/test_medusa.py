@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from engine import kv_cache, verify
-from engine.chat_template import conversation, encode
 from engine.config import SamplingParams
-from engine.drafters.base import Draft, forward_nodes
+from engine.decode import kv_cache, verify
+from engine.decode.chat_template import conversation, encode
+from engine.decode.drafter import Draft, forward_nodes
+from engine.decode.generate import DecodeState, run
+from engine.decode.sampling import make_generator, sample_from
+from engine.decode.tree import build_tree, greedy_tree
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings, pending_inputs
-from engine.generate import DecodeState, run
-from engine.sampling import make_generator, sample_from
-from engine.tree import build_tree, greedy_tree
 from tests.conftest import make_tiny_model
 from tests.stats_util import chi_square_pvalue
 from trainer.features import encode_conversations, hidden_states
@@ -147,7 +147,7 @@ def test_no_tree_means_plain_decoding(tiny_lm):
 def test_cache_after_a_tree_step_equals_decoding_the_path_one_by_one(tiny_lm):
     """Verify a tree, keep a non-contiguous path, and compare with sequential decoding
     (transformers' cache; the lean cache's test is in test_family_matrix.py)."""
-    from engine.loading import make_target
+    from engine.model.loading import make_target
 
     model, prompt = tiny_lm.model, PROMPTS[0]
     tiny_lm = dataclasses.replace(tiny_lm, target=make_target(model, "transformers",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.decode.tree import build_tree, greedy_tree
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads, MedusaSettings
-from engine.tree import build_tree, greedy_tree
 
 # Accuracies shaped like trained heads': a 16-node tree, bushy near the root.
 TREE = greedy_tree([[0.3, 0.1, 0.05, 0.03], [0.15, 0.06, 0.03], [0.08, 0.03], [0.04]], 16)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.accelerators import load_checkpoint, save_checkpoint
+from engine.decode.tree import build_tree
+from engine.drafters.accelerators import load_checkpoint, save_checkpoint
 from engine.drafters.medusa import FORMAT, MedusaDrafter, MedusaHeads, MedusaSettings
 from engine.errors import AcceleratorError
-from engine.tree import build_tree
 from tests.conftest import make_tiny_model
 from trainer.features import Features
 from trainer.medusa.train_heads import MedusaTrainConfig, Teacher, fit_heads
