@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 # Bytes per parameter of each resolved quantization, where only the parameter count is known
 # (a GGUF file; engine/weights/memory_fit.py sizes a folder by its tensors). NF4 packs two
 # weights per byte plus (double-quantized) block scales; 8-bit keeps one fp32 scale per row.
-# int4 / int8w: codes, scales and the 8-bit LM head, whose codes also serve a tied embedding table (the
-# bundled model's tensors measured 0.71 and 1.00). With --wide-copies they also keep bf16
+# int4 / int8w: codes, scales and the 8-bit LM head, whose codes also serve a tied embedding
+# table (the bundled model's tensors measured 0.71 and 1.00). With --wide-copies they also keep bf16
 # copies of the weights for steps of many tokens: COPY_BYTES more per parameter.
 BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.05, "nf4": 0.55,
                    "int4": 0.75, "int8w": 1.05}

@@ -2,7 +2,7 @@
 under what conditions. What replies measured on this machine comes first (app/speed_record.py);
 an accelerator's own estimate follows with when it was taken and how busy the machine was;
 a method measured slower than Off says so (never in green) and what Auto does about it.
-Pure formatting over figures and the drafter's own verdict (Drafter.pays, .speedup)."""
+Pure formatting over figures and the drafter's own verdict (Drafter.pays_off, .speedup)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def speed_words(label: str, calibrated: float | None, retimed: float | None,
 def ready_line(label: str, speed: str, drafter: Drafter) -> str:
     """A ready accelerator: how fast its own estimate says it is, and, where that estimate
     says it does not pay here, that it does not draft and why."""
-    if not drafter.pays:
+    if not drafter.pays_off:
         x = drafter.speedup
         why = ("it did not beat plain decoding here" if x is None
                else f"estimated {x:.2f}× here")
@@ -126,7 +126,7 @@ def what_auto_does(method: str, label: str, ratio: float, drafter: Drafter,
         return (f"{head} Auto drafts only where the step costs timed when the model loaded"
                 f"{timed} say a draft pays, and copies where the reply repeats earlier text; "
                 "choose Off while it stays faster on your prompts.")
-    if not drafter.pays:
+    if not drafter.pays_off:
         return f"{head} Auto leaves {label} out here: its own estimate says it does not pay."
     x = f" ({drafter.speedup:.2f}×{timed})" if drafter.speedup is not None else timed
     return (f"{head} Auto still drafts with {label} where its own estimate here{x} says it "

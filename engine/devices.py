@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -24,25 +23,54 @@ MPS_QUANTS = ("fp32", "fp16", "bf16")
 
 
 def cpu_name() -> str:
-    """The processor's model name (what a measurement on this machine is keyed and reported by)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The processor's model name (what a measurement on this machine is keyed and reported
+    by), as torch's cpuinfo reads it on Linux, Windows and macOS alike."""
+    return str(torch.cpu.get_capabilities().get("cpu_name") or platform.processor()
+               or platform.machine())
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere): what code compiled for
-    this machine (-march=native) may use."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    """The CPU's instruction-set features, named as torch's cpuinfo names them ("avx2",
+    "avx512_vnni", "avx512_vl", ...): what code compiled for this machine (-march=native)
+    may use."""
+    return {name for name, has in torch.cpu.get_capabilities().items() if has is True}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """This machine as every cache keyed by it sees it (one reading, `machine()`): what code
+    built here may use, and what a timing taken here depends on besides."""
+
+    torch: str  # torch's version
+    capability: str  # the vector width torch dispatches to ("AVX2", "AVX512", ...)
+    flags: tuple[str, ...]  # the CPU's features, sorted (cpu_flags)
+    processor: str  # the CPU's name, or the GPU's where the work runs on one
+    threads: int  # torch's CPU threads
+    gpu: bool = False  # the processor is a GPU
+
+    @property
+    def build_key(self) -> str:
+        """What code compiled for this machine depends on: the kernel library and the
+        compiled step packages are kept per build_key."""
+        return f"torch {self.torch}|{self.capability}|{' '.join(self.flags)}"
+
+    def timing_key(self, kernels: str) -> str:
+        """What a timing taken here depends on besides the model: the processor, the
+        threads, torch and whose low-bit kernels ran (`kernels`)."""
+        return f"torch {self.torch}|{self.processor}|{self.threads}t|{kernels}"
+
+    def describe(self, kernels: str = "") -> str:
+        """timing_key's facts in words, for what a calibration records."""
+        where = self.processor if self.gpu else f"{self.processor}, {self.threads} threads"
+        return ", ".join(part for part in (where, kernels, f"torch {self.torch}") if part)
+
+
+def machine(device: torch.device | None = None) -> Machine:
+    """This machine, with the GPU's name as its processor where `device` is a CUDA one."""
+    gpu = device is not None and device.type == "cuda"
+    processor = torch.cuda.get_device_name(device) if gpu else cpu_name()
+    return Machine(torch.__version__, torch.backends.cpu.get_cpu_capability(),
+                   tuple(sorted(cpu_flags())), processor, torch.get_num_threads(), gpu)
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def drafting(lm, drafter):
 
     if isinstance(drafter, KangarooDrafter) and drafter.off:
         return drafter.with_schedule(0.0, 3)
-    if drafter.pays or not isinstance(drafter, MedusaDrafter):
+    if drafter.pays_off or not isinstance(drafter, MedusaDrafter):
         return drafter
     forced = build_tree(FORCED_TREE, drafter.heads.settings.num_heads)
     return MedusaDrafter(lm, drafter.heads, forced)

@@ -99,7 +99,7 @@ class Draft:
 
 
 @dataclass(frozen=True)
-class Offer:
+class DraftOffer:
     """What a source's session would draft this step, decided from the past only: its
     draft and how many of its tokens it expects kept. A composite picks and joins offers by
     expected tokens per unit of the measured step cost (engine.drafters.composite)."""
@@ -133,7 +133,7 @@ class Session:
     def propose(self, state: DecodeState) -> Draft:
         return Draft.chain(state.ids[-1], [])
 
-    def offer(self, state: DecodeState) -> Offer | None:
+    def offer(self, state: DecodeState) -> DraftOffer | None:
         """What it would draft this step in a composite (None: nothing)."""
         return None
 
@@ -146,10 +146,10 @@ class Session:
         state.target.keep_path(state.cache, state.cached, [0, *path])
 
     def observe(self, state: DecodeState, layers: tuple[torch.Tensor, ...] | None,
-                path: list[int], mine: list[int]) -> None:
+                path: list[int], offered: list[int]) -> None:
         """In a composite, a step was verified and `path` kept (the cache already holds it).
         layers: every layer's (1, n, H) states over the draft when the composite ran the
-        whole model with them, else None; mine: the draft's nodes this session offered."""
+        whole model with them, else None; offered: the draft's nodes this session offered."""
 
     def finish(self, stats: GenerationStats | None) -> None:
         """Called once when the reply ends (finished, stopped or cancelled)."""
@@ -170,7 +170,7 @@ class Drafter:
     speedup: float | None = None  # measured speed over plain decoding (calibration, re-timed)
 
     @property
-    def pays(self) -> bool:
+    def pays_off(self) -> bool:
         """False when the drafter was measured no faster than plain decoding here (it then
         decodes plainly, and Auto leaves it out)."""
         return True

@@ -89,7 +89,7 @@ def generate(
         return
     state, session, logprobs = prefilled
     new = [state.ids[-1]]
-    reason = ends.cut(new, 0)[1]
+    reason = ends.emitted(new, 0)[1]
     while True:
         stats.tokens += len(new)
         stats.stop_reason = reason
@@ -175,7 +175,7 @@ def _step(state: DecodeState, session: Session, ends: Ends,
             logits = state.rules.shape(logits, draft.children, draft.tokens)
         path, nxt = accept(draft, logits, state.params, state.generator)
         new = [draft.tokens[i] for i in path] + [nxt]
-        keep, reason = ends.cut(new, produced)
+        keep, reason = ends.emitted(new, produced)
         if keep < len(new):  # the last kept token becomes the pending one
             path, new = path[:keep - 1], new[:keep]
         session.commit(state, draft, path)
@@ -225,7 +225,7 @@ class Ends:
     max_new_tokens: int
     stream: TextStream  # the reply's text so far (stop strings are found in text)
 
-    def cut(self, new: list[int], produced: int) -> tuple[int, str]:
+    def emitted(self, new: list[int], produced: int) -> tuple[int, str]:
         """How many of `new` (after `produced` tokens) plain decoding would emit, and why
         it would stop there ("" = it goes on)."""
         keep, reason = len(new), ""

@@ -40,12 +40,6 @@ def check_draftable(cache: DynamicCache) -> None:
                 f"{type(layer).__name__} layers cannot: use acceleration Off")
 
 
-def drop_last(cache: DynamicCache, n: int) -> None:
-    """Remove the last n positions from every layer (transformers wants a negative count)."""
-    if n > 0:
-        cache.crop(-n)
-
-
 def keep_path(cache: DynamicCache, start: int, keep: Sequence[int],
               layers: range | None = None) -> None:
     """After a step, keep only the root's and the accepted nodes' entries.
@@ -83,7 +77,11 @@ def _keep_in_layer(layer, start: int, keep: list[int], reorder: bool) -> None:
 
 def rollback(cache: DynamicCache, n: int) -> None:
     """Remove the last n positions from every layer and trim sliding-window layers back to
-    their window (n >= 0; unlike drop_last, n = 0 still trims)."""
+    their window: the one way a drafter's rejected positions leave a transformers cache.
+    transformers' crop takes a negative count; crop(0) removes nothing but still trims a
+    sliding layer (its documented meaning)."""
+    if n < 0:
+        raise ValueError(f"cannot roll back {n} positions")
     cache.crop(-n)
 
 

@@ -56,7 +56,7 @@ def joining(sources: dict[str, Drafter]) -> dict[str, Drafter]:
     """The sources Auto drafts from: the model-free ones (no estimate) and the trained ones
     that pay here by at least JOIN_MARGIN."""
     return {n: d for n, d in sources.items()
-            if d.pays and (d.speedup is None or d.speedup >= JOIN_MARGIN)}
+            if d.pays_off and (d.speedup is None or d.speedup >= JOIN_MARGIN)}
 
 
 def label(kind: str, labels: dict[str, str]) -> str:

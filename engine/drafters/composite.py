@@ -1,7 +1,7 @@
 """Drafting sources composed into one drafter by one rule.
 
 Every step each source's session offers, from the past only, a draft and each node's chance
-of being kept (engine.decode.drafter.Offer): from counts (lookup, the datastore), or from a
+of being kept (engine.decode.drafter.DraftOffer): from counts (lookup, the datastore), or from a
 trained source's calibration corrected by what this reply kept, with the source's own work
 timed here. The step takes the offer with the most expected tokens per unit of the step's
 measured cost, cut to its most likely nodes where that pays, plain decoding when none
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import SamplingParams
-from engine.decode.drafter import Draft, Drafter, Offer, Session, forward_layers
+from engine.decode.drafter import Draft, Drafter, DraftOffer, Session, forward_layers
 from engine.decode.timing import StepCost, reply_cost
 from engine.decode.tree import TreeShape, join_trees, shape_of
 
@@ -44,13 +44,13 @@ def best_size(chances: list[float], value: Callable[[int, float], float]) -> int
     return best_k
 
 
-def price(offer: Offer, k: int, cost: StepCost) -> float:
+def price(offer: DraftOffer, k: int, cost: StepCost) -> float:
     """Plain steps of a step drafting `offer`'s k most likely nodes alone: its own round
     where it verifies itself, else verifying k + 1 tokens plus its own work."""
     return offer.round_cost if offer.round_cost is not None else cost(k + 1) + offer.overhead
 
 
-def alone(offer: Offer, cost: StepCost) -> tuple[int, float]:
+def alone(offer: DraftOffer, cost: StepCost) -> tuple[int, float]:
     """(nodes, expected tokens per plain step of cost) of `offer` drafted as the whole
     step, cut to the nodes that pay (a source with its own round drafts all of it)."""
     if offer.round_cost is not None:
@@ -60,7 +60,7 @@ def alone(offer: Offer, cost: StepCost) -> tuple[int, float]:
     return k, (1.0 + sum(sorted(offer.chances, reverse=True)[:k])) / price(offer, k, cost)
 
 
-def pick(offers: list[Offer | None], cost: StepCost) -> tuple[int, int] | None:
+def pick(offers: list[DraftOffer | None], cost: StepCost) -> tuple[int, int] | None:
     """(index, nodes) of the offer that drafts the step alone, or None where none beats
     plain decoding (one token per plain step)."""
     best, best_value = None, 1.0
@@ -73,7 +73,7 @@ def pick(offers: list[Offer | None], cost: StepCost) -> tuple[int, int] | None:
     return best
 
 
-def join_size(offer: Offer, tokens: float, base: int, overhead: float, cost: StepCost) -> int:
+def join_size(offer: DraftOffer, tokens: float, base: int, overhead: float, cost: StepCost) -> int:
     """How many of `offer`'s nodes to graft onto a `base`-node draft expected to keep
     `tokens` tokens whose sources' own work costs `overhead`: the count that maximizes
     tokens per step cost; 0 where that join cannot pay even at best (every node's chance
@@ -89,7 +89,7 @@ def join_size(offer: Offer, tokens: float, base: int, overhead: float, cost: Ste
     return k if k and best > tokens / (cost(base) + overhead) else 0
 
 
-def node_chances(draft: Draft, offer: Offer, k: int) -> list[float]:
+def node_chances(draft: Draft, offer: DraftOffer, k: int) -> list[float]:
     """Each node's chance of being kept in `draft`, `offer`'s draft of its k most likely
     nodes (the root's 1.0): as the source says, else its chances in node order."""
     if draft.chances is not None:
@@ -145,26 +145,26 @@ class TreeJoin:
 
 
 @dataclass
-class Plan:
+class ComposedStep:
     """One step of a composite: its draft and where its nodes came from."""
 
     kind: str  # what the step counts as: the kinds of the offers in it, joined by "+"
     draft: Draft
-    mine: dict[int, list[int]]  # source index -> the draft's nodes it offered
-    own: int | None = None  # the source whose session verifies the step (None: whole model)
+    nodes_by_source: dict[int, list[int]]  # source index -> the draft's nodes it offered
+    verifier: int | None = None  # the source whose session verifies the step (None: whole model)
 
 
-def plan(offers: list[Offer | None], root: int, cost: StepCost, join: TreeJoin,
-         verifies: list[bool]) -> Plan:
+def plan(offers: list[DraftOffer | None], root: int, cost: StepCost, join: TreeJoin,
+         verifies: list[bool]) -> ComposedStep:
     """This step's draft under the composite's rule (see the module doc)."""
     chosen = pick(offers, cost)
     if chosen is None:
-        return Plan("off", Draft.chain(root, []), {})
+        return ComposedStep("off", Draft.chain(root, []), {})
     first, k = chosen
     base = offers[first]
     draft = base.build(k)
-    step = Plan(base.kind, draft, {first: list(range(1, draft.size))},
-                first if verifies[first] else None)
+    step = ComposedStep(base.kind, draft, {first: list(range(1, draft.size))},
+                        first if verifies[first] else None)
     if not base.joins:
         return step
     chances = node_chances(draft, base, k)
@@ -183,7 +183,8 @@ def plan(offers: list[Offer | None], root: int, cost: StepCost, join: TreeJoin,
         if (tokens + added) / (cost(joined.size) + spent) > \
                 tokens / (cost(step.draft.size) + overhead):
             joined.chances, chances = grown, grown
-            step.draft, step.kind, step.mine[i] = joined, f"{step.kind}+{offer.kind}", where
+            step.draft, step.kind = joined, f"{step.kind}+{offer.kind}"
+            step.nodes_by_source[i] = where
             tokens, overhead = tokens + added, spent
     return step
 
@@ -203,7 +204,7 @@ class Composite(Drafter):
         self.cost = cost or StepCost()
         self.sampled = sampled
         self.lead = sources.get(lead) if lead else None  # the trained source it is judged by
-        if self.lead is not None and not self.lead.pays:
+        if self.lead is not None and not self.lead.pays_off:
             # It decodes plainly here (its notice says so): in the mix it would only make
             # every step keep each layer's states for it.
             sources = {n: s for n, s in sources.items() if s is not self.lead}
@@ -214,8 +215,8 @@ class Composite(Drafter):
         self.join = TreeJoin()  # shapes only: shared by every reply
 
     @property
-    def pays(self) -> bool:
-        return self.lead.pays if self.lead else True
+    def pays_off(self) -> bool:
+        return self.lead.pays_off if self.lead else True
 
     @property
     def notice(self) -> str:
@@ -253,7 +254,7 @@ class CompositeSession(Session):
         self.wants_hidden = composite.wants_hidden
         self.steps: Counter = Counter()  # steps per kind in this reply
         self.kept: Counter = Counter()  # draft tokens accepted per kind in this reply
-        self._plan: Plan | None = None
+        self._plan: ComposedStep | None = None
         self._layers: tuple[torch.Tensor, ...] | None = None  # a whole-model round's states
         self.planning_s = 0.0  # seconds spent choosing this reply's steps (drafts included)
 
@@ -265,19 +266,19 @@ class CompositeSession(Session):
         return self._plan.draft
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._plan.own is not None:
-            return self.sessions[self._plan.own].score(state, draft)
+        if self._plan.verifier is not None:
+            return self.sessions[self._plan.verifier].score(state, draft)
         logits, self._layers = forward_layers(state, draft, self.wants_hidden)
         return logits, None if self._layers is None else self._layers[-1][0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
-        step, own = self._plan, self._plan.own
-        if own is not None:
-            self.sessions[own].commit(state, draft, path)
+        step, verifier = self._plan, self._plan.verifier
+        if verifier is not None:
+            self.sessions[verifier].commit(state, draft, path)
         else:
             state.target.keep_path(state.cache, state.cached, [0, *path])
         for i, session in enumerate(self.sessions):  # layers: None where a session verified
-            session.observe(state, self._layers, path, step.mine.get(i, []))
+            session.observe(state, self._layers, path, step.nodes_by_source.get(i, []))
         self._layers = None
         self.steps[step.kind] += 1
         self.kept[step.kind] += len(path)

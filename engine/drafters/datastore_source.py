@@ -20,7 +20,7 @@ from engine.config import SamplingParams
 from engine.datastore.load import open_store
 from engine.datastore.match import Continuations
 from engine.datastore.memory import Datastore
-from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, DraftOffer, Session
 from engine.decode.timing import StepCost, reply_cost, sampled_cost, step_cost
 from engine.decode.tree import build_tree
 from engine.drafters.composite import pick
@@ -114,9 +114,9 @@ class StoreSession(Session):
         self.cost = cost  # the step costs this reply's trees are cut by, drafting alone
         self.drafted = 0  # draft tokens from the store in this reply
         self.accepted = 0  # of which the model kept
-        self._mine: list[int] = []  # the nodes it drafted this step, drafting alone
+        self._offered: list[int] = []  # the nodes it drafted this step, drafting alone
 
-    def offer(self, state) -> Offer | None:
+    def offer(self, state) -> DraftOffer | None:
         """The continuation tree of the latest tokens; a node's chance of being kept is its
         smoothed path probability from the store's counts."""
         # room bounds the depth (positions), not the width
@@ -124,8 +124,8 @@ class StoreSession(Session):
         if not found.tokens:
             return None
         root, trees = state.ids[-1], self.drafter.trees
-        return Offer("datastore", lambda k: tree_draft(root, found.top(k), trees),
-                     chances=tuple(sorted(found.expected, reverse=True)))
+        return DraftOffer("datastore", lambda k: tree_draft(root, found.top(k), trees),
+                          chances=tuple(sorted(found.expected, reverse=True)))
 
     def propose(self, state) -> Draft:
         offer = self.offer(state)
@@ -135,16 +135,16 @@ class StoreSession(Session):
         if chosen is None:
             return Draft.chain(state.ids[-1], [])
         draft = offer.build(chosen[1])
-        self._mine = list(range(1, draft.size))
+        self._offered = list(range(1, draft.size))
         return draft
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         super().commit(state, draft, path)
-        self.observe(state, None, path, self._mine)
+        self.observe(state, None, path, self._offered)
 
-    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
-        self.drafted += len(mine)
-        self.accepted += sum(node in path for node in mine)
+    def observe(self, state, layers, path: list[int], offered: list[int]) -> None:
+        self.drafted += len(offered)
+        self.accepted += sum(node in path for node in offered)
 
     def finish(self, stats) -> None:
         if stats is not None:

@@ -10,7 +10,7 @@ chance of each token being kept is counted per reply, from a high prior, as look
 
 from __future__ import annotations
 
-from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, DraftOffer, Session
 
 # What a forced token is kept with before this reply says otherwise, and how many tokens'
 # worth that prior counts for.
@@ -47,16 +47,16 @@ class GrammarSession(Session):
     def propose(self, state) -> Draft:
         return Draft.chain(state.ids[-1], self.forced(state))
 
-    def offer(self, state) -> Offer | None:
+    def offer(self, state) -> DraftOffer | None:
         tokens, root = self.forced(state), state.ids[-1]
         if not tokens:
             return None
         p = self.chance()
-        return Offer("grammar", lambda k: Draft.chain(root, tokens[:k]),
-                     chances=tuple(p ** i for i in range(1, len(tokens) + 1)))
+        return DraftOffer("grammar", lambda k: Draft.chain(root, tokens[:k]),
+                          chances=tuple(p ** i for i in range(1, len(tokens) + 1)))
 
-    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
-        if mine:
-            kept = sum(node in path for node in mine)
+    def observe(self, state, layers, path: list[int], offered: list[int]) -> None:
+        if offered:
+            kept = sum(node in path for node in offered)
             self.kept += kept
-            self.missed += kept < len(mine)
+            self.missed += kept < len(offered)

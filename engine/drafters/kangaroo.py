@@ -14,13 +14,13 @@ import copy
 import logging
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from enum import Enum
 
 import torch
 from transformers import DynamicCache
 
-from engine.decode import kv_cache
-from engine.decode import split as layers
-from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode import kv_cache, split
+from engine.decode.drafter import Draft, Drafter, DraftOffer, Session
 from engine.decode.sampling import logits_to_probs, sample_from
 from engine.drafters.accelerators import check_format
 from engine.drafters.kangaroo_adapter import Adapter, adapt, draft_head
@@ -83,8 +83,8 @@ class KangarooDrafter(Drafter):
                  round_cost: float | None = None):
         """metrics: calibration's (its "mean_accepted" tokens per round); round_cost: plain
         steps a round costs where known, else timed here at first use (round_cost())."""
-        layers.check_supported(lm.model)
-        settings.check(layers.num_layers(lm.model))
+        split.check_supported(lm.model)
+        settings.check(split.num_layers(lm.model))
         head = lm.model.get_output_embeddings()
         vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         if vocab is not None and not _fits(vocab, vocab_size):
@@ -115,7 +115,7 @@ class KangarooDrafter(Drafter):
         """Rebuild the drafter stored in `ckpt` (engine.drafters.accelerators.Checkpoint) for `lm`;
         its rounds are timed here, and where they would not pay it decodes plainly and
         says so."""
-        layers.check_supported(lm.model)
+        split.check_supported(lm.model)
         stored = ckpt.info.get("settings", {})
         check_format(stored.get("format", 1), FORMAT, "kangaroo", ckpt.folder, "adapter")
         settings = KangarooSettings.from_json(stored)
@@ -132,7 +132,7 @@ class KangarooDrafter(Drafter):
         drafter = cls(lm, adapter, settings, ckpt.tensors.get("draft_vocab"), ckpt.metrics)
         if drafter.off:  # calibration found nothing faster than plain decoding
             drafter.notice = drafter.verdict()
-        elif not drafter.pays:
+        elif not drafter.pays_off:
             drafter.off, drafter.wants_hidden = True, False
             drafter.notice = not_paying_notice("Kangaroo", lm, drafter.speedup or 0.0)
         if drafter.notice:
@@ -164,7 +164,7 @@ class KangarooDrafter(Drafter):
         """A drafter sharing these weights with another eta and gamma (calibration)."""
         other = copy.copy(self)
         other.settings = replace(self.settings, eta=eta, gamma=gamma)
-        other.settings.check(layers.num_layers(self.lm.model))
+        other.settings.check(split.num_layers(self.lm.model))
         other.off = gamma == 0
         other.wants_hidden = not other.off
         other._round_cost = {}
@@ -176,7 +176,7 @@ class KangarooDrafter(Drafter):
         return self.speedup
 
     @property
-    def pays(self) -> bool:
+    def pays_off(self) -> bool:
         """Whether its rounds are estimated faster than plain decoding here (never measured:
         it drafts alone as asked, and nothing in a composite)."""
         if self.settings.gamma == 0:
@@ -193,7 +193,7 @@ class KangarooDrafter(Drafter):
         speedup = self.speedup
         if speedup is None:
             return "Kangaroo"
-        if not self.pays:
+        if not self.pays_off:
             return not_paying_notice("Kangaroo", self.lm, speedup)
         return f"Kangaroo: estimated {speedup:.2f}x plain decoding here"
 
@@ -216,7 +216,7 @@ class KangarooDrafter(Drafter):
         top-1 token ids and their (n,) probabilities. Drafting goes on after a guess while
         `sure` says so (one rule for drafting and calibration)."""
         # (n, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
-        logits = layers.logits(self.lm.model, states, self.head).float()
+        logits = split.logits(self.lm.model, states, self.head).float()
         top, idx = torch.softmax(logits, -1).max(-1)
         return logits, idx if self.vocab is None else self.vocab[idx], top
 
@@ -229,7 +229,18 @@ class KangarooDrafter(Drafter):
         first round."""
         if self.off:
             return Session()
-        return KangarooSession(self, layers.exit_states(prefill, self.settings.exit_layer))
+        return KangarooSession(self, split.exit_states(prefill, self.settings.exit_layer))
+
+
+class Phase(Enum):
+    """Where a Kangaroo session is within a step. Within a round the shallow layers (and
+    the adapter's cache) hold the drafted tokens while the deep layers do not yet: each
+    phase says which states exist, and the session's methods move it on in this order
+    only: READY -propose-> DRAFTED -score-> SCORED -commit-> READY (observe: READY)."""
+
+    READY = "ready"  # between rounds: `unread` holds committed states the adapter has not read
+    DRAFTED = "drafted"  # `drafted`: layer-l states of the root and d1..d(k-1)
+    SCORED = "scored"  # `scored`: layer-l states of every verified node, the deep layers run
 
 
 class KangarooSession(Session):
@@ -238,36 +249,47 @@ class KangarooSession(Session):
 
     wants_hidden = True
 
-    def __init__(self, drafter: KangarooDrafter, lag: torch.Tensor) -> None:
+    def __init__(self, drafter: KangarooDrafter, unread: torch.Tensor) -> None:
         self.drafter = drafter
         self.settings = drafter.settings
         self.cache = DynamicCache()  # the adapter's own KV cache (one layer)
-        self.lag = lag  # (1, m, H) layer-l states of committed tokens the adapter has not read
+        self.phase = Phase.READY
+        # (1, m, H) layer-l states of committed tokens the adapter has not read yet
+        self.unread = unread
         self.drafted: torch.Tensor | None = None  # (1, k, H) layer-l states of root, d1..d(k-1)
         self.scored: torch.Tensor | None = None  # (1, k + 1, H) layer-l states of verified nodes
         self.external = False  # the round's states were not read by the adapter (no room)
         self.kept = 0.0  # drafted tokens this reply's rounds kept
         self.rounds = 0  # rounds this reply drafted
 
-    def expected(self) -> float:
+    def _move(self, step: str, start: Phase, end: Phase) -> None:
+        """Enter `end` from `start`; anything else is a caller's bug, said at once instead
+        of caches that silently disagree."""
+        if self.phase is not start:
+            raise RuntimeError(f"Kangaroo's {step} needs a {start.value} session; "
+                               f"this one is {self.phase.value}")
+        self.phase = end
+
+    def expected_tokens(self) -> float:
         """Drafted tokens a round is expected to keep: calibration's figure, corrected by
         this reply's rounds (calibration counting for PRIOR_ROUNDS rounds)."""
         prior = (self.drafter.tokens_per_round or 1.0) - 1.0
         return (PRIOR_ROUNDS * prior + self.kept) / (PRIOR_ROUNDS + self.rounds)
 
-    def offer(self, state) -> Offer | None:
+    def offer(self, state) -> DraftOffer | None:
         """An adapter round at its expected kept tokens and its cost timed here, verified by
         this session alone (nothing where it was never measured)."""
         gamma = min(self.settings.gamma, state.room)
         if gamma == 0 or self.drafter.tokens_per_round is None:
             return None
         # a round drafts all or nothing: only the sum counts, at most every token kept
-        per_token = min(1.0, self.expected() / gamma)
-        return Offer("kangaroo", lambda _k: self.propose(state), (per_token,) * gamma,
-                     round_cost=self.drafter.round_cost(), joins=False)
+        per_token = min(1.0, self.expected_tokens() / gamma)
+        return DraftOffer("kangaroo", lambda _k: self.propose(state), (per_token,) * gamma,
+                          round_cost=self.drafter.round_cost(), joins=False)
 
     def propose(self, state) -> Draft:
         """Run the pending token through the shallow layers, then draft until unsure."""
+        self._move("propose", Phase.READY, Phase.DRAFTED)
         s = self.settings
         gamma = min(s.gamma, state.room)
         start = state.cached
@@ -276,7 +298,7 @@ class KangarooSession(Session):
         if self.external:  # no room for a draft token: the round verifies the root alone
             self.drafted = h
             return Draft.chain(state.ids[-1], [])
-        x, x_start = torch.cat([self.lag, h], dim=1), start - self.lag.shape[1]
+        x, x_start = torch.cat([self.unread, h], dim=1), start - self.unread.shape[1]
         states, tokens, qs = [h], [], []
         while True:
             out = self._adapt(x, x_start)[-1]  # (H,) adapter state of the last position
@@ -288,29 +310,33 @@ class KangarooSession(Session):
             x_start = start + len(tokens)
             x = self._shallow(state, token, x_start)
             states.append(x)
-        self.lag = self.lag[:, :0]
+        self.unread = self.unread[:, :0]
         self.drafted = torch.cat(states, dim=1)
         q_rows = torch.stack(qs) if qs[0] is not None else None
         return Draft.chain(state.ids[-1], tokens, q_rows)
 
-    def absorb(self, exits: torch.Tensor) -> None:
+    def queue_unread(self, exits: torch.Tensor) -> None:
         """Queue the (1, m, H) layer-l states of tokens just committed by a round the adapter
         did not draft (another source's whole-model forward): the adapter reads them at its
         next round, so no layer runs twice for a token."""
-        self.lag = torch.cat([self.lag, exits], dim=1)
+        self.unread = torch.cat([self.unread, exits], dim=1)
 
-    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
+    def observe(self, state, layers, path: list[int], offered: list[int]) -> None:
         """After another source's whole-model round: the adapter reads the kept tokens'
         layer-l states at its next round."""
+        if self.phase is not Phase.READY:
+            raise RuntimeError(f"Kangaroo's observe needs a ready session; this one is "
+                               f"{self.phase.value}")
         if layers is None:
             return
-        self.absorb(layers[self.settings.exit_layer][:, [0, *path]])
+        self.queue_unread(layers[self.settings.exit_layer][:, [0, *path]])
         state.target.rollback(state.cache, 0)  # trims sliding-window layers
 
     def score(self, state, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers l..L over the saved layer-l states (+ the last draft token's, computed now
         unless the round already ran it): logits and the final (normed) hidden states,
         which Medusa's heads read when a composite mixes the two."""
+        self._move("score", Phase.DRAFTED, Phase.SCORED)
         model = self.drafter.lm.model
         start, k = state.cached, draft.size - 1
         self.scored = self.drafted
@@ -318,23 +344,24 @@ class KangarooSession(Session):
             last = self._shallow(state, draft.tokens[-1], start + k)
             self.scored = torch.cat([self.drafted, last], dim=1)  # (1, k + 1, H)
         target = state.target
-        deep = range(self.settings.exit_layer, layers.num_layers(model))
+        deep = range(self.settings.exit_layer, split.num_layers(model))
         h = target.norm(target.run_layers(self.scored, deep, state.cache, start))
         return target.logits(h)[0], h[0]
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:
         """Keep the root and accepted drafts in every layer and in the adapter's cache."""
+        self._move("commit", Phase.SCORED, Phase.READY)
         k, a = draft.size - 1, len(path)
         if k:
             self.kept, self.rounds = self.kept + a, self.rounds + 1
         state.target.rollback(state.cache, k - a)  # every layer held start + k + 1
         if self.external:  # the adapter has read none of this round's states
-            self.absorb(self.scored[:, :a + 1])
+            self.queue_unread(self.scored[:, :a + 1])
         elif a < k:
             # The adapter read the root and d1..d(k-1): keep the root and d1..da.
-            kv_cache.drop_last(self.cache, k - a - 1)
+            kv_cache.rollback(self.cache, k - a - 1)
         else:
-            self.lag = self.scored[:, k:]  # dk's state, read at the next propose
+            self.unread = self.scored[:, k:]  # dk's state, read at the next propose
         self.drafted = self.scored = None
 
     # -- pieces ---------------------------------------------------------------------------

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from engine.decode import split as layers
+from engine.decode import split
 from engine.weights import quant
 
 
 def source_index(model, source: int) -> int:
     """The decoder layer the adapter copies: `source`, counted from the end when negative."""
-    return source % layers.num_layers(model)
+    return source % split.num_layers(model)
 
 
 class Adapter(nn.Module):
@@ -30,10 +30,10 @@ class Adapter(nn.Module):
 
     def __init__(self, model, source: int = -1):
         super().__init__()
-        p = layers.parts(model)
+        p = split.parts(model)
         index = source_index(model, source)
         self.source = index  # rebuilds the same kind of layer at load (KangarooSettings)
-        self.sliding = layers.is_sliding(model.config, index)
+        self.sliding = split.is_sliding(model.config, index)
         self.layer = type(p.blocks[index])(model.config, layer_idx=index)
         # Index 0 of the adapter's own one-layer cache (the layer's kind was fixed above).
         for module in self.layer.modules():
@@ -46,7 +46,7 @@ class Adapter(nn.Module):
         """An adapter initialised from a copy of decoder layer `source` and the final norm,
         in `dtype` (quantized source weights are dequantized)."""
         adapter = cls(model, source)
-        p = layers.parts(model)
+        p = split.parts(model)
         with torch.no_grad():
             _copy_dense(p.blocks[source_index(model, source)], adapter.layer)
             _copy_dense(p.norm, adapter.norm)
@@ -55,18 +55,18 @@ class Adapter(nn.Module):
     def forward(self, h: torch.Tensor, rotary, mask, pos: torch.Tensor,
                 cache: DynamicCache | None = None) -> torch.Tensor:
         """h: (B, S, H) layer-l states -> (B, S, H) final-normed states for the LM head."""
-        return self.norm(layers.call_layer(self.layer, h, rotary, mask, pos, cache))
+        return self.norm(split.call_layer(self.layer, h, rotary, mask, pos, cache))
 
 
 def adapt(model, adapter: Adapter, x: torch.Tensor, start: int,
           cache: DynamicCache | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
     """The adapter over x (B, n, H) at positions start.. (appending to its own `cache`, or
     whole sequences from position 0 without one); pad: (B, n) 1 on real tokens, or None."""
-    pos = layers.positions(start, x.shape[1], x.device).expand(x.shape[0], -1)
-    rotary = layers.rope(model, x, pos)
+    pos = split.positions(start, x.shape[1], x.device).expand(x.shape[0], -1)
+    rotary = split.rope(model, x, pos)
     mask = None  # one query attends to everything cached (SDPA's fast path)
     if x.shape[1] > 1 or cache is None:
-        mask = layers.mask(model, x, cache, pos, adapter.sliding, 0, pad)
+        mask = split.mask(model, x, cache, pos, adapter.sliding, 0, pad)
     return adapter(x, rotary, mask, pos, cache)
 
 

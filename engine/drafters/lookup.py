@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.config import SamplingParams
-from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, DraftOffer, Session
 from engine.decode.timing import step_cost
 
 
@@ -144,20 +144,20 @@ class LookupSession(Session):
         kept, missed = self.kept.get(copying, (0.0, 0.0))
         return (PRIOR_WEIGHT * prior + kept) / (PRIOR_WEIGHT + kept + missed)
 
-    def offer(self, state) -> Offer | None:
+    def offer(self, state) -> DraftOffer | None:
         chain, n = self.match(state.ids, state.room)
         if not chain:
             return None
         p, root = self.chance(n), state.ids[-1]
         self._copying = self.copying(n)
         chances = [p ** i for i in range(1, len(chain) + 1)]
-        return Offer("copy" if self._copying else "lookup",
-                     lambda k: Draft.chain(root, chain[:k], chances=chances[:k]),
-                     chances=tuple(chances), joins=not self._copying)
+        return DraftOffer("copy" if self._copying else "lookup",
+                          lambda k: Draft.chain(root, chain[:k], chances=chances[:k]),
+                          chances=tuple(chances), joins=not self._copying)
 
-    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
-        if mine:
-            kept = sum(node in path for node in mine)
+    def observe(self, state, layers, path: list[int], offered: list[int]) -> None:
+        if offered:
+            kept = sum(node in path for node in offered)
             counts = self.kept.setdefault(self._copying, [0.0, 0.0])
             counts[0] += kept
-            counts[1] += kept < len(mine)
+            counts[1] += kept < len(offered)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, DraftOffer, Session
 from engine.decode.timing import StepCost, step_cost
 from engine.decode.tree import (
     TreeBuffers,
@@ -124,7 +124,7 @@ class MedusaDrafter(Drafter):
             ) from exc
         chances = [chances[tuple(c)] for c in tree.choices[1:]]
         drafter = cls(lm, heads, tree, chances)
-        if not drafter.pays:
+        if not drafter.pays_off:
             drafter.notice = not_paying_notice("Medusa", lm, drafter.speedup or 0.0)
         return drafter
 
@@ -145,7 +145,7 @@ class MedusaDrafter(Drafter):
         """(nodes, expected tokens per plain step of cost) of the best cut of the tree at
         these node chances (most likely first), at `overhead` (None: the one timed here)."""
         spent = self.overhead() if overhead is None else overhead
-        return alone(Offer("medusa", self.draft, tuple(chances), spent), cost)
+        return alone(DraftOffer("medusa", self.draft, tuple(chances), spent), cost)
 
     @property
     def speedup(self) -> float | None:
@@ -162,7 +162,7 @@ class MedusaDrafter(Drafter):
         return self.speedup
 
     @property
-    def pays(self) -> bool:
+    def pays_off(self) -> bool:
         """Whether some cut of the tree is estimated faster than plain decoding here (a
         drafter never measured drafts its whole tree alone, as asked; an empty tree never)."""
         if self.tree.size <= 1:
@@ -265,20 +265,20 @@ class MedusaSession(Session):
         super().commit(state, draft, path)
         self.observe(state, None, path, list(range(1, draft.size)))
 
-    def offer(self, state) -> Offer | None:
+    def offer(self, state) -> DraftOffer | None:
         """The candidate tree, each node at this reply's chance of being kept, with the
         heads' timed cost (nothing where the heads were never measured)."""
         d = self.drafter
         if not d.chances or state.room == 0:
             return None
         scale = self.scale()
-        return Offer("medusa", lambda k: self._build(state, k, scale),
-                     tuple(min(1.0, scale * c) for c in d.chances), d.overhead())
+        return DraftOffer("medusa", lambda k: self._build(state, k, scale),
+                          tuple(min(1.0, scale * c) for c in d.chances), d.overhead())
 
-    def observe(self, state, layers, path: list[int], mine: list[int]) -> None:
+    def observe(self, state, layers, path: list[int], offered: list[int]) -> None:
         """Count the heads' nodes this step kept against the chances they were drafted at."""
-        if self._step and mine:
-            self.kept += sum(node in path for node in mine)
+        if self._step and offered:
+            self.kept += sum(node in path for node in offered)
             self.expected += self._step
         self._step = 0.0
 

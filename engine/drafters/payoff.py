@@ -26,13 +26,9 @@ from engine.weights import kernels
 def machine(lm) -> str:
     """What step times depend on besides the dtype: the processor (or GPU), the threads,
     torch and which low-bit kernels run. Calibration records it with its timings."""
-    if lm.device.type == "cuda":
-        where = torch.cuda.get_device_name(lm.device)
-    else:
-        where = f"{devices.cpu_name()}, {torch.get_num_threads()} threads"
-        if lm.quant in ("int4", "int8w", "gguf") and kernels.available():
-            where += ", own int8 kernel"
-    return f"{where}, torch {torch.__version__}"
+    own = lm.device.type == "cpu" and lm.quant in ("int4", "int8w", "gguf") and \
+        kernels.available()
+    return devices.machine(lm.device).describe("own int8 kernel" if own else "")
 
 
 def not_paying_notice(method: str, lm, speedup: float) -> str:

@@ -139,7 +139,7 @@ def compose(lm, name: str, source: Callable[[str], Drafter]) -> Drafter:
             log.warning("%s leaves %s out: %s: %s", m.label, part, type(exc).__name__, exc)
     if m.every_source:
         return auto(parts, step_cost(lm), ACCEL_LABELS, sampled_cost(lm))
-    if len(parts) == 1 and m.checkpoint is not None and parts[name].pays:
+    if len(parts) == 1 and m.checkpoint is not None and parts[name].pays_off:
         return parts[name]  # a trained source alone decides by its own calibration
     # One that does not pay here is a composite without it: plain steps, no states kept.
     # Model-free sources alone go through the rule too: they draft only where their offer

@@ -107,7 +107,7 @@ class BatchRows:
             cos, sin = t.rope.rows(positions, top)
             kept = {0: x} if 0 in layers else {}
             for i, w in enumerate(t.weights):
-                x = self.layer(x, w, cos, sin, masks[t.spec.windows[i]], self.keys[i],
+                x = self.layer(w, x, cos, sin, masks[t.spec.windows[i]], self.keys[i],
                                self.values[i], positions)
                 if i + 1 in layers:
                     kept[i + 1] = x

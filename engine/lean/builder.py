@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from engine.lean.layer import LayerWeights, Lin
+from engine.lean.layer import SYMBOLIC, LayerWeights, Projection, StepInputs
 from engine.paths import atomic_write, use_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def _write(folder: Path, status: Status) -> None:
 
 def describe(value):
     """A layer's weights or a step's arguments as JSON: tensors by shape, stride and dtype;
-    named tuples (LayerWeights, Lin) by type and fields; tuples as lists; None as null."""
+    named tuples (LayerWeights, Projection) by type and fields; tuples as lists; None as null."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -157,7 +157,8 @@ def rebuild(desc):
     if isinstance(desc, list):
         return tuple(rebuild(d) for d in desc)
     if "type" in desc:
-        kind = {"LayerWeights": LayerWeights, "Lin": Lin}[desc["type"]]
+        kind = {"LayerWeights": LayerWeights, "Projection": Projection,
+                "StepInputs": StepInputs}[desc["type"]]
         return kind(**{name: rebuild(d) for name, d in desc["fields"].items()})
     tensor = torch.empty_strided(desc["shape"], desc["stride"], dtype=getattr(torch, desc["dtype"]))
     return tensor.zero_()
@@ -212,22 +213,25 @@ def eager_arithmetic() -> None:
         lowering.make_fallback(op, warn=False, override_decomp=True)
 
 
-def build_package(layer: Callable, kind: Kind, args: tuple, path: Path) -> None:
-    """Export `layer` for layers of `kind` over a step's `args` (window and capacity
+def build_package(layer: Callable, kind: Kind, inputs: StepInputs, path: Path) -> None:
+    """Export `layer` for layers of `kind` over a step's `inputs` (what SYMBOLIC names left
     symbolic) and compile it into the package at `path` (engine/lean/builder.py runs this,
-    after `eager_arithmetic`)."""
+    after `eager_arithmetic`). The package takes the StepInputs, then the layer's tensors."""
     from torch.export import Dim
 
+    count = len(StepInputs._fields)
+
     class Layer(torch.nn.Module):
-        def forward(self, x, cos, sin, mask, keys, values, slots, *flat):
-            return layer(x, kind.unflatten(flat), cos, sin, mask, keys, values, slots)
+        def forward(self, *args):
+            return layer(kind.unflatten(args[count:]), *args[:count])
 
     weights = kind.flat(kind.example)
-    window, capacity = Dim("window", min=2), Dim("capacity", min=2)
-    shapes = (None, None, None, {1: window}, {1: capacity}, {1: capacity}, None,
-              tuple(None for _ in weights))
+    dims = {name: Dim(name, min=2) for name in ("window", "capacity")}
+    symbolic = [None if at is None else {axis: dims[name] for axis, name in at.items()}
+                for at in SYMBOLIC]
+    shapes = ((*symbolic, *(None for _ in weights)),)  # forward's one *args
     with torch.inference_mode():
-        program = torch.export.export(Layer(), (*args, *weights), dynamic_shapes=shapes,
+        program = torch.export.export(Layer(), (*inputs, *weights), dynamic_shapes=shapes,
                                       strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
@@ -261,8 +265,7 @@ def build(folder: Path, request: dict) -> Status:
     eager_arithmetic()
     _write(folder, Status("building", 0, len(todo), 0.0, pid=os.getpid()))
     for done, (size, kind, path) in enumerate(todo):
-        args = tuple(rebuild(d) for d in request["examples"][str(size)])
-        build_package(layer, kinds[kind], args, path)
+        build_package(layer, kinds[kind], rebuild(request["examples"][str(size)]), path)
         elapsed = time.perf_counter() - begin
         left = elapsed / (done + 1) * (len(todo) - done - 1)
         _write(folder, Status("building", done + 1, len(todo), elapsed, left, pid=os.getpid()))

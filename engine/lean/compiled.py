@@ -13,7 +13,9 @@ unsupported operation) the eager layer serves, and the state says so in one line
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import logging
 import threading
 import time
@@ -25,7 +27,7 @@ import torch
 from engine import devices
 from engine.lean import builder
 from engine.lean.builder import Kind
-from engine.lean.layer import LayerWeights
+from engine.lean.layer import LayerWeights, StepInputs
 from engine.paths import cache_dir, use_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,6 @@ SIZES = (1, 2, 4, 8, 16)  # tokens per compiled step; a draft is padded to the n
 # meanwhile; "wait": start it and wait (timings then measure the compiled step); "detach":
 # start it for the next start and stay eager (a process about to end)
 MODES = ("load", "watch", "wait", "detach")
-# bumped when the layer function or its arithmetic changes: other layouts' packages are rebuilt
-LAYOUT = 2
 
 
 def size_for(n: int) -> int | None:
@@ -47,8 +47,8 @@ def size_for(n: int) -> int | None:
 
 class Steps:
     """The layer call for each step size: loaded packages where ready, else the eager
-    function. `for_size` returns call(i, x, cos, sin, mask, keys, values, slots) running
-    layer i (its weights are the ones given here)."""
+    function. `for_size` returns call(i, *StepInputs) running layer i (its weights are the
+    ones given here)."""
 
     def __init__(self, layer: Callable, weights: list[LayerWeights]):
         self.layer, self.weights = layer, weights
@@ -92,11 +92,11 @@ class Steps:
         kind_of, flat = self.kind_of, self.flat
         return (lambda i, *args: runs[kind_of[i]]([*args, *flat[i]])[0]), size
 
-    def eager(self, i: int, *args) -> torch.Tensor:
-        x, cos, sin, mask, keys, values, slots = args
-        return self.layer(x, self.weights[i], cos, sin, mask, keys, values, slots)
+    def eager(self, i: int, *inputs) -> torch.Tensor:
+        """Layer i over a step's StepInputs, eagerly."""
+        return self.layer(self.weights[i], *inputs)
 
-    def compile(self, example: Callable[[int], tuple], key: str, layout: dict,
+    def compile(self, example: Callable[[int], StepInputs], key: str, layout: dict,
                 mode: str = "watch", on_ready: Callable[[], None] | None = None,
                 report: Callable | None = None) -> None:
         """Load the package of every size and kind (`key` names what they are built for);
@@ -127,7 +127,8 @@ class Steps:
         else:
             work()
 
-    def _request(self, example: Callable[[int], tuple], layout: dict, folder: Path) -> dict:
+    def _request(self, example: Callable[[int], StepInputs], layout: dict, folder: Path
+                 ) -> dict:
         """What the builder needs: the layer's description, one layer's weights per kind
         and a step's arguments per size (shapes and dtypes), and the packages' names."""
         return {**layout,
@@ -176,9 +177,21 @@ def package_folder(key: str) -> Path:
     return cache_dir() / "compiled" / _digest(key)
 
 
+@functools.cache
+def layout() -> str:
+    """What a package's arithmetic is made of, digested: the layer function's module, the
+    low-bit dispatch it traces through and how the builder compiles it. A change to any of
+    them keys new packages (the old ones are never loaded for it), with no number to bump."""
+    from engine.lean import layer
+    from engine.weights import quant
+
+    parts = (inspect.getsource(layer), inspect.getsource(quant.lowbit_mm),
+             inspect.getsource(builder.build_package),
+             inspect.getsource(builder.eager_arithmetic), repr(builder.EAGER_OPS))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
 def _digest(key: str) -> str:
     """The folder name for packages built for `key` (with this layout, torch and CPU)."""
-    cpu = torch.backends.cpu.get_cpu_capability()
-    flags = " ".join(sorted(devices.cpu_flags()))
-    full = f"{key}|layout {LAYOUT}|torch {torch.__version__}|{cpu}|{flags}"
+    full = f"{key}|layout {layout()}|{devices.machine().build_key}"
     return hashlib.sha256(full.encode()).hexdigest()[:16]

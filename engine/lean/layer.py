@@ -20,7 +20,7 @@ from engine.lean.spec import LeanSpec
 from engine.weights.quant import lowbit_mm
 
 
-class Lin(NamedTuple):
+class Projection(NamedTuple):
     """A linear layer's tensors. weight: (N, K) dense, or packed low-bit codes (Quickdraft's
     blocks, (N, bytes per row) uint8, or PyTorch's packings; engine.weights.quant.lowbit_mm picks
     the kernel); scales: None for dense weights, the blocks' type (int64) or PyTorch's
@@ -37,18 +37,18 @@ class LayerWeights(NamedTuple):
     """One decoder layer. Norm weights are None where the family has no such norm."""
 
     norm_in: torch.Tensor | None  # before attention (absent in OLMo-2)
-    qkv: tuple[Lin, ...]  # one fused projection, or q, k, v where they could not be fused
+    qkv: tuple[Projection, ...]  # one fused projection, or q, k, v where they could not be fused
     q_norm: torch.Tensor | None  # Qwen3 (D,), OLMo-2 (heads * D,)
     k_norm: torch.Tensor | None
-    o: Lin
+    o: Projection
     norm_attn_out: torch.Tensor | None  # on attention's output (Gemma 2, OLMo-2)
     norm_mlp_in: torch.Tensor | None  # before the MLP (absent in OLMo-2)
-    gate_up: tuple[Lin, ...]  # one fused projection, or gate and up
-    down: Lin
+    gate_up: tuple[Projection, ...]  # one fused projection, or gate and up
+    down: Projection
     norm_mlp_out: torch.Tensor | None  # on the MLP's output (Gemma 2, OLMo-2)
 
 
-def linear(lin: Lin, x: torch.Tensor, wide_rows: int = 0) -> torch.Tensor:
+def linear(lin: Projection, x: torch.Tensor, wide_rows: int = 0) -> torch.Tensor:
     """(n, K) -> (n, N) through the kernel the weights are stored for (the bf16 copy, where
     kept, for steps of `wide_rows` rows or more)."""
     if lin.scales is None:
@@ -77,6 +77,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
+class StepInputs(NamedTuple):
+    """A layer call's inputs besides its weights, in the one order the layer function, its
+    compiled packages (which take them by position) and every caller use."""
+
+    x: torch.Tensor  # (n, H) residual stream
+    cos: torch.Tensor  # (n, D) rotary rows of the n positions
+    sin: torch.Tensor
+    mask: torch.Tensor  # (n, W) additive float mask over the first W cache slots
+    keys: torch.Tensor  # (kv_heads, C, D) this layer's cache, written at `slots` in place
+    values: torch.Tensor
+    slots: torch.Tensor  # (n,) the cache slots this step writes
+
+
+# What a compiled package leaves symbolic in each input: the mask's window and the cache's
+# capacity (a step's size is fixed per package).
+SYMBOLIC = StepInputs(None, None, None, {1: "window"}, {1: "capacity"}, {1: "capacity"}, None)
+
+
 class BatchLengths(NamedTuple):
     """A batched step's attention span per row, for Quickdraft's decode-attention kernel
     (in place of a mask): row r attends to its slots 0..lengths[r]-1 (the last one its
@@ -89,10 +107,8 @@ class BatchLengths(NamedTuple):
 def make_layer(spec: LeanSpec, wide_rows: int = 0, batched: bool = False) -> Callable:
     """The layer function for `spec`:
 
-    layer(x, weights, cos, sin, mask, keys, values, slots) -> x
-      x: (n, H) residual stream; cos, sin: (n, D) rotary rows of the n positions;
-      mask: (n, W) additive float mask over the first W cache slots (this step's included);
-      keys, values: (kv_heads, C, D) this layer's cache, written at `slots` (n,) in place.
+    layer(weights, *StepInputs) -> x, the layer's output (n, H) (StepInputs says what each
+      input is; the mask covers this step's slots too).
     wide_rows: steps of this many rows or more use the bf16 copies low-bit weights keep.
     batched: the n rows are n independent sequences, one token each (engine/lean/batch.py):
       keys, values are then (n, kv_heads, C, D), one cache row per sequence, and row r
@@ -163,7 +179,7 @@ def make_layer(spec: LeanSpec, wide_rows: int = 0, batched: bool = False) -> Cal
         gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
         return linear(w.down, mlp_act(gate) * up, wide_rows)
 
-    def layer(x, w: LayerWeights, cos, sin, mask, keys, values, slots):
+    def layer(w: LayerWeights, x, cos, sin, mask, keys, values, slots):
         h = attention_of(norm(x, w.norm_in), w, cos, sin, mask, keys, values, slots)
         x = x + norm(h, w.norm_attn_out)
         h = mlp(norm(x, w.norm_mlp_in), w)

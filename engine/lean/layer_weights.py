@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.lean.layer import LayerWeights, Lin
+from engine.lean.layer import LayerWeights, Projection
 from engine.lean.spec import LeanSpec
 from engine.weights import pages, quant
 
@@ -21,7 +21,7 @@ def layer_weights(spec: LeanSpec, block: nn.Module) -> LayerWeights:
     """One decoder layer's weights (`block`: a transformers decoder layer of the family)."""
     attn, mlp = block.self_attn, block.mlp
     if spec.fused:  # Phi-3 stores them fused already
-        qkv, gate_up = (lin_of(attn.qkv_proj),), (lin_of(mlp.gate_up_proj),)
+        qkv, gate_up = (projection_of(attn.qkv_proj),), (projection_of(mlp.gate_up_proj),)
     else:
         qkv = fused(attn, ("q_proj", "k_proj", "v_proj"))
         gate_up = fused(mlp, ("gate_proj", "up_proj"))
@@ -32,43 +32,43 @@ def layer_weights(spec: LeanSpec, block: nn.Module) -> LayerWeights:
         qkv=qkv,
         q_norm=_weight(q_norm),
         k_norm=_weight(k_norm),
-        o=lin_of(attn.o_proj),
+        o=projection_of(attn.o_proj),
         norm_attn_out=(_weight(block.post_attention_layernorm)
                        if spec.sandwich or spec.post_only else None),
         norm_mlp_in=_weight(block.pre_feedforward_layernorm if spec.sandwich
                             else None if spec.post_only else block.post_attention_layernorm),
         gate_up=gate_up,
-        down=lin_of(mlp.down_proj),
+        down=projection_of(mlp.down_proj),
         norm_mlp_out=(_weight(block.post_feedforward_layernorm)
                       if spec.sandwich or spec.post_only else None),
     )
 
 
-def lin_of(module: nn.Module) -> Lin:
+def projection_of(module: nn.Module) -> Projection:
     """A linear module's tensors as the layer function reads them."""
     if isinstance(module, quant.LowBitLinear):
         if module.padded:  # its kernel's outputs would not split into the layer's
             raise TypeError(f"{module.out_features} outputs do not fill the kernel's groups")
-        return Lin(module.packed, module.scales, module.bias, module.wide)
+        return Projection(module.packed, module.scales, module.bias, module.wide)
     if type(module) is not nn.Linear:
         raise TypeError(f"{type(module).__name__} is not a linear layer the lean step runs")
-    return Lin(module.weight, None, module.bias)
+    return Projection(module.weight, None, module.bias)
 
 
-def fused(parent: nn.Module, names: tuple[str, ...]) -> tuple[Lin, ...]:
-    """The projections `names` of `parent` as one fused Lin where that costs no memory, else
-    one Lin each. The modules are rebound to views into the fused weights."""
+def fused(parent: nn.Module, names: tuple[str, ...]) -> tuple[Projection, ...]:
+    """The projections `names` of `parent` as one fused Projection where that costs no memory, else
+    one Projection each. The modules are rebound to views into the fused weights."""
     modules = [getattr(parent, n) for n in names]
     if all(type(m) is nn.Linear for m in modules):
         return (_fuse_dense(modules),)
     if all(isinstance(m, quant.LowBitLinear) for m in modules):
         one = fuse_low_bit(modules)
         if one is not None:
-            return (Lin(one.packed, one.scales, one.bias),)
-    return tuple(lin_of(m) for m in modules)
+            return (Projection(one.packed, one.scales, one.bias),)
+    return tuple(projection_of(m) for m in modules)
 
 
-def _fuse_dense(modules: list[nn.Linear]) -> Lin:
+def _fuse_dense(modules: list[nn.Linear]) -> Projection:
     """Concatenate the weights (and biases) along the outputs, once; each module then holds
     a view of its rows, so the weights exist once."""
     weight = torch.cat([m.weight.detach() for m in modules])
@@ -86,7 +86,7 @@ def _fuse_dense(modules: list[nn.Linear]) -> Lin:
         if m.bias is not None:
             m.bias = nn.Parameter(bias[start:end], requires_grad=False)
         start = end
-    return Lin(weight, None, bias)
+    return Projection(weight, None, bias)
 
 
 def _weight(norm: nn.Module | None) -> torch.Tensor | None:

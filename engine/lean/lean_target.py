@@ -20,10 +20,9 @@ import torch
 
 from engine.decode.target import Forward, Target
 from engine.devices import staged
-from engine.lean import compiled as compiling
-from engine.lean import graphs
+from engine.lean import compiled, graphs
 from engine.lean.cache import LeanCache
-from engine.lean.layer import make_layer
+from engine.lean.layer import StepInputs, make_layer
 from engine.lean.layer_weights import layer_weights
 from engine.lean.rope import RopeTable
 from engine.lean.spec import LeanSpec, spec_for
@@ -52,7 +51,7 @@ class LeanTarget(Target):
         low = quant.low_bit_layers(model)
         self.wide_rows = low[0].wide_rows if low else 0  # steps on bf16 copies, where kept
         self.layer = make_layer(spec, self.wide_rows)
-        self.steps = compiling.Steps(self.layer, self.weights)  # layer calls per step size
+        self.steps = compiled.Steps(self.layer, self.weights)  # layer calls per step size
         # Steps of up to the largest compiled size run as CUDA graphs (engine/lean/graphs.py):
         # what compiling means on a GPU.
         self.graphed = False
@@ -74,7 +73,7 @@ class LeanTarget(Target):
         return "lean-eager (graphs failed)" if self.graphs_failed else self.steps.state()
 
     def padded_sizes(self) -> tuple[int, ...]:
-        return compiling.SIZES  # eager, compiled and graphed steps alike
+        return compiled.SIZES  # eager, compiled and graphed steps alike
 
     def new_cache(self) -> LeanCache:
         s = self.spec
@@ -133,7 +132,7 @@ class LeanTarget(Target):
         layout = {"spec": dataclasses.asdict(self.spec), "wide_rows": self.wide_rows}
         self.steps.compile(self._example, self._signature(), layout, mode, on_ready, report)
 
-    def _example(self, size: int) -> tuple:
+    def _example(self, size: int) -> StepInputs:
         """A step of `size` tokens' arguments, weights excluded (what packages are built
         on). Ordinary tensors, not inference ones: compiling runs the graph outside
         inference_mode (the cache is written in place)."""
@@ -145,7 +144,7 @@ class LeanTarget(Target):
         slots = torch.arange(start, start + size, device=self.device)
         cos, sin = (t.clone() for t in self.rope.rows(slots, start + size - 1))
         mask = step_mask(start, slots, None, size, None)
-        return x, cos, sin, mask, keys, values, slots
+        return StepInputs(x, cos, sin, mask, keys, values, slots)
 
     def _signature(self) -> str:
         """Everything a compiled layer depends on besides torch and the CPU."""
@@ -182,12 +181,19 @@ class LeanTarget(Target):
         with torch.inference_mode():  # the cache is written in place (inference tensors)
             return self._run(x, layers, cache, start, depths, tree_mask, keep)
 
+    def _plan(self, n: int, start: int, layers: range, keep: bool) -> tuple[StepPlan, Callable]:
+        """The step's plan and the layer call that runs it (eager, a package, or eager
+        under a graph's capture)."""
+        call, size = self.steps.for_size(n, start)
+        graphed = self.graphed and compiled.size_for(n) is not None
+        if graphed:
+            call, size = self.steps.eager, compiled.size_for(n)
+        return StepPlan(n, size, layers, keep, graphed), call
+
     def _run(self, x, layers, cache, start, depths, tree_mask, keep) -> list[torch.Tensor]:
         n = x.shape[0]
-        call, size = self.steps.for_size(n, start)
-        graphed = self.graphed and compiling.size_for(n) is not None
-        if graphed:
-            call, size = self.steps.eager, compiling.size_for(n)
+        plan, call = self._plan(n, start, layers, keep)
+        size, graphed = plan.size, plan.graphed
         depths = list(range(n)) if depths is None else list(depths)
         cache.reserve(start + size)
         # The step's host inputs go to the device in one copy each: positions (padding
@@ -219,8 +225,7 @@ class LeanTarget(Target):
             return kept if keep else [x]
 
         values = [x, cos, sin, slots, *masks]
-        out = self._replay(cache, (size, layers.start, layers.stop, keep), body, values) \
-            if graphed else None
+        out = self._replay(cache, plan.graph_key, body, values) if graphed else None
         if out is None:
             out = body(*values)
         return [state[:n] for state in out]
@@ -242,6 +247,23 @@ class LeanTarget(Target):
             log.warning("capturing the decode step failed, decoding eagerly: %s",
                         self.graphs_failed)
             return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One lean step's shape, which eager, compiled and graphed execution all follow."""
+
+    rows: int  # the step's real rows (tokens)
+    size: int  # its rows once padded: the compiled or captured size (rows where neither)
+    layers: range  # the layers it runs
+    keep: bool  # every layer's output kept (else the last one's)
+    graphed: bool  # replayed as a captured CUDA graph
+
+    @property
+    def graph_key(self) -> tuple:
+        """What one captured graph serves: the whole plan but its real rows (padding gives
+        every step of one size one shape), so a field added to the plan keys graphs too."""
+        return dataclasses.astuple(dataclasses.replace(self, rows=0))
 
 
 def step_mask(start: int, at: torch.Tensor, tree_mask: torch.Tensor | None, size: int,

@@ -120,9 +120,8 @@ def _quantized(model, name: str):
 def machine_key(fingerprint: str) -> str:
     """The model, the torch build, the CPU, the thread count and the int8 kernel (its
     arithmetic differs from PyTorch's) a choice was measured on."""
-    threads = torch.get_num_threads()
     kernel = "own int8 kernel" if kernels.available() else "torch kernels"
-    return f"{fingerprint}|torch {torch.__version__}|{devices.cpu_name()}|{threads}t|{kernel}"
+    return f"{fingerprint}|{devices.machine().timing_key(kernel)}"
 
 
 def remembered(key: str) -> Choice | None:

@@ -391,7 +391,7 @@ def test_training_cancel_keeps_data_and_the_next_run_resumes(tmp_path, monkeypat
     assert second.history and "loss" in str(second.history[-1])  # live figures for the plots
     assert service.accels.status("medusa").ready  # usable from the selector right away
     assert service.store.load_settings().accel == "auto"  # which now has Medusa to choose from
-    assert load_drafter(lm, "medusa").pays  # the tree calibration was made to keep
+    assert load_drafter(lm, "medusa").pays_off  # the tree calibration was made to keep
     assert "else drafts with Medusa." in service.accels.status("auto").message
     conv = service.store.new()
     reply = _reply(service, conv.id, "hi", method="medusa")

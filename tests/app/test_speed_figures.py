@@ -37,7 +37,7 @@ class Paying(Drafter):
         self._pays, self.speedup = pays, speedup
 
     @property
-    def pays(self) -> bool:
+    def pays_off(self) -> bool:
         return self._pays
 
 

@@ -254,3 +254,44 @@ def test_the_loaded_model_and_the_models_tab_say_which_device_runs_and_why(tiny,
                                      "is a CPU build")
     tab = SimpleNamespace(service=SimpleNamespace(host=SimpleNamespace(lm=lm)))
     assert f"Device: {lm.device_line}" in ModelsTab.describe(tab)
+
+
+def test_the_cpus_name_and_features_come_from_torchs_cpuinfo():
+    """Read the same way on Linux, Windows and macOS (no /proc/cpuinfo): what the kernels'
+    compiler flags are chosen by."""
+    caps = torch.cpu.get_capabilities()
+    assert devices.cpu_name() == (caps.get("cpu_name") or devices.cpu_name())
+    assert devices.cpu_flags() == {name for name, has in caps.items() if has is True}
+    if caps.get("avx2"):
+        assert "avx2" in devices.cpu_flags()
+
+
+def test_every_cache_kept_per_machine_is_keyed_by_the_one_machine_reading(monkeypatch):
+    """The kernel library, the compiled step packages, --quant auto's remembered choice and
+    a calibration's record each change with devices.machine(), the one reading of this
+    machine, where it differs."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from engine.drafters import payoff
+    from engine.lean import compiled
+    from engine.weights import kernels, quant_auto
+
+    lm = SimpleNamespace(device=torch.device("cpu"), quant="bf16")
+
+    def keys(machine: devices.Machine) -> list:
+        monkeypatch.setattr(devices, "machine", lambda device=None: machine)
+        try:
+            library = kernels._command_and_path()[1]
+        except RuntimeError:  # no compiler or no AVX2 here: nothing is built to key
+            library = None
+        return [compiled.package_folder("a model"), quant_auto.machine_key("weights"),
+                payoff.machine(lm), library]
+
+    one = devices.Machine("2.13.0", "AVX512", ("avx2", "avx512_vnni"), "CPU A", 2)
+    built = keys(dataclasses.replace(one, flags=("avx2",)))  # what code built here may use
+    timed = keys(dataclasses.replace(one, processor="CPU B", threads=4))  # what timings read
+    first = keys(one)
+    assert first[0] != built[0] and (first[3] is None or first[3] != built[3])
+    assert first[1] != timed[1] and first[2] != timed[2]
+    assert first[0] == timed[0]  # packages are code: another thread count uses them

@@ -187,8 +187,8 @@ def test_the_kernels_build_where_a_compiler_and_avx2_are_there():
 
 
 @pytest.mark.parametrize("cpu, flags", [
-    ({"avx2", "avx_vnni", "avx512_vnni", "avx512vl"}, ("-mavxvnni",)),
-    ({"avx2", "avx512_vnni", "avx512vl"}, ("-mavx512vnni", "-mavx512vl")),
+    ({"avx2", "avx_vnni", "avx512_vnni", "avx512_vl"}, ("-mavxvnni",)),
+    ({"avx2", "avx512_vnni", "avx512_vl"}, ("-mavx512vnni", "-mavx512vl")),
     ({"avx2", "avx512_vnni"}, ()),  # the 256-bit form needs VL
     ({"avx2"}, ()),
 ])

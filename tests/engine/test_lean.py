@@ -147,9 +147,9 @@ def test_packages_are_kept_per_cpu_feature_set(monkeypatch):
     another machine of the same capability) gets packages of its own."""
     from engine import devices
 
-    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_vnni"})
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512_f", "avx512_vnni"})
     vnni = compiled.package_folder("a model")
-    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512_f"})
     assert compiled.package_folder("a model") != vnni
     assert compiled.package_folder("another model") != compiled.package_folder("a model")
 
@@ -322,3 +322,35 @@ def test_a_step_that_cannot_be_captured_decodes_eagerly(bundled_tokenizer, monke
     _text, got, stats = run(lm, prompt(8), params)
     assert got == want and stats.step == "lean-eager (graphs failed)"
     assert "not permitted when stream is capturing" in caplog.text
+
+
+def test_a_graph_is_keyed_by_its_whole_step_plan_but_the_real_rows():
+    """Eager, compiled and graphed steps follow one StepPlan; a captured graph serves every
+    step whose plan differs only in how many of its padded rows are real."""
+    import dataclasses
+
+    from engine.lean.lean_target import StepPlan
+
+    plan = StepPlan(rows=3, size=4, layers=range(0, 2), keep=False, graphed=True)
+    assert plan.graph_key == dataclasses.replace(plan, rows=4).graph_key
+    for change in (dict(size=8), dict(layers=range(0, 3)), dict(layers=range(1, 2)),
+                   dict(keep=True)):
+        assert dataclasses.replace(plan, **change).graph_key != plan.graph_key, change
+
+
+def test_packages_are_keyed_by_the_layer_functions_own_source(monkeypatch):
+    """No number to bump by hand: a change to the layer function's module (or to what the
+    builder compiles it with) keys new packages, so a stale one is never loaded."""
+    import inspect
+
+    from engine.lean import layer
+
+    before = compiled.package_folder("a model")
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource",
+                        lambda obj: real(obj) + ("\n# changed" if obj is layer else ""))
+    compiled.layout.cache_clear()
+    try:
+        assert compiled.package_folder("a model") != before
+    finally:
+        compiled.layout.cache_clear()

@@ -333,5 +333,5 @@ def test_calibration_says_whether_the_heads_paid_when_measured(lm, monkeypatch, 
     result = calibration.calibrate(lm, heads, [[0.5], [0.3]], None, None, None, None,
                                    [[1, 2, 3, 4]], calibration.CalibrationConfig())
     assert result.candidates == found
-    assert result.pays == (speedup > 1)
+    assert result.pays_off == (speedup > 1)
     assert result.chosen == ("medusa" if speedup > 1 else "plain")

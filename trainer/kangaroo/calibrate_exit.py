@@ -28,8 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.config import SamplingParams
-from engine.decode import kv_cache, timing
-from engine.decode import split as layers
+from engine.decode import kv_cache, split, timing
 from engine.decode.generate import run
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import adapt, sequence_states
@@ -91,7 +90,7 @@ def teacher_forced(lm, drafter: KangarooDrafter, seq: list[int],
         ids = torch.tensor([seq], device=lm.device)
         hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False,
                        logits_to_keep=1).hidden_states  # one pass: no cache to build
-        x = layers.exit_states(hidden, drafter.settings.exit_layer)
+        x = split.exit_states(hidden, drafter.settings.exit_layer)
         _logits, guess, conf = drafter.guesses(sequence_states(model, drafter.adapter, x)[0])
     match = (guess[:-1] == ids[0, 1:]).tolist()
     return match[start - 1:], conf[:-1].tolist()[start - 1:]
@@ -209,7 +208,7 @@ def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
     rounds repeated until `config.repeats` or the deadline; the fastest timing is kept, since
     other work on a shared machine only ever adds time (medians of a few timings swung
     several-fold between step kinds on a busy machine)."""
-    model, total = lm.model, layers.num_layers(lm.model)
+    model, total = lm.model, split.num_layers(lm.model)
     nodes = sorted({1, *(k + 1 for k in config.verify_sizes)})
     # n cached positions and the timed nodes after them stay inside the context window.
     n = max(1, min(len(seq) - 1, config.context, lm.context_len - nodes[-1]))
@@ -221,14 +220,14 @@ def time_costs(lm, drafters: dict[int, KangarooDrafter], seq: list[int],
         adapter_cache = DynamicCache()
         adapt(model, drafter.adapter, hidden[drafter.settings.exit_layer], 0, adapter_cache)
     tokens = (seq[n:] + [seq[n]] * nodes[-1])[:nodes[-1]]
-    x = {m: layers.embed(model, tokens[:m], n) for m in nodes}  # (1, m, H) input embeddings
+    x = {m: split.embed(model, tokens[:m], n) for m in nodes}  # (1, m, H) input embeddings
     # The pieces, each op(cache, adapter_cache): one adapter step on its cache and the draft
     # head (the shallow layers are timed with the stack), every decoder layer over m nodes
     # after the n cached positions, and the final norm and the full LM head over m states.
     ops = {"adapter": lambda _c, a: drafter.guesses(adapt(model, drafter.adapter, x[1], n, a)[0])}
     for m in nodes:  # h=x[m]: each op keeps its own nodes
-        ops[("layers", m)] = lambda c, _a, h=x[m]: layers.run_layers(model, h, range(total), c, n)
-        ops[("head", m)] = lambda _c, _a, h=x[m]: layers.logits(model, layers.parts(model).norm(h))
+        ops[("layers", m)] = lambda c, _a, h=x[m]: split.run_layers(model, h, range(total), c, n)
+        ops[("head", m)] = lambda _c, _a, h=x[m]: split.logits(model, split.parts(model).norm(h))
     samples = {name: [] for name in ops}
     names = list(ops)
     for r in range(config.repeats):

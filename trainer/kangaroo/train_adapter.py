@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.decode import split as layers
+from engine.decode import split
 from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSettings
 from engine.drafters.kangaroo_adapter import draft_head, sequence_states
 from engine.drafters.payoff import machine
@@ -67,7 +67,7 @@ def source_layer(model, exit_layer: int, init: str) -> int:
     """The decoder layer an adapter for `exit_layer` is initialised from."""
     if init not in ("last", "next"):
         raise QuickdraftError(f"unknown Kangaroo adapter init {init!r} (last or next)")
-    return layers.num_layers(model) - 1 if init == "last" else exit_layer
+    return split.num_layers(model) - 1 if init == "last" else exit_layer
 
 
 def fitting_vocab(model, wanted: int, share: float) -> int:
@@ -114,17 +114,17 @@ def batch_loss(model, adapter: Adapter, head: torch.Tensor, feats: Features, exi
                batch: Batch) -> torch.Tensor:
     """Soft cross-entropy of the draft against the model's own distribution over the draft
     vocabulary, on the batch's loss positions. head: (Vd, H) float32."""
-    final = layers.num_layers(model)
+    final = split.num_layers(model)
     x = feats.states[exit_layer][batch.index].float()  # (B, S, H)
     out = sequence_states(model, adapter, x, batch.pad)[batch.loss]  # (N, H)
     with torch.no_grad():  # the last state is final-normed: the LM head reads it as it is
-        teacher = layers.logits(model, feats.states[final][batch.index[batch.loss]].float(), head)
-    return soft_cross_entropy(layers.logits(model, out, head), teacher)  # (N, Vd) each
+        teacher = split.logits(model, feats.states[final][batch.index[batch.loss]].float(), head)
+    return soft_cross_entropy(split.logits(model, out, head), teacher)  # (N, Vd) each
 
 
 def model_choices(model, feats: Features, batches: list[Batch]) -> list[torch.Tensor]:
     """Per batch, (N,) the model's own first choice at each loss position (full vocabulary)."""
-    final = layers.num_layers(model)
+    final = split.num_layers(model)
     head = model.get_output_embeddings().weight
     with torch.no_grad():
         return [(feats.states[final][b.index[b.loss]].to(head.dtype) @ head.T).argmax(-1)
@@ -188,7 +188,7 @@ def fit_adapter(lm, adapter: Adapter, head: torch.Tensor, vocab, data: tuple[Fea
 
 def check(lm) -> None:
     """Refuse, before any data is spent, a model whose layers the engine cannot split."""
-    layers.check_supported(lm.model)
+    split.check_supported(lm.model)
 
 
 def reserve_s(options) -> float:
@@ -198,7 +198,7 @@ def reserve_s(options) -> float:
 
 def feature_layers(lm, options) -> tuple[int, ...]:
     """The hidden-state layers the adapters learn from: each exit's and the final one."""
-    return (*options.kangaroo.exit_layers, layers.num_layers(lm.model))
+    return (*options.kangaroo.exit_layers, split.num_layers(lm.model))
 
 
 def prep_seconds_per_token(lm, options) -> float:
@@ -214,7 +214,7 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     check(lm)
     config: KangarooTrainConfig = options.kangaroo
     start = time.perf_counter()
-    final = layers.num_layers(lm.model)
+    final = split.num_layers(lm.model)
     exits = sorted({e for e in config.exit_layers if 1 <= e < final})
     if not exits:
         raise QuickdraftError(f"no usable Kangaroo exit layer in {config.exit_layers} (the model "
@@ -252,12 +252,12 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
     chosen: KangarooSettings = result.settings
     # The drafter's own checkpoint layout, with the adapter in the model's dtype.
     tensors = KangarooDrafter(lm, adapters[chosen.exit_layer], chosen, vocab).tensors()
-    settings = {**chosen.to_json(), "pays": result.pays,
+    settings = {**chosen.to_json(), "pays": result.pays_off,
                 # where calibration timed it: another dtype or device re-times at load
                 "quant": lm.quant, "device": lm.device.type, "machine": machine(lm),
                 "draft_vocab_size": int(vocab.numel()) if vocab is not None else int(vocab_size)}
     metrics = {
-        "pays": result.pays, "speedup": result.speedup, "chosen": chosen.to_json(),
+        "pays": result.pays_off, "speedup": result.speedup, "chosen": chosen.to_json(),
         "agreement": {str(e): fit["agreement"] for e, fit in fits.items()},
         "train": {str(e): fit for e, fit in fits.items()}, "calibration": result.table,
         "ctar": result.ctar, "mean_accepted": result.mean_accepted,

@@ -254,7 +254,7 @@ def train(lm, train_convs: list[list[dict]], heldout_convs: list[list[dict]], op
                        options.calibration, progress, cancel, options.calibration_seconds)
     times["calibrate_s"] = round(time.perf_counter() - mark, 1)
     settings = {**heads.settings.to_json(), "candidates": result.candidates,
-                "pays": result.pays, "quant": lm.quant, "device": lm.device.type,
+                "pays": result.pays_off, "quant": lm.quant, "device": lm.device.type,
                 "machine": machine(lm),
                 "accuracies": acc}  # held-out top-i accuracies per head, for people
     metrics = _metrics(acc, result, fit, heads, train, heldout, times)

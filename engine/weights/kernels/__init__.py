@@ -74,7 +74,7 @@ def vnni_flags() -> tuple[str, ...]:
     cpu = _cpu_flags()
     if "avx_vnni" in cpu:
         return ("-mavxvnni",)
-    if {"avx512_vnni", "avx512vl"} <= cpu:
+    if {"avx512_vnni", "avx512_vl"} <= cpu:
         return ("-mavx512vnni", "-mavx512vl")
     return ()
 
@@ -82,7 +82,7 @@ def vnni_flags() -> tuple[str, ...]:
 def wide_flags() -> tuple[str, ...]:
     """Compiler flags for the block kernels' 512-bit form (16 outputs per register, lanes.h),
     where the CPU has AVX-512 with VNNI."""
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= _cpu_flags():
+    if {"avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni"} <= _cpu_flags():
         return ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DQUICKDRAFT_WIDE")
     return ()
 
@@ -110,8 +110,8 @@ def _command_and_path() -> tuple[list[str], Path]:
     command = [compiler, *FLAGS, *flags, *includes, *map(str, SOURCES),
                *links]  # libraries after the sources
     text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(text + repr(command).encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
+    machine = devices.machine().build_key.encode()
+    key = hashlib.sha256(text + repr(command).encode() + machine).hexdigest()[:16]
     return command, cache_dir() / "kernels" / key / "quickdraft_lowbit.so"
 
 

@@ -73,9 +73,9 @@ def test_the_store_joins_a_tree_only_where_its_nodes_pay():
     state = SimpleNamespace(ids=[0, 2, 3, 4], room=32, params=SamplingParams())
     offer = StoreDrafter(store).start(state, None).offer(state)
     tree = Draft.chain(4, [7, 7], chances=[0.9, 0.8])  # a 2-node trained draft
-    from engine.decode.drafter import Offer
+    from engine.decode.drafter import DraftOffer
 
-    trained = Offer("medusa", lambda k: tree, (0.9, 0.8))
+    trained = DraftOffer("medusa", lambda k: tree, (0.9, 0.8))
     flat, steep = StepCost.linear(0.02), StepCost.linear(0.5)
     assert plan([trained, offer], 4, flat, TreeJoin(), [False, False]).kind == "medusa+datastore"
     assert plan([trained, offer], 4, steep, TreeJoin(), [False, False]).kind == "medusa"

@@ -34,8 +34,8 @@ class Spy(Drafter):
         return self.inner.reason(stats)
 
     @property
-    def pays(self) -> bool:
-        return self.inner.pays
+    def pays_off(self) -> bool:
+        return self.inner.pays_off
 
 
 class _SpySession(Session):
@@ -56,8 +56,8 @@ class _SpySession(Session):
         if self.spy.after_commit is not None:
             self.spy.after_commit(state, draft, path, self.inner)
 
-    def observe(self, state, layers, path, mine):
-        self.inner.observe(state, layers, path, mine)
+    def observe(self, state, layers, path, offered):
+        self.inner.observe(state, layers, path, offered)
 
     def finish(self, stats):
         self.inner.finish(stats)

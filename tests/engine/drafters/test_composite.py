@@ -10,7 +10,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.decode import verify
-from engine.decode.drafter import Draft, Offer
+from engine.decode.drafter import Draft, DraftOffer
 from engine.decode.generate import run
 from engine.decode.timing import StepCost, curve_key
 from engine.decode.tree import build_tree
@@ -90,10 +90,10 @@ def break_pointmass(monkeypatch) -> None:
 # -- the rule -----------------------------------------------------------------------------
 
 
-def chain_offer(kind, tokens, chances, overhead=0.0, round_cost=None, joins=True) -> Offer:
+def chain_offer(kind, tokens, chances, overhead=0.0, round_cost=None, joins=True) -> DraftOffer:
     chances = list(chances)
-    return Offer(kind, lambda k: Draft.chain(0, tokens[:k], chances=chances[:k]),
-                 tuple(chances), overhead, round_cost, joins)
+    return DraftOffer(kind, lambda k: Draft.chain(0, tokens[:k], chances=chances[:k]),
+                      tuple(chances), overhead, round_cost, joins)
 
 
 def test_the_step_takes_the_most_tokens_per_step_cost_or_plain_decoding():
@@ -129,13 +129,13 @@ def test_offers_join_where_that_pays_and_a_copy_is_verified_alone():
     flat, steep = StepCost.linear(0.01), StepCost.linear(0.5)
     step = plan([tree, short], 0, flat, TreeJoin(), [False, False])
     assert step.kind == "medusa+lookup" and step.draft.tokens == [0, 1, 2, 7]
-    assert step.mine == {0: [1, 2], 1: [3]}
+    assert step.nodes_by_source == {0: [1, 2], 1: [3]}
     assert plan([tree, short], 0, steep, TreeJoin(), [False, False]).kind == "medusa"
     copy = chain_offer("copy", [5, 6, 7], chances=(0.9, 0.9, 0.9), joins=False)
     step = plan([copy, tree], 0, flat, TreeJoin(), [False, False])
     assert step.kind == "copy" and step.draft.tokens == [0, 5, 6, 7]
     own = plan([tree], 0, flat, TreeJoin(), [True])
-    assert own.own == 0  # a source that verifies its own drafts gets the step
+    assert own.verifier == 0  # a source that verifies its own drafts gets the step
     assert plan([], 0, flat, TreeJoin(), []).kind == "off"
 
 
@@ -159,12 +159,13 @@ def test_an_offer_whose_join_cannot_pay_is_never_built():
     flat = StepCost.linear(0.02)
     store = chain_offer("datastore", [1, 2, 3], (0.9, 0.8, 0.7))
     built = []
-    dear = Offer("medusa", lambda k: built.append(k) or Draft.chain(0, [4][:k], chances=[0.3]),
-                 (0.3,), overhead=0.5)  # at most 0.3 more tokens for half a step more
+    dear = DraftOffer("medusa", lambda k: built.append(k) or Draft.chain(0, [4][:k], chances=[0.3]),
+                      (0.3,), overhead=0.5)  # at most 0.3 more tokens for half a step more
     assert plan([store, dear], 0, flat, TreeJoin(), [False, False]).kind == "datastore"
     assert built == []
-    cheap = Offer("medusa", lambda k: built.append(k) or Draft.chain(0, [4][:k], chances=[0.3]),
-                  (0.3,), overhead=0.0)
+    cheap = DraftOffer("medusa",
+                       lambda k: built.append(k) or Draft.chain(0, [4][:k], chances=[0.3]),
+                       (0.3,), overhead=0.0)
     assert plan([store, cheap], 0, flat, TreeJoin(), [False, False]).kind == "datastore+medusa"
     assert built == [1]
 
@@ -197,7 +198,7 @@ def test_medusa_lookup_without_a_tree_drafts_from_lookup_alone(bundled_tokenizer
     drafter = with_lookup(medusa_of(lm, choices=[]), LookupParams())
     # priced out here: it leaves the mix (no layer states kept for it), its verdict stays
     assert list(drafter.sources) == ["lookup"] and not drafter.wants_hidden
-    assert not drafter.pays
+    assert not drafter.pays_off
     _t, ids, stats = run(lm, prompt, params, drafter)
     assert ids == run(lm, prompt, params)[1]
     kinds = stats.step_kinds

@@ -53,7 +53,7 @@ def test_kangaroo_that_does_not_pay_here_decodes_plainly_and_says_so(lm, monkeyp
     calls = _rounds(monkeypatch, cost=1.62)  # 1.25 tokens a round: 0.77x
     drafter = KangarooDrafter.from_checkpoint(lm, _kangaroo_checkpoint(lm))
     assert calls == [2]  # timed here, even where calibration ran: rounds of ceil(1.25)
-    assert drafter.off and not drafter.pays
+    assert drafter.off and not drafter.pays_off
     assert drafter.speedup == pytest.approx(0.77, abs=0.01)
     assert "not drafting: estimated at 0.77x plain decoding in fp32" in drafter.notice
     _t, ids, stats = run(lm, [5, 6, 7], SamplingParams(max_new_tokens=12), drafter)
@@ -64,7 +64,7 @@ def test_kangaroo_that_does_not_pay_here_decodes_plainly_and_says_so(lm, monkeyp
 def test_kangaroo_that_pays_here_keeps_drafting(lm, monkeypatch):
     _rounds(monkeypatch, cost=0.9)
     drafter = KangarooDrafter.from_checkpoint(lm, _kangaroo_checkpoint(lm, tokens=1.8))
-    assert not drafter.off and drafter.pays and not drafter.notice
+    assert not drafter.off and drafter.pays_off and not drafter.notice
     assert drafter.speedup == pytest.approx(2.0)
 
 
@@ -81,7 +81,7 @@ def test_medusa_that_does_not_pay_here_decodes_plainly_and_says_so(lm, monkeypat
     _medusa_checkpoint(lm, CANDIDATES)
     monkeypatch.setattr(md, "step_overhead", lambda lm, d, tokens: 2.0)  # dearer than any gain
     drafter = load_drafter(lm, "medusa")
-    assert not drafter.pays and drafter.speedup < 1.0
+    assert not drafter.pays_off and drafter.speedup < 1.0
     assert "Medusa is not drafting: estimated at" in drafter.notice
     stats = run(lm, [5, 6, 7], SamplingParams(max_new_tokens=10), drafter)[2]
     assert sum(stats.drafted) == 0
@@ -93,7 +93,7 @@ def test_medusa_drafts_the_nodes_that_pay_at_the_heads_cost_timed_here(lm, monke
     _medusa_checkpoint(lm, CANDIDATES)
     monkeypatch.setattr(md, "step_overhead", lambda lm, d, tokens: 0.1)
     drafter = load_drafter(lm, "medusa")
-    assert drafter.pays and not drafter.notice
+    assert drafter.pays_off and not drafter.notice
     # all four nodes: 1 + 1.45 tokens for 5 tokens' verification (1.2) + the heads (0.1)
     assert drafter.value(drafter.chances, StepCost.linear(0.05)) == \
         (4, pytest.approx(2.45 / 1.3))

@@ -4,7 +4,7 @@ chance `sure` of being kept."""
 
 from __future__ import annotations
 
-from engine.decode.drafter import Draft, Drafter, Offer, Session
+from engine.decode.drafter import Draft, Drafter, DraftOffer, Session
 
 
 class ToyDrafter(Drafter):
@@ -29,9 +29,9 @@ class ToySession(Session):
     def propose(self, state) -> Draft:
         return Draft.chain(state.ids[-1], self.next_tokens(state))
 
-    def offer(self, state) -> Offer | None:
+    def offer(self, state) -> DraftOffer | None:
         tokens, root = self.next_tokens(state), state.ids[-1]
         if not tokens:
             return None
-        return Offer("toy", lambda k: Draft.chain(root, tokens[:k]),
-                     chances=tuple(self.toy.sure ** i for i in range(1, len(tokens) + 1)))
+        return DraftOffer("toy", lambda k: Draft.chain(root, tokens[:k]),
+                          chances=tuple(self.toy.sure ** i for i in range(1, len(tokens) + 1)))

@@ -9,13 +9,19 @@ from transformers import DynamicCache
 
 import engine.decode.generate as generate_mod
 from engine.config import SamplingParams
-from engine.decode import split as layers
-from engine.decode import verify
+from engine.decode import split, verify
 from engine.decode.chat_template import conversation, encode
 from engine.decode.generate import run
 from engine.decode.sampling import sample_from
+from engine.drafters import payoff
 from engine.drafters.accelerators import load_checkpoint, save_checkpoint
-from engine.drafters.kangaroo import Adapter, KangarooDrafter, KangarooSession, KangarooSettings
+from engine.drafters.kangaroo import (
+    Adapter,
+    KangarooDrafter,
+    KangarooSession,
+    KangarooSettings,
+    Phase,
+)
 from engine.drafters.kangaroo_adapter import adapt
 from engine.drafters.registry import load_drafter
 from engine.errors import AcceleratorError
@@ -120,6 +126,30 @@ def test_self_copy_adapter_accepts_every_draft(bundled_tokenizer):
     assert got == run(lm, ids, SamplingParams(max_new_tokens=61))[1]
 
 
+def test_a_session_moves_through_its_phases_in_order_only(bundled_tokenizer):
+    """READY -propose-> DRAFTED -score-> SCORED -commit-> READY: a call out of that order
+    is refused at once (the shallow and deep layers' caches would silently disagree)."""
+    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
+    state, session = payoff.prefilled(lm, drafter(lm, exit_layer=2, gamma=3))
+    assert session.phase is Phase.READY
+    with pytest.raises(RuntimeError, match="score needs a drafted session; this one is ready"):
+        session.score(state, None)
+    with torch.inference_mode():
+        draft = session.propose(state)
+        assert session.phase is Phase.DRAFTED
+        with pytest.raises(RuntimeError, match="propose needs a ready session"):
+            session.propose(state)
+        with pytest.raises(RuntimeError, match="commit needs a scored session"):
+            session.commit(state, draft, [])
+        session.score(state, draft)
+        assert session.phase is Phase.SCORED
+        with pytest.raises(RuntimeError, match="observe needs a ready session"):
+            session.observe(state, None, [], [])
+        session.commit(state, draft, [])
+    assert session.phase is Phase.READY
+    session.observe(state, None, [], [])  # another source's step: still ready
+
+
 def test_unconfident_drafts_stop_early(bundled_tokenizer):
     lm = make_tiny_model("llama-mha", bundled_tokenizer)
     ids = encode(lm.tokenizer, conversation(PROMPT))
@@ -207,7 +237,7 @@ def test_speculative_sampling_is_lossless_and_catches_a_broken_rule(bundled_toke
 
 def recording(drafter, kangaroo: KangarooDrafter) -> Spy:
     """`drafter` (Kangaroo alone or a composite with it) recording, after every commit, the
-    committed tokens, copies of all caches and the Kangaroo session's adapter cache + lag;
+    committed tokens, copies of all caches and the Kangaroo session's adapter cache + unread;
     `kangaroo` is the drafter whose settings and adapter the check reads."""
 
     def snapshot(state, draft, path, session):
@@ -216,7 +246,7 @@ def recording(drafter, kangaroo: KangarooDrafter) -> Spy:
         copy = [(k.clone(), v.clone()) for k, v in held(state.cache, len(committed))]
         ad = own.cache.layers[0]
         spy.snapshots.append((committed, copy, ad.keys.clone(), ad.values.clone(),
-                              own.lag.clone()))
+                              own.unread.clone()))
 
     spy = Spy(drafter, snapshot)
     spy.snapshots, spy.kangaroo = [], kangaroo
@@ -225,8 +255,8 @@ def recording(drafter, kangaroo: KangarooDrafter) -> Spy:
 
 def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> set[int]:
     """Decode with random acceptance patterns; after every step, each layer's cache and the
-    adapter's (cache + lag) must equal those of the committed tokens run one by one.
-    Returns the lag lengths seen."""
+    adapter's (cache + unread) must equal those of the committed tokens run one by one.
+    Returns the unread lengths seen."""
     rng = torch.Generator().manual_seed(0)
     top = min(500, int(lm.model.config.vocab_size))  # the token the target "adds"
 
@@ -249,22 +279,22 @@ def check_caches_after_random_accepts(lm, d, prompt, monkeypatch, tokens=80) -> 
         for t in final:  # the reference: one token at a time
             lm.model(input_ids=torch.tensor([[t]]), cache=ref, use_cache=True)
         hidden = lm.model(input_ids=torch.tensor([final]), output_hidden_states=True).hidden_states
-        exit_states = layers.exit_states(hidden, exit_layer)
+        exit_states = split.exit_states(hidden, exit_layer)
         ad_ref = DynamicCache()
         adapt(lm.model, d.kangaroo.adapter, exit_states, 0, ad_ref)
     kept = set()
-    for committed, caches, ad_k, ad_v, lag in d.snapshots:
+    for committed, caches, ad_k, ad_v, unread in d.snapshots:
         n = len(committed)
         assert committed == final[:n]
         for (k, v), (rk, rv) in zip(caches, held(ref, len(final)), strict=True):
             torch.testing.assert_close(k, rk[:, :n], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(v, rv[:, :n], atol=1e-4, rtol=1e-4)
         m = ad_k.shape[-2]
-        assert m + lag.shape[1] == n  # the adapter has read, or will read, every committed token
+        assert m + unread.shape[1] == n  # the adapter has read, or will read, every committed token
         torch.testing.assert_close(ad_k, ad_ref.layers[0].keys[..., :m, :], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(ad_v, ad_ref.layers[0].values[..., :m, :], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(lag[0], exit_states[0, m:n], atol=1e-4, rtol=1e-4)
-        kept.add(lag.shape[1])
+        torch.testing.assert_close(unread[0], exit_states[0, m:n], atol=1e-4, rtol=1e-4)
+        kept.add(unread.shape[1])
     return kept
 
 
@@ -330,12 +360,12 @@ def test_unsupported_architecture_is_refused():
     config = AutoConfig.for_model("t5", vocab_size=100, d_model=32, d_ff=64, num_layers=1,
                                   num_heads=2, d_kv=16)
     with pytest.raises(AcceleratorError, match="not supported for this architecture"):
-        layers.check_supported(AutoModelForSeq2SeqLM.from_config(config))
+        split.check_supported(AutoModelForSeq2SeqLM.from_config(config))
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=2,
                                                                  n_head=2, vocab_size=100))
     del gpt2.transformer.wpe  # a layout neither of the known two
     with pytest.raises(AcceleratorError, match="not supported for this architecture"):
-        layers.check_supported(gpt2)
+        split.check_supported(gpt2)
 
 
 def test_a_drafter_that_does_not_pay_says_so_and_decodes_plainly(bundled_tokenizer, caplog):
@@ -345,7 +375,7 @@ def test_a_drafter_that_does_not_pay_says_so_and_decodes_plainly(bundled_tokeniz
     save_checkpoint(lm, "kangaroo", d.tensors(), settings, {"pays": False, "speedup": 0.8})
     loaded = load_drafter(lm, "kangaroo")
     assert "slower than plain decoding on this machine (0.80x)" in caplog.text
-    assert not loaded.pays
+    assert not loaded.pays_off
     ids = encode(lm.tokenizer, conversation(PROMPT))
     _t, got, stats = run(lm, ids, SamplingParams(max_new_tokens=20), loaded)
     assert got == run(lm, ids, SamplingParams(max_new_tokens=20))[1]

@@ -140,7 +140,7 @@ def test_a_draft_vocabulary_limits_what_heads_propose(tiny_lm):
 def test_no_tree_means_plain_decoding(tiny_lm):
     drafter = medusa(tiny_lm, random_heads(tiny_lm), [])
     _t, ids, stats = run(tiny_lm, PROMPTS[0], SamplingParams(max_new_tokens=10), drafter)
-    assert not drafter.pays and set(stats.drafted) == {0}
+    assert not drafter.pays_off and set(stats.drafted) == {0}
     assert ids == run(tiny_lm, PROMPTS[0], SamplingParams(max_new_tokens=10))[1]
 
 
