@@ -151,10 +151,10 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def chat_chunks(reply: Reply, head: dict, prompt_tokens: int, tools: bool, tokenizer):
-    """A chat reply's server-sent chunks: each choice's text as it comes (a tool call's
-    markup held back and sent as tool_calls deltas when the choice ends)."""
-    streams: dict[int, CallStream] = {}
+async def _chunks(reply: Reply, head: dict, prompt_tokens: int, lines):
+    """A reply's server-sent chunks: `lines(index, step)` gives each step's, an error its
+    own; then the usage chunk where asked and `[DONE]`. The reply is cancelled when the
+    stream ends, a client that hung up included."""
     completion = 0
     try:
         while (item := await reply.events.get()) is not END:
@@ -162,23 +162,37 @@ async def chat_chunks(reply: Reply, head: dict, prompt_tokens: int, tools: bool,
                 yield sse(as_api_error(item).body())
                 continue
             index, step = item
-            if index not in streams:
-                streams[index] = CallStream()
-                yield _chat_chunk(head, index, {"role": "assistant", "content": ""})
-            text = streams[index].push(step.text) if tools else step.text
-            logprobs = chat_logprobs(tokenizer, step.token_ids, step.logprobs) \
-                if step.logprobs is not None else None
-            if text or logprobs:
-                yield _chat_chunk(head, index, {"content": text}, logprobs=logprobs)
+            for line in lines(index, step):
+                yield line
             if step.done:
                 completion += step.stats.tokens
-                for chunk in _chat_end(reply, head, index, step, streams[index], tools):
-                    yield chunk
         if reply.request.include_usage:  # OpenAI's extra last chunk, no choices
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion)})
         yield "data: [DONE]\n\n"
     finally:
         reply.cancel.set()
+
+
+def chat_chunks(reply: Reply, head: dict, prompt_tokens: int, tools: bool, tokenizer):
+    """A chat reply's server-sent chunks: each choice's text as it comes (a tool call's
+    markup held back and sent as tool_calls deltas when the choice ends)."""
+    streams: dict[int, CallStream] = {}
+
+    def lines(index: int, step: ReplyStep) -> list[str]:
+        out = []
+        if index not in streams:
+            streams[index] = CallStream()
+            out.append(_chat_chunk(head, index, {"role": "assistant", "content": ""}))
+        text = streams[index].push(step.text) if tools else step.text
+        logprobs = chat_logprobs(tokenizer, step.token_ids, step.logprobs) \
+            if step.logprobs is not None else None
+        if text or logprobs:
+            out.append(_chat_chunk(head, index, {"content": text}, logprobs=logprobs))
+        if step.done:
+            out += _chat_end(reply, head, index, step, streams[index], tools)
+        return out
+
+    return _chunks(reply, head, prompt_tokens, lines)
 
 
 def _chat_end(reply: Reply, head: dict, index: int, step: ReplyStep, stream: CallStream,
@@ -203,30 +217,22 @@ def _chat_chunk(head: dict, index: int, delta: dict, finish: str | None = None,
     return sse({**head, "choices": [choice], **extra})
 
 
-async def text_chunks(reply: Reply, head: dict, prompt_tokens: int, tokenizer):
+def text_chunks(reply: Reply, head: dict, prompt_tokens: int, tokenizer):
     """A completion's server-sent chunks."""
-    completion, offsets = 0, {}
-    try:
-        while (item := await reply.events.get()) is not END:
-            if isinstance(item, Exception):
-                yield sse(as_api_error(item).body())
-                continue
-            index, step = item
-            logprobs = None
-            if step.logprobs is not None:
-                logprobs = text_logprobs(tokenizer, step.token_ids, step.logprobs,
-                                         offsets.get(index, 0))
-            offsets[index] = len(step.full_text)
-            finish = FINISH.get(step.stats.stop_reason, "stop") if step.done else None
-            if step.text or logprobs or finish:
-                choice = {"index": index, "text": step.text, "logprobs": logprobs,
-                          "finish_reason": finish}
-                extra = {"quickdraft": extension(reply, step)} if step.done else {}
-                yield sse({**head, "choices": [choice], **extra})
-            if step.done:
-                completion += step.stats.tokens
-        if reply.request.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion)})
-        yield "data: [DONE]\n\n"
-    finally:
-        reply.cancel.set()
+    offsets: dict[int, int] = {}
+
+    def lines(index: int, step: ReplyStep) -> list[str]:
+        logprobs = None
+        if step.logprobs is not None:
+            logprobs = text_logprobs(tokenizer, step.token_ids, step.logprobs,
+                                     offsets.get(index, 0))
+        offsets[index] = len(step.full_text)
+        finish = FINISH.get(step.stats.stop_reason, "stop") if step.done else None
+        if not (step.text or logprobs or finish):
+            return []
+        choice = {"index": index, "text": step.text, "logprobs": logprobs,
+                  "finish_reason": finish}
+        extra = {"quickdraft": extension(reply, step)} if step.done else {}
+        return [sse({**head, "choices": [choice], **extra})]
+
+    return _chunks(reply, head, prompt_tokens, lines)

@@ -16,6 +16,7 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -60,6 +61,14 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
     worker = ReplyWorker(service)
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute)
 
+    async def admitted(request: Request, parse_body: Callable[[object], object]):
+        """A POST past the key check, its body parsed, and the loaded model it names."""
+        _authorize(request, options)
+        req = parse_body(await _json(request))
+        lm = _ready(service)
+        _check_model(req.model, lm)
+        return req, lm
+
     @router.get("/models")
     async def models(request: Request):
         try:
@@ -82,10 +91,8 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         try:
-            _authorize(request, options)
-            req = parse(await _json(request), SamplingParams().max_new_tokens)
-            lm = _ready(service)
-            _check_model(req.model, lm)
+            req, lm = await admitted(
+                request, lambda body: parse(body, SamplingParams().max_new_tokens))
             check_prompt_size(req, lm.context_len)
             ask, prompt_tokens = await _chat_ask(lm, req, options)
         except ApiError as exc:
@@ -106,10 +113,8 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
     @router.post("/completions")
     async def completions(request: Request):
         try:
-            _authorize(request, options)
-            req = parse_completion(await _json(request), SamplingParams().max_new_tokens)
-            lm = _ready(service)
-            _check_model(req.model, lm)
+            req, lm = await admitted(
+                request, lambda body: parse_completion(body, SamplingParams().max_new_tokens))
             check_reply_length(req.params.max_new_tokens, req.max_tokens_key, lm.context_len)
             ids = prompt_ids(lm.tokenizer, req)
             params = fit_reply(req.params, req.max_tokens_given, len(ids), lm, options,
@@ -130,10 +135,7 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
     @router.post("/embeddings")
     async def embeddings(request: Request):
         try:
-            _authorize(request, options)
-            req = parse_embeddings(await _json(request))
-            lm = _ready(service)
-            _check_model(req.model, lm)
+            req, lm = await admitted(request, parse_embeddings)
             return JSONResponse(await asyncio.to_thread(_embeddings, service, lm, req))
         except ApiError as exc:
             return _error(exc)

@@ -245,15 +245,10 @@ def _last(stats: GenerationStats) -> int:
     return stats.accepted[-1] if stats.accepted else 0
 
 
-def run(
-    lm: LoadedModel,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    drafter: Drafter | None = None,
-    cancel: threading.Event | None = None,
-    grammar: Grammar | None = None,
-) -> tuple[str, list[int], GenerationStats]:
-    """Generate to the end: (text, token ids, stats)."""
+def run(lm: LoadedModel, prompt_ids: list[int], params: SamplingParams,
+        drafter: Drafter | None = None, cancel: threading.Event | None = None,
+        grammar: Grammar | None = None) -> tuple[str, list[int], GenerationStats]:
+    """`generate` to the end: (text, token ids, stats)."""
     ids: list[int] = []
     for event in generate(lm, prompt_ids, params, drafter, cancel, grammar):
         ids.extend(event.token_ids)

@@ -83,17 +83,30 @@ typename V::I fifth_bits(typename V::I qh, int g) {
   return V::and_(bit, V::bytes(0x10));
 }
 
+// A unit that starts with its scale d (f16): Q4_0's, Q5_0's and Q8_0's (no offset), and
+// with d and an offset m (f16), Q4_1's and Q5_1's. Each format adds how it reads its codes.
+template <class V>
+struct DUnit {
+  const uint8_t* p;
+  explicit DUnit(const uint8_t* unit) : p(unit) {}
+  typename V::F scale(int) const { return V::halves(p); }
+  typename V::F low(int) const { return V::fzero(); }
+};
+
+template <class V>
+struct DMUnit : DUnit<V> {
+  using DUnit<V>::DUnit;
+  typename V::F low(int) const { return V::halves(this->p + V::kRows * 2); }
+};
+
 // Q4_0: d (f16), 16 bytes of 4-bit codes; w = (code - 8) * d.
 struct Q4_0 : Plain {
   static constexpr int kType = 2, kElems = 32, kBytes = 18, kBias = 8;
   static constexpr std::array<Field, 2> kFields{{{0, 2, 2}, {2, 16, 4}}};
   template <class V>
-  struct Unit {
-    const uint8_t* p;
-    explicit Unit(const uint8_t* unit) : p(unit) {}
-    typename V::F scale(int) const { return V::halves(p); }
-    typename V::F low(int) const { return V::fzero(); }
-    typename V::I word(int, int g) const { return split_nibbles<V>(p + V::kRows * 2, g); }
+  struct Unit : DUnit<V> {
+    using DUnit<V>::DUnit;
+    typename V::I word(int, int g) const { return split_nibbles<V>(this->p + V::kRows * 2, g); }
   };
 };
 
@@ -103,12 +116,9 @@ struct Q4_1 : Plain {
   static constexpr bool kLow = true;
   static constexpr std::array<Field, 3> kFields{{{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}};
   template <class V>
-  struct Unit {
-    const uint8_t* p;
-    explicit Unit(const uint8_t* unit) : p(unit) {}
-    typename V::F scale(int) const { return V::halves(p); }
-    typename V::F low(int) const { return V::halves(p + V::kRows * 2); }
-    typename V::I word(int, int g) const { return split_nibbles<V>(p + V::kRows * 4, g); }
+  struct Unit : DMUnit<V> {
+    using DMUnit<V>::DMUnit;
+    typename V::I word(int, int g) const { return split_nibbles<V>(this->p + V::kRows * 4, g); }
   };
 };
 
@@ -117,14 +127,11 @@ struct Q5_0 : Plain {
   static constexpr int kType = 6, kElems = 32, kBytes = 22, kBias = 16, kSpread = 2;
   static constexpr std::array<Field, 3> kFields{{{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}};
   template <class V>
-  struct Unit {
-    const uint8_t* p;
+  struct Unit : DUnit<V> {
     typename V::I qh;
-    explicit Unit(const uint8_t* unit) : p(unit), qh(V::load(unit + V::kRows * 2)) {}
-    typename V::F scale(int) const { return V::halves(p); }
-    typename V::F low(int) const { return V::fzero(); }
+    explicit Unit(const uint8_t* unit) : DUnit<V>(unit), qh(V::load(unit + V::kRows * 2)) {}
     typename V::I word(int, int g) const {
-      return V::or_(split_nibbles<V>(p + V::kRows * 6, g), fifth_bits<V>(qh, g));
+      return V::or_(split_nibbles<V>(this->p + V::kRows * 6, g), fifth_bits<V>(qh, g));
     }
   };
 };
@@ -135,14 +142,11 @@ struct Q5_1 : Plain {
   static constexpr bool kLow = true;
   static constexpr std::array<Field, 4> kFields{{{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}}};
   template <class V>
-  struct Unit {
-    const uint8_t* p;
+  struct Unit : DMUnit<V> {
     typename V::I qh;
-    explicit Unit(const uint8_t* unit) : p(unit), qh(V::load(unit + V::kRows * 4)) {}
-    typename V::F scale(int) const { return V::halves(p); }
-    typename V::F low(int) const { return V::halves(p + V::kRows * 2); }
+    explicit Unit(const uint8_t* unit) : DMUnit<V>(unit), qh(V::load(unit + V::kRows * 4)) {}
     typename V::I word(int, int g) const {
-      return V::or_(split_nibbles<V>(p + V::kRows * 8, g), fifth_bits<V>(qh, g));
+      return V::or_(split_nibbles<V>(this->p + V::kRows * 8, g), fifth_bits<V>(qh, g));
     }
   };
 };
@@ -153,12 +157,9 @@ struct Q8_0 : Plain {
   static constexpr bool kSigned = true;
   static constexpr std::array<Field, 2> kFields{{{0, 2, 2}, {2, 32, 4}}};
   template <class V>
-  struct Unit {
-    const uint8_t* p;
-    explicit Unit(const uint8_t* unit) : p(unit) {}
-    typename V::F scale(int) const { return V::halves(p); }
-    typename V::F low(int) const { return V::fzero(); }
-    typename V::I word(int, int g) const { return V::load(p + V::kRows * (2 + 4 * g)); }
+  struct Unit : DUnit<V> {
+    using DUnit<V>::DUnit;
+    typename V::I word(int, int g) const { return V::load(this->p + V::kRows * (2 + 4 * g)); }
   };
 };
 
@@ -177,6 +178,22 @@ struct KScales {
   }
 };
 
+// What the units of Q4_K and Q5_K share: d and dmin (f16), then the 8 blocks' 6-bit scales
+// and mins; w = code * (d * sc) - dmin * m. Each format adds only how it reads its codes.
+template <class V>
+struct KUnit {
+  const uint8_t* p;
+  typename V::F d, dmin;
+  KScales<V> k;
+  explicit KUnit(const uint8_t* unit)
+      : p(unit), d(V::halves(unit)), dmin(V::halves(unit + V::kRows * 2)),
+        k(unit + V::kRows * 4) {}
+  typename V::F scale(int j) const { return V::fmul(d, V::cvt(lane_byte<V>(k.sc[j >> 2], j & 3))); }
+  typename V::F low(int j) const {
+    return V::fneg(V::fmul(dmin, V::cvt(lane_byte<V>(k.mn[j >> 2], j & 3))));
+  }
+};
+
 // Q4_K: 256 values; d, dmin (f16), 6-bit scale and min per block of 32, 128 bytes of
 // 4-bit codes (per 64 values, 32 bytes: block 2c in low nibbles, 2c + 1 in high ones);
 // w = code * (d * sc) - dmin * m.
@@ -185,19 +202,10 @@ struct Q4_K : Plain {
   static constexpr bool kLow = true;
   static constexpr std::array<Field, 4> kFields{{{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}}};
   template <class V>
-  struct Unit {
-    const uint8_t* p;
-    typename V::F d, dmin;
-    KScales<V> k;
-    explicit Unit(const uint8_t* unit)
-        : p(unit), d(V::halves(unit)), dmin(V::halves(unit + V::kRows * 2)),
-          k(unit + V::kRows * 4) {}
-    typename V::F scale(int j) const { return V::fmul(d, V::cvt(lane_byte<V>(k.sc[j >> 2], j & 3))); }
-    typename V::F low(int j) const {
-      return V::fneg(V::fmul(dmin, V::cvt(lane_byte<V>(k.mn[j >> 2], j & 3))));
-    }
+  struct Unit : KUnit<V> {
+    using KUnit<V>::KUnit;
     typename V::I word(int j, int g) const {
-      const auto w = V::load(p + V::kRows * (16 + 32 * (j >> 1) + 4 * g));
+      const auto w = V::load(this->p + V::kRows * (16 + 32 * (j >> 1) + 4 * g));
       return j & 1 ? V::nibbles_high(w) : V::and_(w, V::bytes(0x0F));
     }
   };
@@ -210,23 +218,12 @@ struct Q5_K : Plain {
   static constexpr std::array<Field, 5> kFields{
       {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 4}, {48, 128, 4}}};
   template <class V>
-  struct Unit {
-    const uint8_t* p;
-    typename V::F d, dmin;
-    KScales<V> k;
-    explicit Unit(const uint8_t* unit)
-        : p(unit), d(V::halves(unit)), dmin(V::halves(unit + V::kRows * 2)),
-          k(unit + V::kRows * 4) {}
-    typename V::F scale(int j) const { return V::fmul(d, V::cvt(lane_byte<V>(k.sc[j >> 2], j & 3))); }
-    typename V::F low(int j) const {
-      return V::fneg(V::fmul(dmin, V::cvt(lane_byte<V>(k.mn[j >> 2], j & 3))));
-    }
+  struct Unit : KUnit<V> {
+    using KUnit<V>::KUnit;
     typename V::I word(int j, int g) const {
-      const auto w = V::load(p + V::kRows * (48 + 32 * (j >> 1) + 4 * g));
+      const auto w = V::load(this->p + V::kRows * (48 + 32 * (j >> 1) + 4 * g));
       const auto low4 = j & 1 ? V::nibbles_high(w) : V::and_(w, V::bytes(0x0F));
-      const auto qh = V::load(p + V::kRows * (16 + 4 * g));
-      const auto bit = j <= 4 ? V::shl(qh, 4 - j) : V::shr(qh, j - 4);  // bit j -> bit 4
-      return V::or_(low4, V::and_(bit, V::bytes(0x10)));
+      return V::or_(low4, fifth_bits<V>(V::load(this->p + V::kRows * (16 + 4 * g)), j));
     }
   };
 };
