@@ -65,7 +65,7 @@ def test_the_lead_is_the_best_measured_speedup_or_off():
 def test_a_trained_source_joins_only_where_it_pays_by_the_margin():
     """Its work runs on every Auto step, its drafts win only some: a trained source
     estimated barely faster than plain decoding would slow Auto down."""
-    d = lambda s, pays=True: SimpleNamespace(speedup=s, pays=pays)  # noqa: E731
+    d = lambda s, pays=True: SimpleNamespace(speedup=s, pays_off=pays)  # noqa: E731
     found = joining({"lookup": d(None), "datastore": d(None), MEDUSA: d(1.04),
                      KANGAROO: d(JOIN_MARGIN + 0.2), "grammar": d(None, pays=False)})
     assert set(found) == {"lookup", "datastore", KANGAROO}
