@@ -212,12 +212,12 @@ def run_checks(runner: Runner, cuda: bool, out: Path, big: Path | None) -> None:
               "greedy_to_the_end" + ("" if cuda else " and llama-gqa-lookup]")]
     runner.command("fp32 exact: family matrix " + ("cuda" if cuda else "cpu, one family"),
                    matrix, 300, device_env)
-    lean = [*tests, "tests/engine/test_lean.py", "-k",
+    lean = [*tests, "tests/engine/lean/test_lean.py", "-k",
             "(decodes_as_transformers or graphed)" + ("" if cuda else " and llama")]
     runner.command("fp32 exact: lean step, graphed vs eager " + ("cuda" if cuda else "cpu"),
                    lean, 300, device_env)
-    sampled = [*tests, "tests/engine/test_verify.py",
-               "tests/engine/test_reply_ends.py::test_acceptance_rules_run_with_a_cuda_generator"]
+    sampled = [*tests, "tests/engine/decode/test_verify.py",
+               "tests/engine/decode/test_reply_ends.py::test_acceptance_rules_run_with_a_cuda_generator"]
     runner.command("sampled acceptance on the device " + ("cuda" if cuda else "cpu"),
                    sampled, 120, device_env)
     # on a GPU the card's half precision (fp16 before compute capability 8.0)

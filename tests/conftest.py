@@ -18,7 +18,7 @@ from tests import home_guard
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # No compiled step is built behind the tests (a minute of every core each): the tests that
-# build one ask for it (tests/engine/test_lean.py, tests/app/test_compiled_chat.py).
+# build one ask for it (tests/engine/lean/test_lean.py, tests/app/test_compiled_chat.py).
 os.environ["QUICKDRAFT_NO_STEP_BUILDS"] = "1"
 # Before torch is imported (inductor reads some folders once) and anything asks for a
 # folder; child processes (the launcher's commands) inherit these.

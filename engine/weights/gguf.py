@@ -45,8 +45,8 @@ class GGUFInfo:
 
 
 def supported_architectures() -> list[str]:
-    # transformers has no public list; tests/engine/gguf/test_gguf.py names this import so an
-    # upgrade that moves it fails there first.
+    # transformers has no public list; tests/engine/weights/gguf/test_gguf.py names this
+    # import so an upgrade that moves it fails there first.
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     # "general" and "tokenizer" are metadata sections of the mapping, not architectures.

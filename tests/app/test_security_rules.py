@@ -321,7 +321,7 @@ def test_a_negative_head_count_is_an_invalid_value(bundled_tokenizer):
     from engine.drafters.registry import load_drafter
     from engine.errors import AcceleratorError
     from tests.conftest import make_tiny_model
-    from tests.engine.test_accelerators import _save
+    from tests.engine.drafters.test_accelerators import _save
 
     lm = make_tiny_model("llama-mha", bundled_tokenizer)
     _heads, folder = _save(lm, num_heads=4)

@@ -120,7 +120,7 @@ def test_a_stop_string_with_a_lone_surrogate_is_400(server, stream):
 def _medusa_folder(service):
     """The Medusa accelerator's folder for the served model, with weights that load (so a
     description's values, not a missing file, decide whether it builds)."""
-    from tests.engine.test_accelerators import _save
+    from tests.engine.drafters.test_accelerators import _save
 
     folder = checkpoint_dir(service.host.lm.fingerprint, "medusa")
     if not (folder / WEIGHTS).is_file():

@@ -25,7 +25,7 @@ from engine.drafters.accelerators import INFO, METRICS, WEIGHTS
 from engine.drafters.datastore_source import store_file
 from engine.errors import QuickdraftError
 from engine.prompt_files import read_prompt_file
-from tests.engine.test_accelerators import _save
+from tests.engine.drafters.test_accelerators import _save
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MUTATIONS = 200

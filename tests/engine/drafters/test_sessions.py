@@ -15,9 +15,9 @@ from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.drafters.registry import ACCEL_CHOICES, Method, compose, load_drafter
 from tests.conftest import make_tiny_model
+from tests.engine.decode.toy_grammar import PATTERN, ToyGrammar
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, repetitive_prompt
 from tests.engine.drafters.toy_source import ToyDrafter
-from tests.engine.toy_grammar import PATTERN, ToyGrammar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
 """Quickdraft's CPU kernels (engine/weights/kernels) for its own int8w and int4 layers: weights x
 activations quantized to int8 per block of 32, against the same arithmetic written out in
-PyTorch (the GGUF formats': tests/engine/test_block_kernels.py)."""
+PyTorch (the GGUF formats': tests/engine/weights/test_block_kernels.py)."""
 
 from __future__ import annotations
 

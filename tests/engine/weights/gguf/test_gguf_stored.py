@@ -16,7 +16,7 @@ from engine.model.loading import load_model
 from engine.weights import gguf as qd_gguf
 from engine.weights import gguf_model, kernels
 from engine.weights.gguf_blocks import BlockEmbedding, BlockLinear
-from tests.engine.test_block_kernels import random_rows
+from tests.engine.weights.test_block_kernels import random_rows
 
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason=f"kernels not built here: {kernels.problem}")
@@ -157,7 +157,7 @@ def test_a_second_start_reads_only_the_blocks(files):
 
 
 def test_other_sources_and_files_get_one_line(files, tmp_path, cache):
-    from tests.engine.gguf.test_gguf import tiny_llama
+    from tests.engine.weights.gguf.test_gguf import tiny_llama
 
     path = files[0]
     with pytest.raises(ModelLoadError, match="is not a GGUF file") as err:

@@ -23,10 +23,10 @@ from engine.drafters.grammar_source import GrammarDrafter
 from engine.drafters.lookup import LookupDrafter, LookupParams
 from engine.errors import QuickdraftError
 from tests.conftest import make_tiny_model
+from tests.engine.decode.toy_grammar import ToyGrammar
 from tests.engine.drafters.medusa import test_medusa as md
 from tests.engine.drafters.test_composite import kangaroo_of, medusa_of, repetitive_prompt
 from tests.engine.drafters.toy_source import ToyDrafter
-from tests.engine.toy_grammar import ToyGrammar
 from tests.stats_util import chi_square_pvalue
 
 pytestmark = pytest.mark.usefixtures("one_thread")

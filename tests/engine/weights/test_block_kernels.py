@@ -15,7 +15,7 @@ import torch
 
 from engine.weights import gguf_blocks, kernels
 from engine.weights.gguf_blocks import BlockLinear
-from tests.engine.test_kernels import quantized
+from tests.engine.weights.test_kernels import quantized
 
 built = pytest.mark.skipif(not kernels.available(),
                            reason=f"kernels not built here: {kernels.problem}")

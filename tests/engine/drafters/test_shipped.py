@@ -26,7 +26,7 @@ from engine.drafters.accelerators import (
 )
 from engine.drafters.registry import TRAINED, load_drafter, load_source
 from tests.conftest import make_tiny_model
-from tests.engine.test_accelerators import _save
+from tests.engine.drafters.test_accelerators import _save
 from trainer.resume import load_resume
 
 REPO_SHIPPED = accelerators.SHIPPED_DIR

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.report import category_table, summarize
-from tests.engine.benchmark.test_bench import _m, near
+from tests.bench.test_bench import _m, near
 
 
 def test_each_pass_gives_its_own_speedup_and_the_report_its_spread():

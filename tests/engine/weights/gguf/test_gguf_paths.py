@@ -14,7 +14,7 @@ from engine.config import ModelSpec
 from engine.errors import ModelLoadError
 from engine.model.loading import load_model, resolve_folder
 from engine.weights import gguf as qd_gguf
-from tests.engine.gguf.test_gguf import tiny_llama
+from tests.engine.weights.gguf.test_gguf import tiny_llama
 
 QUANTIZED = {"blk.0.ffn_up.weight": "Q8_0", "blk.1.ffn_down.weight": "Q4_0",
              "blk.0.ffn_gate.weight": "Q5_0"}

@@ -125,7 +125,7 @@ def test_ollama_models_env_is_searched(tmp_path, monkeypatch):
 def test_an_ollama_blob_opens_like_a_gguf_file(tmp_path, monkeypatch):
     """The blob has no extension: its header, not its name, says it is GGUF."""
     from bench.gguf_writer import tokenizer_fields, write_gguf
-    from tests.engine.gguf.test_gguf import tiny_llama
+    from tests.engine.weights.gguf.test_gguf import tiny_llama
 
     monkeypatch.setattr(qd_gguf, "cache_dir", lambda: tmp_path / "cache")
     source = write_gguf(tmp_path / "src.gguf", tiny_llama(), tokenizer_fields())
