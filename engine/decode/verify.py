@@ -32,6 +32,8 @@ from engine.devices import staged
 # trial at once). Elsewhere a read waits for every queued kernel, so all trials are drawn
 # at once on the device and the outcome is read once.
 IN_TURN = ("cpu",)
+# What every rule returns: the accepted nodes (the path), then the token the model adds.
+Accepted = tuple[list[int], int]
 
 
 class RowProbs:
@@ -61,7 +63,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor 
 
 def accept_greedy(
     children: Sequence[Sequence[int]], tokens: Sequence[int], target_argmax: Sequence[int]
-) -> tuple[list[int], int]:
+) -> Accepted:
     """Follow the children whose token equals the target's argmax; exactly vanilla greedy.
 
     Where siblings carry the same token (a hybrid tree: the heads' branch and a lookup chain
@@ -93,7 +95,7 @@ def accept_pointmass(
     target_probs: torch.Tensor | RowProbs,
     generator: torch.Generator | None,
     at_once: bool | None = None,
-) -> tuple[list[int], int]:
+) -> Accepted:
     """Lossless sampling for deterministic candidates (e.g. Medusa's top-k tree).
 
     Each child is a point-mass proposal: accept child x with probability p(x); on rejection
@@ -113,7 +115,7 @@ def accept_speculative_chain(
     target_probs: torch.Tensor | RowProbs,
     generator: torch.Generator | None,
     at_once: bool | None = None,
-) -> tuple[list[int], int]:
+) -> Accepted:
     """Standard speculative sampling on a chain drafted from distributions q.
 
     tokens: [root, d1, ..., dn]; draft_probs: (n, V), row j is the q that d_{j+1} was
@@ -131,12 +133,8 @@ def _at_once(probs: torch.Tensor, at_once: bool | None) -> bool:
     return probs.device.type not in IN_TURN if at_once is None else at_once
 
 
-def _pointmass_in_turn(
-    children: Sequence[Sequence[int]],
-    tokens: Sequence[int],
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[list[int], int]:
+def _pointmass_in_turn(children: Sequence[Sequence[int]], tokens: Sequence[int],
+                       target_probs: torch.Tensor, generator: torch.Generator | None) -> Accepted:
     """accept_pointmass one child at a time, reading each trial's numbers."""
     path: list[int] = []
     node = 0
@@ -161,12 +159,8 @@ def _pointmass_in_turn(
         node = chosen
 
 
-def _chain_in_turn(
-    tokens: Sequence[int],
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[list[int], int]:
+def _chain_in_turn(tokens: Sequence[int], draft_probs: torch.Tensor,
+                   target_probs: torch.Tensor, generator: torch.Generator | None) -> Accepted:
     """accept_speculative_chain one draft at a time, reading each trial's numbers."""
     n = len(tokens) - 1
     path: list[int] = []
@@ -252,12 +246,8 @@ def _row(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, index.view(1))[0]
 
 
-def _pointmass_at_once(
-    children: Sequence[Sequence[int]],
-    tokens: Sequence[int],
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[list[int], int]:
+def _pointmass_at_once(children: Sequence[Sequence[int]], tokens: Sequence[int],
+                       target_probs: torch.Tensor, generator: torch.Generator | None) -> Accepted:
     """accept_pointmass with every child's trial drawn at once, on the device: child x,
     tried after the siblings before it were refused, is accepted with p(x) / (what those
     siblings left of p); a node's first accepted child is the one taken. Same
@@ -283,12 +273,8 @@ def _pointmass_at_once(
     return path, read[-1]
 
 
-def _chain_at_once(
-    tokens: Sequence[int],
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[list[int], int]:
+def _chain_at_once(tokens: Sequence[int], draft_probs: torch.Tensor,
+                   target_probs: torch.Tensor, generator: torch.Generator | None) -> Accepted:
     """accept_speculative_chain with every draft's trial drawn at once, on the device;
     the first refusal ends the chain. One read of the device."""
     n, device = len(tokens) - 1, target_probs.device
@@ -314,7 +300,7 @@ def accept_typical(
     eps: float,
     delta: float,
     generator: torch.Generator | None,
-) -> tuple[list[int], int]:
+) -> Accepted:
     """Medusa's typical acceptance (faster, not lossless): a child x of node i is
     acceptable when p_i(x) > min(eps, delta * exp(-H(p_i))), and the longest path of
     acceptable nodes is kept (Medusa §2.3.1); the token after it is sampled from p.
