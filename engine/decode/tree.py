@@ -149,22 +149,6 @@ class TreeShape:
     mask: torch.Tensor  # (n, n) bool: node i attends to node j
 
 
-def with_chain(tree: TreeBuffers, length: int) -> TreeShape:
-    """`tree` plus one chain of `length` nodes under the root, appended after the tree's
-    nodes (a lookup continuation beside the heads' guesses). The chain comes last among the
-    root's children: lossless sampling tries the heads' top-1 first."""
-    n = tree.size
-    total = n + length
-    children = [list(kids) for kids in tree.children] + [[n + j + 1] for j in range(length)]
-    children[-1] = []
-    children[0].append(n)
-    mask = torch.zeros(total, total, dtype=torch.bool)
-    mask[:n, :n] = tree.mask if tree.mask is not None else torch.ones(n, n).tril().bool()
-    mask[n:, 0] = True
-    mask[n:, n:] = torch.ones(length, length).tril().bool()
-    return TreeShape(children, [*tree.depths, *range(1, length + 1)], mask)
-
-
 def join_trees(a_tokens: Sequence[int], a_children: Sequence[Sequence[int]],
                b_tokens: Sequence[int], b_children: Sequence[Sequence[int]],
                ) -> tuple[list[int], list[int], list[int]]:

@@ -63,15 +63,6 @@ def supported_types() -> list[str]:
                                                  quants.GGMLQuantizationType))]
 
 
-def is_gguf(path: Path) -> bool:
-    """True when the file starts with the GGUF magic (Ollama blobs have no extension)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == gguf_header.MAGIC
-    except OSError:
-        return False
-
-
 def inspect(path: Path) -> GGUFInfo:
     """Read and check a GGUF header; ModelLoadError names the file and what is supported."""
     if not path.is_file():

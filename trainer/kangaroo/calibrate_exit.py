@@ -73,7 +73,7 @@ class SettingsChoice:
     """The chosen setting and the figures behind it."""
 
     settings: KangarooSettings  # gamma 0 when nothing beat plain decoding
-    pays: bool  # the chosen setting is estimated faster than plain decoding
+    pays_off: bool  # the chosen setting is estimated faster than plain decoding
     speedup: float  # estimated speedup of the chosen setting (1.0 = plain)
     ctar: list[float]  # CTAR(1..6) of the chosen exit layer on the held-out replies
     mean_accepted: float  # expected tokens per round of the chosen setting

@@ -46,7 +46,7 @@ class TreeChoice:
     """The candidate tree and the figures measured with it."""
 
     candidates: list[list]  # [[choice, chance], ...] most likely first
-    pays: bool  # decoding with the heads was measured faster than plain decoding here
+    pays_off: bool  # decoding with the heads was measured faster than plain decoding here
     chosen: str = PLAIN  # the faster of the two in `measured`
     # name -> {"tokens_per_s", "mean_accepted", "speedup", ...}
     measured: dict = field(default_factory=dict)

@@ -99,6 +99,17 @@ struct DMUnit : DUnit<V> {
   typename V::F low(int) const { return V::halves(this->p + V::kRows * 2); }
 };
 
+// Q5_0's and Q5_1's units: their base's scale (and offset), the 32 fifth bits (spread by
+// the repack) at byte kHigh of the unit and the 16 bytes of low nibbles at kLow.
+template <class V, class Base, int kHigh, int kLow>
+struct FifthBitUnit : Base {
+  typename V::I qh;
+  explicit FifthBitUnit(const uint8_t* unit) : Base(unit), qh(V::load(unit + V::kRows * kHigh)) {}
+  typename V::I word(int, int g) const {
+    return V::or_(split_nibbles<V>(this->p + V::kRows * kLow, g), fifth_bits<V>(qh, g));
+  }
+};
+
 // Q4_0: d (f16), 16 bytes of 4-bit codes; w = (code - 8) * d.
 struct Q4_0 : Plain {
   static constexpr int kType = 2, kElems = 32, kBytes = 18, kBias = 8;
@@ -127,13 +138,7 @@ struct Q5_0 : Plain {
   static constexpr int kType = 6, kElems = 32, kBytes = 22, kBias = 16, kSpread = 2;
   static constexpr std::array<Field, 3> kFields{{{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}};
   template <class V>
-  struct Unit : DUnit<V> {
-    typename V::I qh;
-    explicit Unit(const uint8_t* unit) : DUnit<V>(unit), qh(V::load(unit + V::kRows * 2)) {}
-    typename V::I word(int, int g) const {
-      return V::or_(split_nibbles<V>(this->p + V::kRows * 6, g), fifth_bits<V>(qh, g));
-    }
-  };
+  using Unit = FifthBitUnit<V, DUnit<V>, 2, 6>;
 };
 
 // Q5_1: d, m, 32 fifth bits (spread by the repack), 16 bytes of low nibbles; w = code * d + m.
@@ -142,13 +147,7 @@ struct Q5_1 : Plain {
   static constexpr bool kLow = true;
   static constexpr std::array<Field, 4> kFields{{{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}}};
   template <class V>
-  struct Unit : DMUnit<V> {
-    typename V::I qh;
-    explicit Unit(const uint8_t* unit) : DMUnit<V>(unit), qh(V::load(unit + V::kRows * 4)) {}
-    typename V::I word(int, int g) const {
-      return V::or_(split_nibbles<V>(this->p + V::kRows * 8, g), fifth_bits<V>(qh, g));
-    }
-  };
+  using Unit = FifthBitUnit<V, DMUnit<V>, 4, 8>;
 };
 
 // Q8_0: d, 32 signed bytes; w = code * d.
