@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from engine.lean.layer import SYMBOLIC, LayerWeights, Projection, StepInputs
 from engine.paths import atomic_write, use_inductor_cache
+from engine.weights.quant import LowBitWeights
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +137,13 @@ def _write(folder: Path, status: Status) -> None:
 
 def describe(value):
     """A layer's weights or a step's arguments as JSON: tensors by shape, stride and dtype;
-    named tuples (LayerWeights, Projection) by type and fields; tuples as lists; None as null."""
+    named tuples (LayerWeights, Projection) by type and fields; low-bit weights with their
+    kernel; tuples as lists; None as null."""
     if value is None:
         return None
+    if isinstance(value, LowBitWeights):
+        return {"kernel": value.kernel, "packed": describe(value.packed),
+                "scales": describe(value.scales)}
     if isinstance(value, torch.Tensor):
         return {"shape": list(value.shape), "stride": list(value.stride()),
                 "dtype": str(value.dtype).removeprefix("torch.")}
@@ -156,6 +161,8 @@ def rebuild(desc):
         return None
     if isinstance(desc, list):
         return tuple(rebuild(d) for d in desc)
+    if "kernel" in desc:
+        return LowBitWeights(rebuild(desc["packed"]), rebuild(desc["scales"]), desc["kernel"])
     if "type" in desc:
         kind = {"LayerWeights": LayerWeights, "Projection": Projection,
                 "StepInputs": StepInputs}[desc["type"]]
@@ -260,7 +267,7 @@ def build(folder: Path, request: dict) -> Status:
     kinds = [Kind(rebuild(desc)) for desc in request["kinds"]]
     todo = [(size, kind, folder / name) for size, kind, name in request["packages"]
             if not (folder / name).is_file()]
-    if any(lin.scales is not None for k in kinds for lin in _linears(k.example)):
+    if any(isinstance(lin.weight, LowBitWeights) for k in kinds for lin in _linears(k.example)):
         kernels.available()  # Quickdraft's operators, which the low-bit layers call
     eager_arithmetic()
     _write(folder, Status("building", 0, len(todo), 0.0, pid=os.getpid()))

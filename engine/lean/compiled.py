@@ -185,7 +185,7 @@ def layout() -> str:
     from engine.lean import layer
     from engine.weights import quant
 
-    parts = (inspect.getsource(layer), inspect.getsource(quant.lowbit_mm),
+    parts = (inspect.getsource(layer), *map(inspect.getsource, quant.KERNELS.values()),
              inspect.getsource(builder.build_package),
              inspect.getsource(builder.eager_arithmetic), repr(builder.EAGER_OPS))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]

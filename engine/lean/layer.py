@@ -17,18 +17,15 @@ from torch.nn import functional as F
 from transformers.activations import ACT2FN
 
 from engine.lean.spec import LeanSpec
-from engine.weights.quant import lowbit_mm
+from engine.weights.quant import LowBitWeights
 
 
 class Projection(NamedTuple):
-    """A linear layer's tensors. weight: (N, K) dense, or packed low-bit codes (Quickdraft's
-    blocks, (N, bytes per row) uint8, or PyTorch's packings; engine.weights.quant.lowbit_mm picks
-    the kernel); scales: None for dense weights, the blocks' type (int64) or PyTorch's
-    scales; wide: the low-bit weights' bf16 copy where one is kept for steps of many rows
-    (engine/weights/quant.py)."""
+    """A linear layer's tensors. weight: (N, K) dense, or low-bit weights with their kernel
+    (engine.weights.quant.LowBitWeights); wide: the low-bit weights' bf16 copy where one is
+    kept for steps of many rows (engine/weights/quant.py)."""
 
-    weight: torch.Tensor
-    scales: torch.Tensor | None
+    weight: torch.Tensor | LowBitWeights
     bias: torch.Tensor | None
     wide: torch.Tensor | None = None
 
@@ -51,11 +48,11 @@ class LayerWeights(NamedTuple):
 def linear(lin: Projection, x: torch.Tensor, wide_rows: int = 0) -> torch.Tensor:
     """(n, K) -> (n, N) through the kernel the weights are stored for (the bf16 copy, where
     kept, for steps of `wide_rows` rows or more)."""
-    if lin.scales is None:
+    if not isinstance(lin.weight, LowBitWeights):
         return F.linear(x, lin.weight, lin.bias)
     if lin.wide is not None and 0 < wide_rows <= x.shape[0]:
         return F.linear(x, lin.wide, lin.bias)
-    out = lowbit_mm(x, lin.weight, lin.scales)
+    out = lin.weight.mm(x)
     return out if lin.bias is None else out + lin.bias
 
 

@@ -49,7 +49,7 @@ def projection_of(module: nn.Module) -> Projection:
     if isinstance(module, quant.LowBitLinear):
         if module.padded:  # its kernel's outputs would not split into the layer's
             raise TypeError(f"{module.out_features} outputs do not fill the kernel's groups")
-        return Projection(module.packed, module.scales, module.bias, module.wide)
+        return Projection(module.weights, module.bias, module.wide)
     if type(module) is not nn.Linear:
         raise TypeError(f"{type(module).__name__} is not a linear layer the lean step runs")
     return Projection(module.weight, None, module.bias)
@@ -64,7 +64,7 @@ def fused(parent: nn.Module, names: tuple[str, ...]) -> tuple[Projection, ...]:
     if all(isinstance(m, quant.LowBitLinear) for m in modules):
         one = fuse_low_bit(modules)
         if one is not None:
-            return (Projection(one.packed, one.scales, one.bias),)
+            return (Projection(one.weights, one.bias),)
     return tuple(projection_of(m) for m in modules)
 
 
@@ -105,7 +105,7 @@ def fuse_low_bit(layers: list[quant.LowBitLinear]) -> quant.LowBitLinear | None:
         return None
     if any((m.bias is None) != (first.bias is None) for m in layers):
         return None
-    if any(m.scales.dtype != first.scales.dtype for m in layers):  # kernels differ
+    if any(m.kernel != first.kernel for m in layers):
         return None
     blocks = first.blocks  # `scales` names their block type: it must be theirs alike
     if blocks and any(m.padded or not torch.equal(m.scales, first.scales) for m in layers):
@@ -118,7 +118,7 @@ def fuse_low_bit(layers: list[quant.LowBitLinear]) -> quant.LowBitLinear | None:
     fused = quant.LowBitLinear.__new__(quant.LowBitLinear)
     nn.Module.__init__(fused)
     fused.kind, fused.in_features = first.kind, first.in_features
-    fused.packed_for = first.packed_for
+    fused.packed_for, fused.kernel = first.packed_for, first.kernel
     fused.out_features = sum(m.out_features for m in layers)
     fused.bias = None if first.bias is None else nn.Parameter(
         torch.cat([m.bias for m in layers]), False)

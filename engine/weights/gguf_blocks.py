@@ -37,8 +37,7 @@ class BlockLinear(LowBitLinear):
 
     `packed`: (N', bytes per row) uint8, the file's rows repacked for the kernel in groups
     of 8 or 16 rows (N' is N rounded up to whole groups; rows past N are zero blocks);
-    `scales`: (type id, rows per group) as int64, what selects the kernel
-    (engine.weights.quant.lowbit_mm)."""
+    `scales`: (type id, rows per group) as int64, what the block kernel reads."""
 
     def __init__(self, packed: torch.Tensor, meta: torch.Tensor, kind: str, out_features: int,
                  in_features: int, bias: torch.Tensor | None = None):
@@ -49,7 +48,7 @@ class BlockLinear(LowBitLinear):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", meta)  # (type id, rows per group)
         self.wide, self.wide_rows = None, 0  # no float copies of block weights
-        self.packed_for = "cpu"  # Quickdraft's CPU kernels read these blocks
+        self.packed_for, self.kernel = "cpu", "blocks"  # Quickdraft's CPU kernels read them
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, kind: str, in_features: int,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from engine.errors import ModelLoadError
@@ -139,9 +140,10 @@ class LowBitLinear(nn.Module):
         ours = own_kernels(device, self.in_features, self.out_features, codes.kind)
         # The device type whose kernel the layout is for ("": any; `_apply` keeps it there)
         self.packed_for = device.type if codes.kind == "int4" or ours else ""
+        self.kernel = "blocks" if ours else "int4" if codes.kind == "int4" else "int8"
         if ours:
             # Quickdraft's kernels: the codes as blocks, repacked for them; `scales` holds
-            # their block type and group width (int64, what selects them in `lowbit_mm`)
+            # their block type and group width (int64)
             packed, meta = repack(codes.rows(), BLOCK_TYPE[codes.kind])
             self.register_buffer("packed", packed)
             self.register_buffer("scales", meta)
@@ -159,8 +161,8 @@ class LowBitLinear(nn.Module):
         self.wide_rows = 0  # rows from which a step uses `wide` (0: never); see `crossover`
 
     def _apply(self, fn, *args, **kwargs):
-        # Kernels are chosen by the scales' dtype, and int4 layouts differ by device: a layer
-        # packed for one device's kernel would run the wrong one on another. The target is
+        # A layer's kernel was chosen for its device, and int4 layouts differ by device: a
+        # layer packed for one device's kernel cannot run on another. The target is
         # probed with an empty tensor first, so a refused move leaves the layer whole.
         if self.packed_for:
             probe = fn(torch.empty(0, dtype=self.packed.dtype, device=self.packed.device))
@@ -184,7 +186,11 @@ class LowBitLinear(nn.Module):
     @property
     def blocks(self) -> bool:
         """Whether the weights are blocks for Quickdraft's kernels (`scales`: their type)."""
-        return self.scales.dtype == torch.int64
+        return self.kernel == "blocks"
+
+    @property
+    def weights(self) -> LowBitWeights:
+        return LowBitWeights(self.packed, self.scales, self.kernel)
 
     @property
     def padded(self) -> bool:
@@ -213,7 +219,7 @@ class LowBitLinear(nn.Module):
         """(M, K) bf16 -> (M, N) through the low-bit kernel."""
         # A layer fused with others (`fuse`) holds a strided view of the fused scales; the
         # kernels read them as contiguous.
-        out = lowbit_mm(x, self.packed, self.scales.contiguous())
+        out = LowBitWeights(self.packed, self.scales.contiguous(), self.kernel).mm(x)
         return out[:, :self.out_features] if self.padded else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,22 +267,49 @@ def repack(rows: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.tensor([kind, width])
 
 
-def lowbit_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(M, K) -> (M, N) through the kernel `packed` and `scales` were stored for:
-    Quickdraft's where blocks carry their type (int64 "scales": a GGUF file's, or int4's and
-    int8w's own), PyTorch's where codes have bf16 scales."""
-    if scales.dtype == torch.int64:
-        return torch.ops.quickdraft.block_linear(x, packed, scales)
-    if packed.dtype == torch.int8:
-        if x.device.type == "cpu" and packed.shape[1] % 16:
-            # PyTorch's CPU kernel crashes (segfault) on such widths for 2 rows or more on
-            # some CPUs (a Xeon with AVX-512 and AMX, torch 2.13): the same product,
-            # dequantized.
-            return ((x.float() @ packed.float().T) * scales.float()).to(x.dtype)
-        return torch._weight_int8pack_mm(x, packed, scales)
+def _blocks_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.quickdraft.block_linear(x, packed, scales)
+
+
+def _int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu" and packed.shape[1] % 16:
+        # PyTorch's CPU kernel crashes (segfault) on such widths for 2 rows or more on some
+        # CPUs (a Xeon with AVX-512 and AMX, torch 2.13): the same product, dequantized.
+        return ((x.float() @ packed.float().T) * scales.float()).to(x.dtype)
+    return torch._weight_int8pack_mm(x, packed, scales)
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales)
+
+
+# Every low-bit kernel, by the name a layer's weights carry: Quickdraft's blocks (a GGUF
+# file's, or int4's and int8w's own; `scales` holds their type and group width), PyTorch's
+# int8 (per-row bf16 scales) and int4 (tinygemm's packing, per-group scales and zeros).
+KERNELS = {"blocks": _blocks_mm, "int8": _int8_mm, "int4": _int4_mm}
+
+
+@dataclass(frozen=True)
+class LowBitWeights:
+    """A layer's low-bit weights as one kernel takes them, and which kernel (chosen once,
+    where they are packed for a device, and carried with them: through a compiled step
+    too, where `kernel` is static pytree context, so a package is keyed by it)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    kernel: str  # a key of KERNELS
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, N)."""
+        return KERNELS[self.kernel](x, self.packed, self.scales)
+
+
+pytree.register_pytree_node(
+    LowBitWeights, lambda w: ([w.packed, w.scales], w.kernel),
+    lambda leaves, kernel: LowBitWeights(*leaves, kernel),
+    serialized_type_name="quickdraft.LowBitWeights")
 
 
 def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:

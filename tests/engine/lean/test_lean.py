@@ -170,7 +170,7 @@ def test_the_compiled_int8_step_gives_the_eager_steps_logits_and_replies(bundled
     lm, eager = int8("auto"), int8("eager")
     if DEVICE.type == "cpu" and kernels.available():
         # the block kernel's layout: the codes' block type (int64) in place of scales
-        assert lm.target.weights[0].down.scales.dtype == torch.int64
+        assert lm.target.weights[0].down.weight.kernel == "blocks"
     lm.target.compile("wait")
     assert lm.target.name == "lean-compiled", lm.target.steps.failed
     ids = prompt(12, seed=5)
@@ -354,3 +354,30 @@ def test_packages_are_keyed_by_the_layer_functions_own_source(monkeypatch):
         assert compiled.package_folder("a model") != before
     finally:
         compiled.layout.cache_clear()
+
+
+def test_low_bit_weights_carry_their_kernel_into_a_packages_key():
+    """The kernel is chosen once, where weights are packed, and travels with them: a layer's
+    pytree keeps it as static context (so packages of another kernel are other packages),
+    and the builder's request (describe / rebuild, another process) keeps it."""
+    from engine.lean.builder import Kind, describe, rebuild
+    from engine.lean.layer import LayerWeights, Projection
+    from engine.weights.quant import KERNELS, LowBitLinear, LowBitWeights
+
+    layer = LowBitLinear.from_linear(torch.nn.Linear(64, 32), "int8w", torch.device("cpu"))
+    assert layer.weights.kernel in KERNELS
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), layer.weights.mm(x) + layer.bias)
+
+    packed, scales = torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, dtype=torch.bfloat16)
+
+    def weights(kernel: str) -> LayerWeights:
+        proj = Projection(LowBitWeights(packed, scales, kernel), None)
+        return LayerWeights(norm_in=None, qkv=(proj,), q_norm=None, k_norm=None, o=proj,
+                            norm_attn_out=None, norm_mlp_in=None, gate_up=(proj,), down=proj,
+                            norm_mlp_out=None)
+
+    assert Kind(weights("int8")).key != Kind(weights("blocks")).key
+    assert len(Kind(weights("int8")).flat(weights("int8"))) == 8  # tensors only
+    again = rebuild(describe(weights("int8")))
+    assert again.o.weight.kernel == "int8" and again.o.weight.packed.dtype == torch.int8
