@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from engine.lean.layer import SYMBOLIC, LayerWeights, Projection, StepInputs
 from engine.paths import atomic_write, use_inductor_cache
-from engine.weights.quant import LowBitWeights
+from engine.weights.lowbit import LowBitWeights
 
 log = logging.getLogger(__name__)
 

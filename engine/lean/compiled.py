@@ -183,9 +183,9 @@ def layout() -> str:
     low-bit dispatch it traces through and how the builder compiles it. A change to any of
     them keys new packages (the old ones are never loaded for it), with no number to bump."""
     from engine.lean import layer
-    from engine.weights import quant
+    from engine.weights import lowbit
 
-    parts = (inspect.getsource(layer), *map(inspect.getsource, quant.KERNELS.values()),
+    parts = (inspect.getsource(layer), inspect.getsource(lowbit),
              inspect.getsource(builder.build_package),
              inspect.getsource(builder.eager_arithmetic), repr(builder.EAGER_OPS))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]

@@ -17,12 +17,12 @@ from torch.nn import functional as F
 from transformers.activations import ACT2FN
 
 from engine.lean.spec import LeanSpec
-from engine.weights.quant import LowBitWeights
+from engine.weights.lowbit import LowBitWeights
 
 
 class Projection(NamedTuple):
     """A linear layer's tensors. weight: (N, K) dense, or low-bit weights with their kernel
-    (engine.weights.quant.LowBitWeights); wide: the low-bit weights' bf16 copy where one is
+    (engine.weights.lowbit.LowBitWeights); wide: the low-bit weights' bf16 copy where one is
     kept for steps of many rows (engine/weights/quant.py)."""
 
     weight: torch.Tensor | LowBitWeights

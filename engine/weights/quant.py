@@ -19,15 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.weights import kernels
+from engine.weights.lowbit import GROUP_SIZE, KERNELS, LowBitWeights
 from engine.weights.quant_wide import measured_wide_rows
 
 LOW_BIT = ("int4", "int8w")  # the --quant choices this module implements
-GROUP_SIZE = 32  # int4: inputs sharing one scale and zero point (as Q4_1)
 # The block formats (engine/weights/kernels/formats.h) Quickdraft's own kernels store each kind in:
 # int4 is llama.cpp's Q4_1 (float16 scale and low), int8w its own (a float32 scale per row).
 BLOCK_TYPE = {"int4": 3, "int8w": 256}
@@ -219,7 +218,7 @@ class LowBitLinear(nn.Module):
         """(M, K) bf16 -> (M, N) through the low-bit kernel."""
         # A layer fused with others (`fuse`) holds a strided view of the fused scales; the
         # kernels read them as contiguous.
-        out = LowBitWeights(self.packed, self.scales.contiguous(), self.kernel).mm(x)
+        out = KERNELS[self.kernel](x, self.packed, self.scales.contiguous())
         return out[:, :self.out_features] if self.padded else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,51 +264,6 @@ def repack(rows: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = group_rows(rows.shape[0])
     packed = torch.ops.quickdraft.block_repack(rows, kind, width)
     return packed, torch.tensor([kind, width])
-
-
-def _blocks_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.ops.quickdraft.block_linear(x, packed, scales)
-
-
-def _int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu" and packed.shape[1] % 16:
-        # PyTorch's CPU kernel crashes (segfault) on such widths for 2 rows or more on some
-        # CPUs (a Xeon with AVX-512 and AMX, torch 2.13): the same product, dequantized.
-        return ((x.float() @ packed.float().T) * scales.float()).to(x.dtype)
-    return torch._weight_int8pack_mm(x, packed, scales)
-
-
-def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cuda":
-        return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales)
-
-
-# Every low-bit kernel, by the name a layer's weights carry: Quickdraft's blocks (a GGUF
-# file's, or int4's and int8w's own; `scales` holds their type and group width), PyTorch's
-# int8 (per-row bf16 scales) and int4 (tinygemm's packing, per-group scales and zeros).
-KERNELS = {"blocks": _blocks_mm, "int8": _int8_mm, "int4": _int4_mm}
-
-
-@dataclass(frozen=True)
-class LowBitWeights:
-    """A layer's low-bit weights as one kernel takes them, and which kernel (chosen once,
-    where they are packed for a device, and carried with them: through a compiled step
-    too, where `kernel` is static pytree context, so a package is keyed by it)."""
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-    kernel: str  # a key of KERNELS
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """(M, K) -> (M, N)."""
-        return KERNELS[self.kernel](x, self.packed, self.scales)
-
-
-pytree.register_pytree_node(
-    LowBitWeights, lambda w: ([w.packed, w.scales], w.kernel),
-    lambda leaves, kernel: LowBitWeights(*leaves, kernel),
-    serialized_type_name="quickdraft.LowBitWeights")
 
 
 def fits(linear: nn.Linear, kind: str, device: torch.device) -> bool:

@@ -362,7 +362,8 @@ def test_low_bit_weights_carry_their_kernel_into_a_packages_key():
     and the builder's request (describe / rebuild, another process) keeps it."""
     from engine.lean.builder import Kind, describe, rebuild
     from engine.lean.layer import LayerWeights, Projection
-    from engine.weights.quant import KERNELS, LowBitLinear, LowBitWeights
+    from engine.weights.lowbit import KERNELS, LowBitWeights
+    from engine.weights.quant import LowBitLinear
 
     layer = LowBitLinear.from_linear(torch.nn.Linear(64, 32), "int8w", torch.device("cpu"))
     assert layer.weights.kernel in KERNELS

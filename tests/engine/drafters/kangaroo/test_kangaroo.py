@@ -13,14 +13,12 @@ from engine.decode import split, verify
 from engine.decode.chat_template import conversation, encode
 from engine.decode.generate import run
 from engine.decode.sampling import sample_from
-from engine.drafters import payoff
 from engine.drafters.accelerators import load_checkpoint, save_checkpoint
 from engine.drafters.kangaroo import (
     Adapter,
     KangarooDrafter,
     KangarooSession,
     KangarooSettings,
-    Phase,
 )
 from engine.drafters.kangaroo_adapter import adapt
 from engine.drafters.registry import load_drafter
@@ -124,30 +122,6 @@ def test_self_copy_adapter_accepts_every_draft(bundled_tokenizer):
     _t, got, stats = run(lm, ids, SamplingParams(max_new_tokens=61), d)
     assert stats.accepted == [5] * 10
     assert got == run(lm, ids, SamplingParams(max_new_tokens=61))[1]
-
-
-def test_a_session_moves_through_its_phases_in_order_only(bundled_tokenizer):
-    """READY -propose-> DRAFTED -score-> SCORED -commit-> READY: a call out of that order
-    is refused at once (the shallow and deep layers' caches would silently disagree)."""
-    lm = make_tiny_model("llama-gqa", bundled_tokenizer)
-    state, session = payoff.prefilled(lm, drafter(lm, exit_layer=2, gamma=3))
-    assert session.phase is Phase.READY
-    with pytest.raises(RuntimeError, match="score needs a drafted session; this one is ready"):
-        session.score(state, None)
-    with torch.inference_mode():
-        draft = session.propose(state)
-        assert session.phase is Phase.DRAFTED
-        with pytest.raises(RuntimeError, match="propose needs a ready session"):
-            session.propose(state)
-        with pytest.raises(RuntimeError, match="commit needs a scored session"):
-            session.commit(state, draft, [])
-        session.score(state, draft)
-        assert session.phase is Phase.SCORED
-        with pytest.raises(RuntimeError, match="observe needs a ready session"):
-            session.observe(state, None, [], [])
-        session.commit(state, draft, [])
-    assert session.phase is Phase.READY
-    session.observe(state, None, [], [])  # another source's step: still ready
 
 
 def test_unconfident_drafts_stop_early(bundled_tokenizer):
