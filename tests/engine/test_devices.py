@@ -256,14 +256,17 @@ def test_the_loaded_model_and_the_models_tab_say_which_device_runs_and_why(tiny,
     assert f"Device: {lm.device_line}" in ModelsTab.describe(tab)
 
 
-def test_the_cpus_name_and_features_come_from_torchs_cpuinfo():
-    """Read the same way on Linux, Windows and macOS (no /proc/cpuinfo): what the kernels'
-    compiler flags are chosen by."""
-    caps = torch.cpu.get_capabilities()
-    assert devices.cpu_name() == (caps.get("cpu_name") or devices.cpu_name())
-    assert devices.cpu_flags() == {name for name, has in caps.items() if has is True}
-    if caps.get("avx2"):
-        assert "avx2" in devices.cpu_flags()
+def test_the_cpus_name_and_features_come_from_torchs_cpuinfo(monkeypatch):
+    """Read the same way on Linux, Windows and macOS (no /proc/cpuinfo), in cpuinfo's names:
+    what the kernels' compiler flags are chosen by. Its sizes and counts are no features."""
+    from engine.weights import kernels
+
+    fake = {"cpu_name": "Fake CPU", "avx2": True, "avx512_vnni": True, "avx512_vl": True,
+            "amx_tile": False, "l1d_cache_size": 32768, "num_physical_cores": 2}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: fake)
+    assert devices.cpu_name() == "Fake CPU"
+    assert devices.cpu_flags() == {"avx2", "avx512_vnni", "avx512_vl"}
+    assert kernels.vnni_flags() == ("-mavx512vnni", "-mavx512vl")
 
 
 def test_every_cache_kept_per_machine_is_keyed_by_the_one_machine_reading(monkeypatch):
