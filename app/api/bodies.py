@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from app.api.schema import ApiError
+from app.api.errors import ApiError
 from app.api.tools import CallStream, split_calls
 from app.api.worker import END, Reply
 from app.reply_core import ReplyStep

@@ -1,16 +1,15 @@
 """POST /v1/completions (a plain prompt, or fill-in-the-middle with `suffix`) and POST
-/v1/embeddings requests in, checked; errors in OpenAI's shape (app/api/schema.py)."""
+/v1/embeddings bodies as pydantic models (app/api/schema.py); errors in OpenAI's shape."""
 
 from __future__ import annotations
 
 import base64
-import dataclasses
-from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from app.api import schema
-from app.api.schema import ApiError
-from app.settings_rules import text_problem
-from engine.config import SamplingParams
+from pydantic import AfterValidator
+
+from app.api.errors import ApiError
+from app.api.schema import Sampling, Strict, Text, valid_text, within
 
 # Fill-in-the-middle markers, in the prefix-suffix-middle order the models were trained on:
 # Qwen2.5-Coder's, then StarCoder's (and the models that took its tokenizer).
@@ -20,64 +19,23 @@ MAX_LOGPROBS = 5  # the legacy completions endpoint's cap
 MAX_INPUTS = 256  # texts one embeddings request may hold
 
 
-@dataclass(frozen=True)
-class TextRequest:
-    """A validated POST /v1/completions body."""
-
-    model: str | None
-    prompt: str
-    suffix: str | None  # fill-in-the-middle: the text after the gap
-    params: SamplingParams
-    accel: str
-    stream: bool
-    include_usage: bool
-    n: int
-    max_tokens_key: str = "max_tokens"
-    max_tokens_given: bool = True  # False: up to the context's end (see schema.parse)
-
-
-def parse_completion(body: object, default_max_tokens: int) -> TextRequest:
-    """Check a completions body; raises ApiError(400) naming the offending parameter."""
-    if not isinstance(body, dict):
-        raise schema.bad("the request body must be a JSON object", None)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise schema.bad("model must be a string", "model")
-    prompt = _text(_one(body.get("prompt"), "prompt"), "prompt")
-    suffix = body.get("suffix")
-    if suffix is not None:
-        suffix = _text(suffix, "suffix")
-    if body.get("echo") not in (None, False):
-        raise schema.bad("echo is not supported by this server: leave it out", "echo")
-    if body.get("best_of") not in (None, 1):
-        raise schema.bad("best_of is not supported by this server: leave it out", "best_of")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (not schema.is_int(logprobs) or
-                                 not 0 <= logprobs <= MAX_LOGPROBS):
-        raise schema.bad(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}", "logprobs")
-    chat_like = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
-    params = schema.sampling_params(chat_like, default_max_tokens)
-    params = dataclasses.replace(params, logprobs=logprobs)
-    return TextRequest(model, prompt, suffix, params, schema.accel_of(body),
-                       schema.stream_of(body), schema.include_usage(body), schema.n_of(body),
-                       "max_tokens", schema.max_tokens_given(body))
-
-
-def _one(value, key: str):
+def _one(value: Any) -> str:
     """A prompt is a string, or a list holding one."""
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, str):
-        raise schema.bad(f"{key} must be a string (or a list of one string)", key)
-    return value
+        raise ValueError("must be a string (or a list of one string)")
+    return valid_text(value)
 
 
-def _text(value, key: str) -> str:
-    if not isinstance(value, str):
-        raise schema.bad(f"{key} must be a string", key)
-    if (why := text_problem(value)) is not None:
-        raise schema.bad(f"{key} {why}", key)
-    return value
+class TextRequest(Sampling):
+    """POST /v1/completions."""
+
+    unsupported: ClassVar[dict[str, tuple]] = {"echo": (None, False), "best_of": (None, 1)}
+
+    prompt: Annotated[Any, AfterValidator(_one)]
+    suffix: Text | None = None  # fill-in-the-middle: the text after the gap
+    logprobs: Annotated[int, within(0, MAX_LOGPROBS)] | None = None
 
 
 def prompt_ids(tokenizer, req: TextRequest) -> list[int]:
@@ -95,40 +53,26 @@ def prompt_ids(tokenizer, req: TextRequest) -> list[int]:
                    "unsupported_value")
 
 
-@dataclass(frozen=True)
-class EmbeddingRequest:
-    """A validated POST /v1/embeddings body."""
-
-    model: str | None
-    texts: tuple[str, ...]
-    base64: bool  # encoding_format "base64": float32 little-endian bytes, base64-encoded
-    dimensions: int | None
-
-
-def parse_embeddings(body: object) -> EmbeddingRequest:
-    if not isinstance(body, dict):
-        raise schema.bad("the request body must be a JSON object", None)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise schema.bad("model must be a string", "model")
-    value = body.get("input")
+def _inputs(value: Any) -> tuple[str, ...]:
     texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not texts or len(texts) > MAX_INPUTS or \
-            not all(isinstance(t, str) for t in texts):
-        raise schema.bad(f"input must be a string or a list of 1 to {MAX_INPUTS} strings "
-                          "(token ids from another tokenizer would not mean the same here)",
-                          "input")
-    for i, text in enumerate(texts):
-        if not text:
-            raise schema.bad(f"input[{i}] is empty", "input")
-        _text(text, "input")
-    encoding = body.get("encoding_format", "float")
-    if encoding not in ("float", "base64"):
-        raise schema.bad("encoding_format must be float or base64", "encoding_format")
-    dimensions = body.get("dimensions")
-    if dimensions is not None and not schema.is_int(dimensions):
-        raise schema.bad("dimensions must be an integer", "dimensions")
-    return EmbeddingRequest(model, tuple(texts), encoding == "base64", dimensions)
+    if not isinstance(texts, list) or not 0 < len(texts) <= MAX_INPUTS or \
+            not all(isinstance(t, str) and t for t in texts):
+        raise ValueError(f"must be a non-empty string or a list of 1 to {MAX_INPUTS} of "
+                         "them (token ids from another tokenizer would not mean the same here)")
+    return tuple(valid_text(t) for t in texts)
+
+
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings."""
+
+    model: str | None = None
+    input: Annotated[Any, AfterValidator(_inputs)]  # the texts, each embedded
+    encoding_format: Literal["float", "base64"] = "float"  # base64: float32 little-endian
+    dimensions: int | None = None  # the model's own size or none
+
+    @property
+    def base64(self) -> bool:
+        return self.encoding_format == "base64"
 
 
 def encode_vector(values, as_base64: bool):

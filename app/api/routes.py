@@ -23,14 +23,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api import bodies
-from app.api.completions import (
-    encode_vector,
-    parse_completion,
-    parse_embeddings,
-    prompt_ids,
-)
-from app.api.errors import OpenAIRoute, error_response
-from app.api.schema import ApiError, check_prompt_size, check_reply_length, parse, shown
+from app.api.completions import EmbeddingRequest, TextRequest, encode_vector, prompt_ids
+from app.api.errors import ApiError, OpenAIRoute, error_response
+from app.api.schema import check_prompt_size, check_reply_length, parse, parse_body, shown
 from app.api.worker import Reply, ReplyWorker
 from app.host import model_name
 from app.reply_core import Ask
@@ -113,12 +108,11 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
     @router.post("/completions")
     async def completions(request: Request):
         try:
-            req, lm = await admitted(
-                request, lambda body: parse_completion(body, SamplingParams().max_new_tokens))
-            check_reply_length(req.params.max_new_tokens, req.max_tokens_key, lm.context_len)
+            req, lm = await admitted(request, lambda body: parse_body(TextRequest, body))
+            params = req.params(req.logprobs)
+            check_reply_length(params.max_new_tokens, req.max_tokens_key, lm.context_len)
             ids = prompt_ids(lm.tokenizer, req)
-            params = fit_reply(req.params, req.max_tokens_given, len(ids), lm, options,
-                               "prompt")
+            params = fit_reply(params, req.max_tokens_given, len(ids), lm, options, "prompt")
         except ApiError as exc:
             return _error(exc)
         ask = Ask(ChatPrompt(), params, req.accel, ids=tuple(ids))
@@ -135,7 +129,7 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
     @router.post("/embeddings")
     async def embeddings(request: Request):
         try:
-            req, lm = await admitted(request, parse_embeddings)
+            req, lm = await admitted(request, lambda body: parse_body(EmbeddingRequest, body))
             return JSONResponse(await asyncio.to_thread(_embeddings, service, lm, req))
         except ApiError as exc:
             return _error(exc)
@@ -203,7 +197,7 @@ def _check_bias(params: SamplingParams, lm: LoadedModel) -> None:
 
 def _embeddings(service: Service, lm: LoadedModel, req) -> dict:
     """The embeddings body (run under the host's lock: one model job at a time)."""
-    ids = [list(lm.tokenizer(text)["input_ids"]) for text in req.texts]
+    ids = [list(lm.tokenizer(text)["input_ids"]) for text in req.input]
     for i, row in enumerate(ids):
         if len(row) > lm.context_len:
             raise ApiError(400, f"input[{i}] holds {len(row):,} tokens: more than this "

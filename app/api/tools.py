@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from engine.decode.grammar import JSON_OPTIONS, Grammar, lark
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CHOICES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True)
@@ -36,40 +35,6 @@ class ToolSpec:
 
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
-
-
-def parse_tools(body: dict, bad) -> ToolSpec | None:
-    """The request's tools, checked; None when it has none. `bad(message, param)` makes
-    the 400 error to raise."""
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        if body.get("tool_choice") not in (None, "none", "auto"):
-            raise bad("tool_choice needs tools", "tool_choice")
-        return None
-    if not isinstance(tools, list):
-        raise bad("tools must be a list", "tools")
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
-                or not isinstance(function.get("name"), str) or not function["name"]):
-            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                      f"tools[{i}]")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema object",
-                      f"tools[{i}].function.parameters")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
-    spec = ToolSpec(tuple(tools), "auto", None, parallel)
-    choice = body.get("tool_choice", "auto")
-    if choice in CHOICES:
-        return ToolSpec(spec.tools, choice, None, parallel)
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if name not in spec.names():
-        raise bad(f"tool_choice must be one of {', '.join(CHOICES)} or "
-                  f"{{'type': 'function', 'function': {{'name': one of the tools}}}}",
-                  "tool_choice")
-    return ToolSpec(spec.tools, "function", name, parallel)
 
 
 def call_schema(tool: dict) -> dict:
@@ -161,21 +126,17 @@ class CallStream:
         return text or "", calls
 
 
-def template_calls(message_calls: list, bad, where: str) -> tuple[dict, ...]:
-    """An assistant turn's OpenAI tool_calls as chat templates read them (arguments as
-    objects where they parse)."""
+def template_calls(calls) -> tuple[dict, ...]:
+    """An assistant turn's OpenAI tool_calls (the request's checked ToolCall models) as
+    chat templates read them: arguments as objects where they parse."""
     out = []
-    for j, call in enumerate(message_calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad(f"{where}.tool_calls[{j}] must hold a function with a name",
-                      f"{where}.tool_calls")
-        arguments = function.get("arguments", "{}")
+    for call in calls:
+        arguments = call.function.arguments
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
             except ValueError:
                 pass
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})
+        out.append({"id": call.id, "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments}})
     return tuple(out)

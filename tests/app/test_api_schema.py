@@ -13,7 +13,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app.api import ApiOptions, mount
-from app.api.schema import ApiError, parse
+from app.api.completions import EmbeddingRequest, TextRequest
+from app.api.errors import ApiError
+from app.api.schema import parse, parse_body
 from app.api.worker import END, Reply, ReplyWorker
 from app.host import model_name
 from app.service import Service
@@ -67,16 +69,55 @@ def test_parse_defaults():
     ({"messages": [USER], "top_logprobs": 3}, "top_logprobs"),
     ({"messages": [USER], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [USER], "response_format": {"type": "xml"}}, "response_format"),
-    ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [USER], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [USER], "functions": [{"name": "f"}]}, "functions"),
     ({"messages": [USER], "stream": "yes"}, "stream"),
+    ({"messages": [USER], "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+    ({"messages": [{**USER, "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}, USER]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"messages": [USER], "tools": [{"function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+    ({"messages": [USER], "accel": "warp"}, "accel"),
 ])
 def test_parse_refuses_with_the_parameter_named(body, param):
+    """The param is the field's path as OpenAI writes it; the message is one line of our
+    own words that starts with it (never the validator's)."""
     with pytest.raises(ApiError) as err:
         parse(body, 256)
     assert err.value.status == 400 and err.value.param == param
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+    assert err.value.message.startswith(param or "the request body")
+    assert "Input should" not in err.value.message and "\n" not in err.value.message
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (TextRequest, {"prompt": "a", "echo": True}, "echo"),
+    (TextRequest, {"prompt": "a", "best_of": 2}, "best_of"),
+    (TextRequest, {"prompt": ["a", "b"]}, "prompt"),
+    (TextRequest, {"prompt": "a", "suffix": "\ud800"}, "suffix"),
+    (TextRequest, {"prompt": "a", "logprobs": 6}, "logprobs"),
+    (TextRequest, {}, "prompt"),
+    (EmbeddingRequest, {"input": ["a", ""]}, "input"),
+    (EmbeddingRequest, {"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    (EmbeddingRequest, {"input": "a", "dimensions": 1.5}, "dimensions"),
+])
+def test_completions_and_embeddings_refuse_with_the_parameter_named(model, body, param):
+    with pytest.raises(ApiError) as err:
+        parse_body(model, body)
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.message.startswith(param)
+
+
+def test_a_completions_body_maps_to_sampling_params():
+    req = parse_body(TextRequest, {"prompt": ["hi"], "max_tokens": 5, "logprobs": 2,
+                                   "stop": "x", "temperature": 0})
+    params = req.params(req.logprobs)
+    assert req.prompt == "hi" and (params.max_new_tokens, params.logprobs, params.stop,
+                                   params.temperature) == (5, 2, ("x",), 0.0)
 
 
 @pytest.mark.parametrize("raw,param", [
