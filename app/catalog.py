@@ -87,16 +87,12 @@ def _gguf_need(path: Path, params: int, quant: str) -> tuple[str, int]:
     """(resolved quantization, bytes needed) for a GGUF model: on its own blocks (about the
     file's size) where it runs that way, else once converted (fp32 on disk)."""
     device = devices.pick_device("auto")
-    if quant in ("auto", gguf_model.QUANT) and _stored(path, device):
+    if quant in ("auto", gguf_model.QUANT) and \
+            gguf_model.why_not(gguf_header.read(path), device) is None:
         return gguf_model.QUANT, int(path.stat().st_size * RUNTIME_OVERHEAD)
     fit = memory_fit.plan(quant, "auto", device,
                           memory_fit.Checkpoint(params, 0, 0, 0, params * 4, "F32", 0, 0, 0, 0))
     return fit.quant, estimate_bytes(params, fit.quant)
-
-
-def _stored(path: Path, device: torch.device) -> bool:
-    """Whether the GGUF file runs on its own blocks on `device`."""
-    return gguf_model.why_not(gguf_header.read(path), device) is None
 
 
 def local_folder(spec: ModelSpec) -> Path | None:
@@ -143,12 +139,6 @@ def estimate_bytes(params: int, quant: str) -> int:
     return int(params * BYTES_PER_PARAM[quant] * RUNTIME_OVERHEAD)
 
 
-def available_bytes(device: torch.device) -> int:
-    """Free memory where the weights will go: the GPU's (CUDA's, or Apple's working set),
-    else available RAM."""
-    return devices.card(device).free_bytes
-
-
 def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
     """One line for the Models tab: the quantization it will load with, its size and the
     free memory; `loaded`: the model loaded from `spec` now, whose bytes are measured."""
@@ -177,7 +167,8 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
         model = f"{params / 1e6:,.0f} M parameters ({checkpoint.dtype.lower()})"
         if fit.moved:
             model += f" · on the CPU: {fit.moved}"
-    free = available_bytes(device)
+    # where the weights will go: the GPU's (CUDA's, or Apple's working set), else RAM
+    free = devices.card(device).free_bytes
     if spec.quant == "auto" and device.type == "cpu" and quant != gguf_model.QUANT:
         choices = quant_auto.CANDIDATES
         sizes = ", ".join(f"{q} ~{_size(estimate_bytes(params, q))}" for q in choices)
@@ -188,18 +179,13 @@ def memory_estimate(spec: ModelSpec, loaded: LoadedModel | None = None) -> str:
     else:
         line = f"{model} · {quant} on {device.type}: about {_size(need)} needed, {_size(free)} free"
         if quant in LOW_BIT and device.type == "cpu" and spec.wide_copies:
-            need += _copies(params, quant)
+            need += int(params * COPY_BYTES * RUNTIME_OVERHEAD)
             line += f" (up to {_size(need)} {LOW_BIT_NOTE})"
     if loaded is not None:
         line += f" · loaded now as {loaded.quant}: {_size(measured_size(loaded.model)[1])} measured"
     if need > free:
         line += " — probably not enough: pick a smaller quantization"
     return line
-
-
-def _copies(params: int, quant: str) -> int:
-    """Bytes of the bf16 copies a low-bit choice keeps with --wide-copies."""
-    return int(params * COPY_BYTES * RUNTIME_OVERHEAD) if quant in LOW_BIT else 0
 
 
 def download(repo_id: str, revision: str | None, report: Report) -> Path:
