@@ -191,14 +191,13 @@ class Accelerators:
         """The drafter of `method` for one reply. Where it cannot be used now: plain
         decoding, saying why, or with `strict` the AcceleratorError that says how to fix it
         (the terminal, where the method was asked for by name)."""
-        if strict:
-            drafter = self.drafter(method)
-            return Resolved(drafter, method, [drafter.notice] if drafter.notice else [])
-        status = self.status(method)  # loads and keeps the drafter when it is ready
-        if status.ready:
-            drafter = self.drafter(method)  # says why when it decodes plainly here
-            return Resolved(drafter, method, [drafter.notice] if drafter.notice else [])
-        return Resolved(Drafter(), "off", [f"{status.message} This reply uses plain decoding."])
+        if not strict:
+            status = self.status(method)  # loads and keeps the drafter when it is ready
+            if not status.ready:
+                return Resolved(Drafter(), "off",
+                                [f"{status.message} This reply uses plain decoding."])
+        drafter = self.drafter(method)  # says why when it decodes plainly here
+        return Resolved(drafter, method, [drafter.notice] if drafter.notice else [])
 
     @property
     def datastore(self):
