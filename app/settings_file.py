@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from app.datafiles import Once, atomic_write_text
-from app.settings_rules import SettingError, problem
+from app.settings_rules import problem, refuse
 from engine.paths import atomic_write
 from engine.stored_files import MIB, read_bytes, read_json
 
@@ -91,9 +91,8 @@ class SettingsFile:
         setting cannot take: it is neither saved nor used."""
         for key, value in changes.items():
             default = getattr(Settings(), key)  # AttributeError: a caller's typo
-            why = "has the wrong type" if _coerce(value, default) is None else problem(key, value)
-            if why is not None:
-                raise SettingError(f"{key} {why}")
+            refuse(key, "has the wrong type" if _coerce(value, default) is None
+                   else problem(key, value))
         with self._lock:
             settings, raw = self._read()
             settings = replace(settings, **{k: _coerce(v, getattr(settings, k))

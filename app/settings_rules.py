@@ -55,7 +55,7 @@ RULES: dict[str, Callable] = {
     "quant": _one_of(QUANT_CHOICES),
     "accel": _one_of(ACCEL_CHOICES),
     "acceptance": _one_of(PAGE_ACCEPTANCE),
-    "temperature": lambda v: _temperature(v),
+    "temperature": _temperature,
     # below 0.01 nothing differs from keeping the top token, and tiny masses overflow
     "top_p": _finite(0.01, 1.0),
     "top_k": lambda v: None if v >= 0 else "must be 0 or more",
@@ -66,6 +66,12 @@ RULES: dict[str, Callable] = {
     "system": lambda v: system_problem(v),
     "train_minutes": _finite(1.0, 24 * 60.0),  # a training run's time budget (page only)
 }
+
+
+def refuse(name: str, why: str | None, error: type[QuickdraftError] = SettingError) -> None:
+    """Raise `error` saying "`name` `why`" where there is a `why` (a rule refused a value)."""
+    if why is not None:
+        raise error(f"{name} {why}")
 
 
 def problem(key: str, value) -> str | None:
@@ -100,9 +106,7 @@ def page_number(key: str, value, integer: bool = False) -> float | int:
         if value != int(value):
             raise SettingError(f"{name} must be a whole number")
         value = int(value)
-    why = problem(key, value)
-    if why is not None:
-        raise SettingError(f"{name} {why}")
+    refuse(name, problem(key, value))
     return value
 
 
@@ -112,9 +116,7 @@ def page_text(name: str, value, limit: int | None = None) -> str:
         return ""
     if not isinstance(value, str):
         raise SettingError(f"{name} must be text")
-    why = text_problem(value)
-    if why is not None:
-        raise SettingError(f"{name} {why}")
+    refuse(name, text_problem(value))
     if limit is not None and len(value) > limit:
         raise SettingError(f"{name} is longer than {limit:,} characters")
     return value

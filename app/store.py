@@ -23,7 +23,7 @@ from pathlib import Path
 from app.conversation import Conversation, matches, title_from_prompt, unique_title
 from app.datafiles import Once, atomic_write_text
 from app.settings_file import Settings, SettingsFile
-from app.settings_rules import CONVERSATION_ID, system_problem, text_problem
+from app.settings_rules import CONVERSATION_ID, refuse, system_problem, text_problem
 from engine.errors import QuickdraftError
 from engine.paths import atomic_write, data_dir
 from engine.stored_files import MIB, read_bytes, read_json
@@ -100,7 +100,7 @@ class Store:
     def new(self, system: str = "") -> Conversation:
         """A new, empty conversation. The oldest empty ones beyond EMPTY_KEEP go: clicks on
         New chat must not fill the disk with conversations nobody wrote in."""
-        _check_system(system)
+        refuse("the system prompt", system_problem(system), StoreError)
         empty = [c for c in self.list() if not c.messages]
         for old in empty[EMPTY_KEEP - 1:]:
             self._path(old.id).unlink(missing_ok=True)
@@ -120,7 +120,7 @@ class Store:
         return unique_title(title_from_prompt(prompt), taken)
 
     def rename(self, conv_id: str, title: str) -> Conversation:
-        _check_text("a conversation's name", title)
+        refuse("a conversation's name", text_problem(title), StoreError)
         title = " ".join(title.split())
         if not title:
             raise StoreError("a conversation needs a name")
@@ -131,7 +131,7 @@ class Store:
 
     def set_system(self, conv_id: str, system: str) -> None:
         """The conversation's own system prompt (what its next reply is asked with)."""
-        _check_system(system)
+        refuse("the system prompt", system_problem(system), StoreError)
         conv = self.get(conv_id)
         if conv.system != system.strip():
             conv.system = system.strip()
@@ -196,15 +196,3 @@ class Store:
     @staticmethod
     def _read(path: Path) -> Conversation:
         return Conversation.from_json(read_json(path, CONVERSATION_BYTES), path.stem)
-
-
-def _check_text(name: str, text: str) -> None:
-    why = text_problem(text)
-    if why is not None:
-        raise StoreError(f"{name} {why}")
-
-
-def _check_system(system: str) -> None:
-    why = system_problem(system)
-    if why is not None:
-        raise StoreError(f"the system prompt {why}")
