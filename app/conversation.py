@@ -3,6 +3,7 @@ from its file; which of its replies a model may learn from; and its side-list ti
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -149,10 +150,7 @@ def unique_title(title: str, taken: set[str]) -> str:
     same question asked twice must not give two entries nobody can tell apart."""
     if title not in taken:
         return title
-    n = 2
-    while f"{title} ({n})" in taken:
-        n += 1
-    return f"{title} ({n})"
+    return next(f"{title} ({n})" for n in itertools.count(2) if f"{title} ({n})" not in taken)
 
 
 def matches(conv: Conversation, query: str) -> bool:
