@@ -58,16 +58,15 @@ def find_models(folders: ModelFolders | None = None) -> list[FoundModel]:
 
 
 def _existing(roots: tuple[Path, ...]) -> list[Path]:
-    seen, out = set(), []
+    """The folders of `roots` that exist, each once (of two paths to one folder, the first)."""
+    found: dict[Path, Path] = {}  # resolved -> as given
     for root in roots:
         try:
-            key = root.resolve()
-            if root.is_dir() and key not in seen:
-                seen.add(key)
-                out.append(root)
+            if root.is_dir():
+                found.setdefault(root.resolve(), root)
         except OSError:  # unreadable (another user's folder): not ours to list
             continue
-    return out
+    return list(found.values())
 
 
 def _lmstudio(root: Path) -> list[FoundModel]:
