@@ -74,7 +74,8 @@ def make_policy(host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (),
     (from flags and from QUICKDRAFT_ORIGINS)."""
     environ = os.environ if environ is None else environ
     names = {_bare(host), *(_bare(h) for h in allowed_hosts)}
-    any_address = _is_unspecified(host)
+    address = _address(_bare(host))
+    any_address = address is not None and address.is_unspecified
     if any_address:  # reached by this machine's own name too
         names |= {socket.gethostname().lower(), f"{socket.gethostname().lower()}.local"}
     names.discard("")
@@ -172,12 +173,6 @@ def _address(name: str):
         return ipaddress.ip_address(name)
     except ValueError:
         return None
-
-
-def _is_unspecified(host: str) -> bool:
-    address = _address(_bare(host))
-    return address is not None and address.is_unspecified
-
 
 # The longest API reply when a request sets no max_tokens (--max-reply-tokens): it runs to
 # the context's end or its own stop otherwise, and one request must not hold the queue for
