@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 # drafts the step first) -> the source the step counts for.
 KIND_SOURCE = {"copy": "conversation", "lookup": "conversation", "datastore": "datastore",
                "medusa": "medusa", "kangaroo": "kangaroo", "off": "plain"}
-# A drafter that is not a composition drafts every step it drafts from one source.
-METHOD_SOURCE = {"lookup": "conversation", "datastore": "datastore", "medusa": "medusa",
-                 "kangaroo": "kangaroo", "off": "plain"}
+# A drafter that is not a composition drafts every step it drafts from one source ("copy" is
+# a step kind, never a method).
+METHOD_SOURCE = {k: v for k, v in KIND_SOURCE.items() if k != "copy"}
 LABELS = {"conversation": "copies from this conversation", "datastore": "datastore",
           "medusa": "Medusa", "kangaroo": "Kangaroo", "plain": "plain steps"}
 # Sources whose tokens are text that already existed: this conversation or earlier replies.
