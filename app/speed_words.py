@@ -20,16 +20,16 @@ class Taken:
     when: float  # time.time()
     busy: float | None  # share of the CPU other programs used (None: unknown)
 
-    def words(self) -> str:
-        """"at 14:02" or "at 14:02, while other programs used 63% of the CPU"."""
-        at = f"at {clock(self.when)}"
-        if self.busy is not None and self.busy > BUSY_SHARE:
-            return f"{at}, while other programs used {100 * self.busy:.0f}% of the CPU"
-        return at
-
     @property
     def was_busy(self) -> bool:
         return self.busy is not None and self.busy > BUSY_SHARE
+
+    def words(self) -> str:
+        """"at 14:02" or "at 14:02, while other programs used 63% of the CPU"."""
+        at = f"at {clock(self.when)}"
+        if self.was_busy:
+            return f"{at}, while other programs used {100 * self.busy:.0f}% of the CPU"
+        return at
 
 
 def clock(when: float) -> str:
