@@ -86,7 +86,6 @@ class Summary:
     tokens_per_s: float  # median speed
     drafted: float  # share of all their steps that drafted (median per reply)
     busy: int  # of them, taken while the machine was busy
-    last: float  # when the latest ended
 
 
 class SpeedRecord:
@@ -116,7 +115,7 @@ class SpeedRecord:
         return Summary(len(got), statistics.median(m.tokens_per_step for m in got),
                        statistics.median(m.tokens_per_s for m in got),
                        statistics.median(m.drafted for m in got),
-                       sum(m.was_busy for m in got), got[-1].when)
+                       sum(m.was_busy for m in got))
 
     def last_compare(self, method: str) -> Measure | None:
         with self._lock:
