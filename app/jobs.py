@@ -45,7 +45,7 @@ class Job:
         elapsed = time.monotonic() - self.started
         self.fraction = max(self.fraction, run_fraction(progress, elapsed))
         if progress.metrics:
-            self.history.append({"t": time.monotonic() - self.started, **progress.metrics})
+            self.history.append({"t": elapsed, **progress.metrics})
             del self.history[:-HISTORY_LIMIT]
 
     def start(self, work: Callable[[], object]) -> Job:
