@@ -84,7 +84,8 @@ class SettingsFile:
     def save(self, settings: Settings) -> None:
         """Write `settings` (keys of a newer version stay)."""
         with self._lock:
-            self._write(self._read()[1], settings)
+            _saved, raw, keep = self._read()
+            self._write(raw, keep, settings)
 
     def remember(self, **changes) -> Settings:
         """Save some settings for the next launch. SettingError (one line) for a value the
@@ -94,36 +95,39 @@ class SettingsFile:
             refuse(key, "has the wrong type" if _coerce(value, default) is None
                    else problem(key, value))
         with self._lock:
-            settings, raw = self._read()
+            settings, raw, keep = self._read()
             settings = replace(settings, **{k: _coerce(v, getattr(settings, k))
                                             for k, v in changes.items()})
-            self._write(raw, settings)
+            self._write(raw, keep, settings)
         return settings
 
-    def _read(self) -> tuple[Settings, dict | None]:
-        """(settings, the file's JSON object); None for the object when the file exists
-        but must be kept before it is replaced (no JSON object, or values refused)."""
+    def _read(self) -> tuple[Settings, dict, bool]:
+        """(settings, the file's keys to write back beside them, whether the file must be
+        kept before it is replaced: no JSON object, or values refused, when only the keys
+        this version does not know are written back)."""
         try:
             data = read_json(self.path, SETTINGS_BYTES)
         except FileNotFoundError:
-            return Settings(), {}
+            return Settings(), {}, False
         except (OSError, ValueError) as exc:
             self._once.warn(self.path, "ignoring unreadable settings file %s: %s", self.path, exc)
-            return Settings(), None
+            return Settings(), {}, True
         if not isinstance(data, dict):
             self._once.warn(self.path, "ignoring settings file %s: not a JSON object", self.path)
-            return Settings(), None
+            return Settings(), {}, True
         settings, refused = Settings.checked(data)
         for line in refused:
             self._once.warn(self.path, "%s: %s", self.path, line)
-        return settings, None if refused else data
+        if refused:
+            known = asdict(settings)
+            return settings, {k: v for k, v in data.items() if k not in known}, True
+        return settings, data, False
 
-    def _write(self, raw: dict | None, settings: Settings) -> None:
+    def _write(self, raw: dict, keep: bool, settings: Settings) -> None:
         """Write the file; a write the disk refuses (full, read-only, a folder in the file's
         place) is said in one line and costs only the remembering: the page goes on."""
-        if raw is None:  # keep what is about to be replaced
+        if keep:  # keep what is about to be replaced
             self._keep_copy()
-            raw = self._salvage()
         try:
             atomic_write_text(self.path, json.dumps({**raw, **asdict(settings)}, indent=2))
         except OSError as exc:
@@ -144,12 +148,3 @@ class SettingsFile:
             return
         log.warning("%s had values that could not be used: kept as %s", self.path.name,
                     copy.name)
-
-    def _salvage(self) -> dict:
-        """The keys this version does not know, from a file whose known values were refused."""
-        try:
-            data = read_json(self.path, SETTINGS_BYTES)
-        except (OSError, ValueError):
-            return {}
-        known = set(asdict(Settings()))
-        return {k: v for k, v in data.items() if k not in known} if isinstance(data, dict) else {}
