@@ -15,6 +15,7 @@ held-out answers, and what the heads then do on this machine.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from engine.decode.tree import build_tree, greedy_tree, marginal_accuracies
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import answer_room
+from trainer.losses import rank_hits
 from trainer.measure import PLAIN, measure
 
 CHUNK = 512  # held-out positions per heads' pass
@@ -52,6 +54,24 @@ class TreeChoice:
     measured: dict = field(default_factory=dict)
 
 
+def ranked_hits(lm, heads: MedusaHeads, inputs, teacher, pos: torch.Tensor, depth: int,
+                ranks: int, chunk: int) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Per chunk of `pos`: its slice, and (B, depth, ranks) bool: the rank-r guess of head j
+    (from the heads' vocabulary, as the drafter guesses) is the model's greedy token after
+    position t + j + 1. Rows past a conversation's end are the callers' to mask out."""
+    projection = heads.project(lm.model.get_output_embeddings().weight.detach())
+    last = teacher.ids.shape[0] - 1
+    for start in range(0, pos.numel(), chunk):
+        p = pos[start:start + chunk]
+        with torch.inference_mode():
+            states, pending = inputs.at(p, lm.device)
+            logits = heads.logits(states, pending, projection, depth).float()  # (B, d, V')
+            guesses = heads.tokens(logits.topk(ranks, dim=-1).indices).cpu()  # (B, d, R)
+        targets = torch.stack([teacher.ids[(p + j + 1).clamp(max=last), 0]
+                               for j in range(depth)], dim=1)  # (B, d)
+        yield slice(start, start + chunk), rank_hits(guesses, targets)
+
+
 def node_chances(lm, heads: MedusaHeads, inputs, teacher, pos: torch.Tensor,
                  valid: torch.Tensor, choices: list[tuple[int, ...]]) -> list[float]:
     """Per candidate node, the share of held-out positions (those where its depth is still
@@ -61,25 +81,13 @@ def node_chances(lm, heads: MedusaHeads, inputs, teacher, pos: torch.Tensor,
         return []
     ranks = max(max(c) for c in choices) + 1
     depth = max(len(c) for c in choices)
-    projection = heads.project(lm.model.get_output_embeddings().weight.detach())
     hits, counts = torch.zeros(len(choices)), torch.zeros(len(choices))
-    for start in range(0, pos.numel(), CHUNK):
-        p, v = pos[start:start + CHUNK], valid[start:start + CHUNK]
-        with torch.inference_mode():
-            states, pending = inputs.at(p, lm.device)
-            logits = heads.logits(states, pending, projection, depth).float()  # (B, d, V')
-            guesses = heads.tokens(logits.topk(ranks, dim=-1).indices).cpu()  # (B, d, R)
-        last = teacher.ids.shape[0] - 1
-        # target of head j (0-based): the greedy token after position t + j + 1
-        targets = torch.stack([teacher.ids[(p + j + 1).clamp(max=last), 0]
-                               for j in range(depth)], dim=1)  # (B, d)
-        right = guesses == targets[:, :, None]  # (B, d, R)
+    for at, right in ranked_hits(lm, heads, inputs, teacher, pos, depth, ranks, CHUNK):
+        v = valid[at]
         for n, choice in enumerate(choices):
-            ok = v[:, len(choice) - 1].clone()
-            for j, r in enumerate(choice):
-                ok &= right[:, j, r]
-            hits[n] += int(ok.sum())
-            counts[n] += int(v[:, len(choice) - 1].sum())
+            inside = v[:, len(choice) - 1]
+            hits[n] += int((inside & right[:, range(len(choice)), list(choice)].all(-1)).sum())
+            counts[n] += int(inside.sum())
     return [round(float(h / max(c, 1.0)), 5) for h, c in zip(hits, counts, strict=True)]
 
 

@@ -23,8 +23,8 @@ from engine.drafters.payoff import machine
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import prompt_ids
 from trainer.features import Features, features_for, forward_seconds_per_token
-from trainer.losses import candidate_columns, head_weights, rank_hits, sparse_soft_cross_entropy
-from trainer.medusa.calibrate_tree import calibrate
+from trainer.losses import candidate_columns, head_weights, sparse_soft_cross_entropy
+from trainer.medusa.calibrate_tree import calibrate, ranked_hits
 from trainer.resume import start_from
 from trainer.training_loop import TrainConfig, train_module
 from trainer.vocab import coverage, draft_vocabulary
@@ -123,10 +123,7 @@ def positions(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.T
     target when t + k is still inside the same conversation.
     """
     total = features.tokens
-    conv_end = torch.empty(total, dtype=torch.long)
-    for c in range(features.conversations):
-        a, b = int(features.offsets[c]), int(features.offsets[c + 1])
-        conv_end[a:b] = b
+    conv_end = features.offsets[1:].repeat_interleave(features.offsets.diff())  # (T,)
     nxt = torch.zeros(total, dtype=torch.bool)
     nxt[:-1] = features.mask[1:]
     nxt &= torch.arange(total) + 1 < conv_end
@@ -170,22 +167,12 @@ def head_accuracies(lm, heads: MedusaHeads, inputs: HeadInputs, teacher: Teacher
     """Per head, top-i accuracy (i = 1..max_rank) against the base model's greedy token at
     t + k, guessing from the heads' vocabulary as the drafter does. Returns K lists of
     cumulative accuracies."""
-    projection = heads.project(lm.model.get_output_embeddings().weight.detach())  # (V', H)
     k_heads = heads.settings.num_heads
-    hits = torch.zeros(k_heads, max_rank)
-    counts = torch.zeros(k_heads)
-    for start in range(0, pos.numel(), CHUNK // k_heads):
-        p, v = pos[start : start + CHUNK // k_heads], valid[start : start + CHUNK // k_heads]
-        with torch.inference_mode():
-            states, pending = inputs.at(p, lm.device)
-            logits = heads.logits(states, pending, projection).float()  # (B, K, V')
-            guesses = heads.tokens(logits.topk(max_rank, dim=-1).indices).cpu()  # (B, K, R)
-        for k in range(k_heads):
-            # Head k + 1's target: the greedy token after t + k + 1 (clamped rows are masked).
-            target = teacher.ids[(p + k + 1).clamp(max=teacher.ids.shape[0] - 1), 0]
-            h = rank_hits(guesses[v[:, k], k], target[v[:, k]])
-            hits[k] += h.float().sum(0)
-            counts[k] += int(v[:, k].sum())
+    hits, counts = torch.zeros(k_heads, max_rank), torch.zeros(k_heads)
+    for at, right in ranked_hits(lm, heads, inputs, teacher, pos, k_heads, max_rank,
+                                 CHUNK // k_heads):
+        hits += (right & valid[at].unsqueeze(-1)).sum(0)  # (K, R) hits where head k has a target
+        counts += valid[at].sum(0)
     cumulative = hits.cumsum(-1) / counts.clamp_min(1).unsqueeze(-1)
     return [[round(float(a), 4) for a in row] for row in cumulative]
 
