@@ -62,18 +62,13 @@ class FeatureCache:
     layers: list[int]
     shards: list[Path]
 
-    def load(self, layers: list[int] | None = None) -> Features:
-        """All shards concatenated in memory (only the requested layers)."""
-        want = self.layers if layers is None else layers
-        parts = [_read_shard(p, want) for p in self.shards]
-        ids = torch.cat([p.ids for p in parts])
-        mask = torch.cat([p.mask for p in parts])
-        offsets, base = [torch.zeros(1, dtype=torch.long)], 0
-        for p in parts:
-            offsets.append(p.offsets[1:] + base)
-            base += p.tokens
-        states = {layer: torch.cat([p.states[layer] for p in parts]) for layer in want}
-        return Features(ids, mask, torch.cat(offsets), states)
+    def load(self) -> Features:
+        """All shards concatenated in memory."""
+        parts = [_read_shard(p, self.layers) for p in self.shards]
+        lengths = torch.cat([p.offsets.diff() for p in parts])  # per conversation
+        return Features(torch.cat([p.ids for p in parts]), torch.cat([p.mask for p in parts]),
+                        recorded.offsets(lengths),
+                        {n: torch.cat([p.states[n] for p in parts]) for n in self.layers})
 
 
 def encode_conversations(lm, conversations: list[list[dict]]
@@ -81,23 +76,14 @@ def encode_conversations(lm, conversations: list[list[dict]]
     """Token ids of each whole conversation through the model's chat template, and a mask
     that is True on the tokens of the model's answers (including their end-of-turn token).
 
-    The mask comes from encoding each prefix up to an answer's start and end: chat templates
-    render a prefix of a conversation as a prefix of its tokens. A conversation longer than
-    the model's context keeps its first context_len tokens (one forward pass reads it).
+    A conversation longer than the model's context keeps its first context_len tokens (one
+    forward pass reads it).
     """
     all_ids, all_masks = [], []
     for messages in conversations:
         ids = fit_sequence(lm, render(lm.tokenizer, messages, generation_prompt=False))
-        mask = [False] * len(ids)
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            start = len(render(lm.tokenizer, messages[:i], generation_prompt=True))
-            end = len(render(lm.tokenizer, messages[: i + 1], generation_prompt=False))
-            for j in range(start, min(end, len(ids))):
-                mask[j] = True
         all_ids.append(ids)
-        all_masks.append(mask)
+        all_masks.append(recorded.mark_answers(lm, messages, [False] * len(ids), len(ids)))
     return all_ids, all_masks
 
 
@@ -181,11 +167,10 @@ def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None
         for row, i in enumerate(batch):
             for layer in layers:
                 states[layer][i] = out[layer][row, : len(ids_list[i])].cpu()
-    lengths = torch.tensor([len(ids) for ids in ids_list], dtype=torch.long)
     tensors = {
         "ids": torch.tensor([t for ids in ids_list for t in ids], dtype=torch.long),
         "mask": torch.tensor([bool(m) for mask in mask_list for m in mask], dtype=torch.bool),
-        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "offsets": recorded.offsets(torch.tensor([len(ids) for ids in ids_list])),
     }
     tensors.update({f"layer{n}": torch.cat(states[n]).contiguous() for n in layers})
     atomic_write(path, lambda tmp: save_file(tensors, tmp))
@@ -257,9 +242,8 @@ def _merge(keys: list[str], found: dict, computed: Features | None,
                                            None, None))
     if not parts:
         raise QuickdraftError("no conversations to read features from")
-    lengths = torch.tensor([p.ids.numel() for p in parts])
     feats = Features(torch.cat([p.ids for p in parts]), torch.cat([p.mask for p in parts]),
-                     torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                     recorded.offsets(torch.tensor([p.ids.numel() for p in parts])),
                      {n: torch.cat([p.states[n] for p in parts]) for n in layers})
     tops = [p for p in parts if p.top_ids is not None]
     if tops:  # positions the data stage recorded keep the model's top-k logits

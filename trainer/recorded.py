@@ -36,17 +36,30 @@ def folder(lm) -> Path:
     return cache_dir() / "features" / lm.fingerprint / "recorded" / lm.quant
 
 
+def offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """(C + 1,) long: where each of C conversations of `lengths` tokens starts, then the end
+    (conversation c spans offsets[c]:offsets[c + 1] of the joined tokens)."""
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+
+
 def answer_mask(lm, messages: list[dict], prompt_len: int, total: int) -> list[bool]:
     """True on the answers' positions of a conversation recorded as its last turn's prompt
     (prompt_len tokens, the earlier turns inside it as the chat template renders them)
     followed by its last answer (the end of turn included), `total` positions in all."""
     mask = [False] * prompt_len + [True] * (total - prompt_len)
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    for i, m in enumerate(messages[:last]):
+    return mark_answers(lm, messages[:last], mask, prompt_len)
+
+
+def mark_answers(lm, messages: list[dict], mask: list[bool], end: int) -> list[bool]:
+    """`mask` set True on the positions (before `end`) of every answer in `messages`, its
+    end-of-turn token included. The spans come from encoding each prefix up to an answer's
+    start and end: chat templates render a prefix of a conversation as a prefix of its tokens."""
+    for i, m in enumerate(messages):
         if m["role"] == "assistant":
             start = len(render(lm.tokenizer, messages[:i], generation_prompt=True))
-            end = len(render(lm.tokenizer, messages[: i + 1], generation_prompt=False))
-            for j in range(start, min(end, prompt_len)):
+            stop = len(render(lm.tokenizer, messages[: i + 1], generation_prompt=False))
+            for j in range(start, min(stop, end)):
                 mask[j] = True
     return mask
 
@@ -80,11 +93,10 @@ class Writer:
         self.folder.mkdir(parents=True, exist_ok=True)
         keys = [k for k, _c in self.pending]
         convs = [c for _k, c in self.pending]
-        lengths = torch.tensor([c.ids.numel() for c in convs])
         tensors = {
             "ids": torch.cat([c.ids for c in convs]),
             "mask": torch.cat([c.mask for c in convs]),
-            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+            "offsets": offsets(torch.tensor([c.ids.numel() for c in convs])),
             "top_ids": torch.cat([c.top_ids for c in convs]),
             "top_logits": torch.cat([c.top_logits for c in convs]),
         }
@@ -112,11 +124,10 @@ def read(folder: Path, wanted: set[str], layers: list[int]) -> dict[str, Convers
                 t = {name: fh.get_tensor(name) for name in names}
         except (SafetensorError, OSError, ValueError):
             continue
-        offsets = t["offsets"]
         for c, key in enumerate(keys):
             if key not in wanted or key in found:
                 continue
-            a, b = int(offsets[c]), int(offsets[c + 1])
+            a, b = int(t["offsets"][c]), int(t["offsets"][c + 1])
             found[key] = Conversation(t["ids"][a:b], t["mask"][a:b],
                                       {n: t[f"layer{n}"][a:b] for n in layers},
                                       t["top_ids"][a:b], t["top_logits"][a:b])
