@@ -16,6 +16,7 @@ from engine.drafters.registry import TRAINED, method
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.features import conversation_tokens
+from trainer.kangaroo.calibrate_exit import KangarooCalibration
 from trainer.kangaroo.train_adapter import KangarooTrainConfig
 from trainer.medusa.calibrate_tree import CalibrationConfig
 from trainer.medusa.train_heads import MedusaTrainConfig
@@ -72,9 +73,8 @@ def options_for(method: str, max_minutes: float, prompts_file: Path | None = Non
     """Default options whose calibration reserves fit the budget: short runs keep at most
     15% of their time for calibration instead of the full reserve."""
     cap = max_minutes * 60 * 0.15
-    kangaroo = KangarooTrainConfig()
-    kangaroo = dataclasses.replace(kangaroo, calibration=dataclasses.replace(
-        kangaroo.calibration, seconds=min(kangaroo.calibration.seconds, cap)))
+    kangaroo = KangarooTrainConfig(calibration=KangarooCalibration(
+        seconds=min(KangarooCalibration.seconds, cap)))
     return TrainOptions(method=method, max_minutes=max_minutes, prompts_file=prompts_file,
                         calibration_seconds=min(TrainOptions.calibration_seconds, cap),
                         kangaroo=kangaroo, chats=tuple(chats),

@@ -91,8 +91,7 @@ class Writer:
         if not self.pending:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        keys = [k for k, _c in self.pending]
-        convs = [c for _k, c in self.pending]
+        keys, convs = zip(*self.pending, strict=True)
         tensors = {
             "ids": torch.cat([c.ids for c in convs]),
             "mask": torch.cat([c.mask for c in convs]),

@@ -156,9 +156,9 @@ def answers(lm, queue: deque[AnswerJob], config: SamplerConfig, generator: torch
             return
         active = torch.tensor([row is not None for row in live])
         step = rows.step(pending, active, layers)
-        chosen = _choose(step.logits, _greedy(live, step.logits.device), config.temperature,
-                         generator)
-        pending = chosen.cpu()
+        greedy = torch.tensor([row is None or row.job.greedy for row in live],
+                              device=step.logits.device)
+        pending = _choose(step.logits, greedy, config.temperature, generator).cpu()
         for r, row in enumerate(live):
             if row is None:
                 continue
@@ -189,10 +189,6 @@ def _done(lm, row: _Row, token: int, record: Record | None) -> bool:
         return False
     row.closing = record is not None
     return not row.closing
-
-
-def _greedy(live: list[_Row | None], device) -> torch.Tensor:
-    return torch.tensor([row is None or row.job.greedy for row in live], device=device)
 
 
 def _choose(logits: torch.Tensor, greedy: torch.Tensor, temperature: float,

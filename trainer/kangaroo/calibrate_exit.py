@@ -253,9 +253,6 @@ def _timed(op, caches) -> float:
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares (intercept, slope) through (x, y) points; slope >= 0."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-                if var else 0.0)
-    return round(my - slope * mx, 4), round(slope, 4)
+    xs, ys = zip(*points, strict=True)
+    slope = max(0.0, statistics.linear_regression(xs, ys).slope) if len(set(xs)) > 1 else 0.0
+    return round(statistics.fmean(ys) - slope * statistics.fmean(xs), 4), round(slope, 4)
