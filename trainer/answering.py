@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ChatMessage, ChatPrompt
-from engine.decode.chat_template import encode
+from engine.decode.chat_template import render
 from trainer import recorded
 from trainer.context import answer_room, fit_prompt, padded
 from trainer.features import conversation_tokens
@@ -178,8 +177,7 @@ class _SeedInProgress:
     def ask_next(self, tokenizer) -> list[int]:
         """Add the seed's next user turn; the conversation so far as the model's prompt."""
         self.messages.append({"role": "user", "content": self.seed.turns[len(self.messages) // 2]})
-        conv = ChatPrompt(tuple(ChatMessage(m["role"], m["content"]) for m in self.messages))
-        return encode(tokenizer, conv)
+        return render(tokenizer, self.messages, generation_prompt=True)
 
     def answered(self, tokenizer, answer: list[int]) -> None:
         """Add the model's answer (token ids, EOS cut) to the last user turn."""
