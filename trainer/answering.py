@@ -19,7 +19,7 @@ import torch
 from engine.decode.chat_template import render
 from trainer import recorded
 from trainer.context import answer_room, fit_prompt, padded
-from trainer.features import conversation_tokens
+from trainer.features import Features, conversation_tokens
 from trainer.sampler import AnswerJob, Record, SamplerConfig, answers, rows_that_fit, supports_rows
 from trainer.seeds import DataBudget, Seed
 
@@ -158,12 +158,12 @@ def _answer_streamed(lm, fh, todo: list[Seed], budget: DataBudget, run: Run,
     run.wrote(0, time.perf_counter() - clock, 0)  # the unfinished answers' time counts too
 
 
-def _recorded(lm, conv: _SeedInProgress, job: AnswerJob, answer) -> recorded.Conversation:
+def _recorded(lm, conv: _SeedInProgress, job: AnswerJob, answer) -> Features:
     """The conversation's recorded features: its last turn's prompt and answer."""
     f = answer.features
     mask = recorded.answer_mask(lm, conv.messages, len(job.prompt), len(f.ids))
-    return recorded.Conversation(torch.tensor(f.ids), torch.tensor(mask), f.states,
-                                 f.top_ids, f.top_logits)
+    return Features(torch.tensor(f.ids), torch.tensor(mask), torch.tensor([0, len(f.ids)]),
+                    f.states, f.top_ids, f.top_logits)
 
 
 @dataclass

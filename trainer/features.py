@@ -24,7 +24,6 @@ from engine.decode.chat_template import render
 from engine.errors import QuickdraftError
 from engine.paths import atomic_write, cache_dir
 from engine.progress import Eta, Progress, ProgressFn, ignore
-from trainer import recorded
 from trainer.context import fit_sequence, padded
 
 SHARD_TOKENS = 65536  # tokens per cache shard: the unit of resuming
@@ -64,11 +63,32 @@ class FeatureCache:
 
     def load(self) -> Features:
         """All shards concatenated in memory."""
-        parts = [_read_shard(p, self.layers) for p in self.shards]
-        lengths = torch.cat([p.offsets.diff() for p in parts])  # per conversation
-        return Features(torch.cat([p.ids for p in parts]), torch.cat([p.mask for p in parts]),
-                        recorded.offsets(lengths),
-                        {n: torch.cat([p.states[n] for p in parts]) for n in self.layers})
+        return join([_read_shard(p, self.layers) for p in self.shards])
+
+
+def offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """(C + 1,) long: where each of C conversations of `lengths` tokens starts, then the end."""
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+
+
+def join(parts: list[Features]) -> Features:
+    """The parts' conversations end to end. Where only some parts hold the model's top-k
+    logits (recorded while answering), the others' positions get zeros and recorded False."""
+    feats = Features(torch.cat([p.ids for p in parts]), torch.cat([p.mask for p in parts]),
+                     offsets(torch.cat([p.offsets.diff() for p in parts])),
+                     {n: torch.cat([p.states[n] for p in parts]) for n in parts[0].states})
+    tops = [p for p in parts if p.top_ids is not None]
+    if tops:
+        k = tops[0].top_ids.shape[1]
+
+        def filled(p: Features, top: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+            return top if top is not None else torch.zeros(p.tokens, k, dtype=dtype)
+
+        feats.top_ids = torch.cat([filled(p, p.top_ids, torch.int32) for p in parts])
+        feats.top_logits = torch.cat([filled(p, p.top_logits, torch.float16) for p in parts])
+        feats.recorded = torch.cat([torch.full((p.tokens,), p.top_ids is not None)
+                                    for p in parts])
+    return feats
 
 
 def encode_conversations(lm, conversations: list[list[dict]]
@@ -83,8 +103,21 @@ def encode_conversations(lm, conversations: list[list[dict]]
     for messages in conversations:
         ids = fit_sequence(lm, render(lm.tokenizer, messages, generation_prompt=False))
         all_ids.append(ids)
-        all_masks.append(recorded.mark_answers(lm, messages, [False] * len(ids), len(ids)))
+        all_masks.append(mark_answers(lm, messages, [False] * len(ids), len(ids)))
     return all_ids, all_masks
+
+
+def mark_answers(lm, messages: list[dict], mask: list[bool], end: int) -> list[bool]:
+    """`mask` set True on the positions (before `end`) of every answer in `messages`, its
+    end-of-turn token included. The spans come from encoding each prefix up to an answer's
+    start and end: chat templates render a prefix of a conversation as a prefix of its tokens."""
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start = len(render(lm.tokenizer, messages[:i], generation_prompt=True))
+            stop = len(render(lm.tokenizer, messages[: i + 1], generation_prompt=False))
+            for j in range(start, min(stop, end)):
+                mask[j] = True
+    return mask
 
 
 def conversation_tokens(lm, messages: list[dict]) -> int:
@@ -170,7 +203,7 @@ def _write_shard(lm, path: Path, ids_list, mask_list, layers: list[int]) -> None
     tensors = {
         "ids": torch.tensor([t for ids in ids_list for t in ids], dtype=torch.long),
         "mask": torch.tensor([bool(m) for mask in mask_list for m in mask], dtype=torch.bool),
-        "offsets": recorded.offsets(torch.tensor([len(ids) for ids in ids_list])),
+        "offsets": offsets(torch.tensor([len(ids) for ids in ids_list])),
     }
     tensors.update({f"layer{n}": torch.cat(states[n]).contiguous() for n in layers})
     atomic_write(path, lambda tmp: save_file(tensors, tmp))
@@ -204,56 +237,3 @@ def _read_shard(path: Path, layers: list[int]) -> Features:
         raise QuickdraftError(f"the feature cache shard {path} is unreadable; delete it and "
                               "rerun") from exc
     return Features(t["ids"], t["mask"], t["offsets"], {n: t[f"layer{n}"] for n in layers})
-
-
-def features_for(lm, convs: list[list[dict]], layers: list[int], progress: ProgressFn = ignore,
-                 cancel: threading.Event | None = None) -> Features:
-    """The conversations' token ids, answer masks and hidden states at `layers`: as the data
-    stage recorded them where it did (trainer/recorded.py, with the model's top-k logits),
-    else from a frozen forward (cached)."""
-    keys = [recorded.digest(conv) for conv in convs]
-    found = recorded.read(recorded.folder(lm), set(keys), layers)
-    if found:
-        tokens = sum(c.ids.numel() for c in found.values())
-        progress(Progress("features", tokens, tokens,
-                          f"{tokens} tokens recorded while answering", 0.0))
-    if cancel is not None and cancel.is_set():
-        raise QuickdraftError("feature extraction cancelled")
-    rest = [conv for conv, key in zip(convs, keys, strict=True) if key not in found]
-    computed = None
-    if rest:
-        ids, masks = encode_conversations(lm, rest)
-        computed = hidden_states(lm, ids, layers, masks, progress, cancel).load()
-    return _merge(keys, found, computed, layers)
-
-
-def _merge(keys: list[str], found: dict, computed: Features | None,
-           layers: list[int]) -> Features:
-    """One Features in conversation order from the recorded ones and the computed ones."""
-    parts, c = [], 0
-    for key in keys:
-        if key in found:
-            parts.append(found[key])
-            continue
-        a, b = int(computed.offsets[c]), int(computed.offsets[c + 1])
-        c += 1
-        parts.append(recorded.Conversation(computed.ids[a:b], computed.mask[a:b],
-                                           {n: computed.states[n][a:b] for n in layers},
-                                           None, None))
-    if not parts:
-        raise QuickdraftError("no conversations to read features from")
-    feats = Features(torch.cat([p.ids for p in parts]), torch.cat([p.mask for p in parts]),
-                     recorded.offsets(torch.tensor([p.ids.numel() for p in parts])),
-                     {n: torch.cat([p.states[n] for p in parts]) for n in layers})
-    tops = [p for p in parts if p.top_ids is not None]
-    if tops:  # positions the data stage recorded keep the model's top-k logits
-        k = tops[0].top_ids.shape[1]
-        feats.top_ids = torch.zeros(feats.tokens, k, dtype=torch.int32)
-        feats.top_logits = torch.zeros(feats.tokens, k, dtype=torch.float16)
-        feats.recorded = torch.zeros(feats.tokens, dtype=torch.bool)
-        for p, a, b in zip(parts, feats.offsets[:-1].tolist(), feats.offsets[1:].tolist(),
-                           strict=True):
-            if p.top_ids is not None:
-                feats.top_ids[a:b], feats.top_logits[a:b] = p.top_ids, p.top_logits
-                feats.recorded[a:b] = True
-    return feats

@@ -5,12 +5,15 @@ position of each finished conversation, as the answering forwards computed them
 Conversations are found by a digest of their messages; shards of about SHARD_TOKENS tokens
 are written as they fill (atomically), so a killed run keeps every shard written before it
 and the conversations it had not flushed are read by the features stage instead.
+features_for gives the trainers a split's features: the recorded ones from here, the rest
+from the frozen model's cached forwards (trainer/features.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,8 +21,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.decode.chat_template import render
+from engine.errors import QuickdraftError
 from engine.paths import atomic_write, cache_dir
+from engine.progress import Progress, ProgressFn, ignore
+from trainer.features import Features, encode_conversations, hidden_states, join, mark_answers
 
 SHARD_TOKENS = 65536  # tokens per shard: what a kill can lose
 
@@ -36,12 +41,6 @@ def folder(lm) -> Path:
     return cache_dir() / "features" / lm.fingerprint / "recorded" / lm.quant
 
 
-def offsets(lengths: torch.Tensor) -> torch.Tensor:
-    """(C + 1,) long: where each of C conversations of `lengths` tokens starts, then the end
-    (conversation c spans offsets[c]:offsets[c + 1] of the joined tokens)."""
-    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-
-
 def answer_mask(lm, messages: list[dict], prompt_len: int, total: int) -> list[bool]:
     """True on the answers' positions of a conversation recorded as its last turn's prompt
     (prompt_len tokens, the earlier turns inside it as the chat template renders them)
@@ -51,40 +50,16 @@ def answer_mask(lm, messages: list[dict], prompt_len: int, total: int) -> list[b
     return mark_answers(lm, messages[:last], mask, prompt_len)
 
 
-def mark_answers(lm, messages: list[dict], mask: list[bool], end: int) -> list[bool]:
-    """`mask` set True on the positions (before `end`) of every answer in `messages`, its
-    end-of-turn token included. The spans come from encoding each prefix up to an answer's
-    start and end: chat templates render a prefix of a conversation as a prefix of its tokens."""
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            start = len(render(lm.tokenizer, messages[:i], generation_prompt=True))
-            stop = len(render(lm.tokenizer, messages[: i + 1], generation_prompt=False))
-            for j in range(start, min(stop, end)):
-                mask[j] = True
-    return mask
-
-
-@dataclass
-class Conversation:
-    """One conversation's recorded features."""
-
-    ids: torch.Tensor  # (T,) long
-    mask: torch.Tensor  # (T,) bool: answer positions
-    states: dict[int, torch.Tensor]  # layer -> (T, H) bf16
-    top_ids: torch.Tensor  # (T, k) int32: the model's top-k next tokens after each position
-    top_logits: torch.Tensor  # (T, k) float16
-
-
 @dataclass
 class Writer:
     """Appends recorded conversations to shards under `folder`."""
 
     folder: Path
-    pending: list[tuple[str, Conversation]] = field(default_factory=list)
+    pending: list[tuple[str, Features]] = field(default_factory=list)
 
-    def add(self, key: str, conv: Conversation) -> None:
+    def add(self, key: str, conv: Features) -> None:
         self.pending.append((key, conv))
-        if sum(c.ids.numel() for _k, c in self.pending) >= SHARD_TOKENS:
+        if sum(c.tokens for _k, c in self.pending) >= SHARD_TOKENS:
             self.flush()
 
     def flush(self) -> None:
@@ -92,15 +67,9 @@ class Writer:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         keys, convs = zip(*self.pending, strict=True)
-        tensors = {
-            "ids": torch.cat([c.ids for c in convs]),
-            "mask": torch.cat([c.mask for c in convs]),
-            "offsets": offsets(torch.tensor([c.ids.numel() for c in convs])),
-            "top_ids": torch.cat([c.top_ids for c in convs]),
-            "top_logits": torch.cat([c.top_logits for c in convs]),
-        }
-        for layer in convs[0].states:
-            tensors[f"layer{layer}"] = torch.cat([c.states[layer] for c in convs])
+        j = join(list(convs))
+        tensors = {"ids": j.ids, "mask": j.mask, "offsets": j.offsets, "top_ids": j.top_ids,
+                   "top_logits": j.top_logits, **{f"layer{n}": t for n, t in j.states.items()}}
         name = hashlib.sha1("".join(keys).encode()).hexdigest()[:20]
         meta = {"keys": json.dumps(keys)}
         atomic_write(self.folder / f"{name}.safetensors",
@@ -108,11 +77,11 @@ class Writer:
         self.pending = []
 
 
-def read(folder: Path, wanted: set[str], layers: list[int]) -> dict[str, Conversation]:
+def read(folder: Path, wanted: set[str], layers: list[int]) -> dict[str, Features]:
     """The recorded conversations of `folder` whose keys are in `wanted`, with the states
     of `layers` (a shard without them, or unreadable, is skipped: its conversations are
     read by the features stage instead)."""
-    found: dict[str, Conversation] = {}
+    found: dict[str, Features] = {}
     names = ["ids", "mask", "offsets", "top_ids", "top_logits", *(f"layer{n}" for n in layers)]
     for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
         try:
@@ -127,7 +96,38 @@ def read(folder: Path, wanted: set[str], layers: list[int]) -> dict[str, Convers
             if key not in wanted or key in found:
                 continue
             a, b = int(t["offsets"][c]), int(t["offsets"][c + 1])
-            found[key] = Conversation(t["ids"][a:b], t["mask"][a:b],
-                                      {n: t[f"layer{n}"][a:b] for n in layers},
-                                      t["top_ids"][a:b], t["top_logits"][a:b])
+            found[key] = Features(t["ids"][a:b], t["mask"][a:b], torch.tensor([0, b - a]),
+                                  {n: t[f"layer{n}"][a:b] for n in layers},
+                                  t["top_ids"][a:b], t["top_logits"][a:b])
     return found
+
+
+def features_for(lm, convs: list[list[dict]], layers: list[int], progress: ProgressFn = ignore,
+                 cancel: threading.Event | None = None) -> Features:
+    """The conversations' token ids, answer masks and hidden states at `layers`: as the data
+    stage recorded them where it did (with the model's top-k logits), else from a frozen
+    forward (cached)."""
+    keys = [digest(conv) for conv in convs]
+    found = read(folder(lm), set(keys), layers)
+    if found:
+        tokens = sum(c.tokens for c in found.values())
+        progress(Progress("features", tokens, tokens,
+                          f"{tokens} tokens recorded while answering", 0.0))
+    if cancel is not None and cancel.is_set():
+        raise QuickdraftError("feature extraction cancelled")
+    rest = [conv for conv, key in zip(convs, keys, strict=True) if key not in found]
+    if rest:
+        ids, masks = encode_conversations(lm, rest)
+        computed = hidden_states(lm, ids, layers, masks, progress, cancel).load()
+    parts, c = [], 0  # in conversation order
+    for key in keys:
+        if key in found:
+            parts.append(found[key])
+            continue
+        a, b = int(computed.offsets[c]), int(computed.offsets[c + 1])
+        c += 1
+        parts.append(Features(computed.ids[a:b], computed.mask[a:b], torch.tensor([0, b - a]),
+                              {n: computed.states[n][a:b] for n in layers}))
+    if not parts:
+        raise QuickdraftError("no conversations to read features from")
+    return join(parts)

@@ -25,9 +25,10 @@ from engine.drafters.payoff import machine
 from engine.errors import QuickdraftError
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import padded, prompt_ids
-from trainer.features import Features, features_for, forward_seconds_per_token
+from trainer.features import Features, forward_seconds_per_token
 from trainer.kangaroo.calibrate_exit import KangarooCalibration, calibrate
 from trainer.losses import soft_cross_entropy
+from trainer.recorded import features_for
 from trainer.resume import start_from
 from trainer.training_loop import TrainConfig, train_module
 from trainer.vocab import coverage, draft_vocabulary

@@ -22,9 +22,10 @@ from engine.drafters.medusa import MedusaHeads, MedusaSettings, pending_inputs
 from engine.drafters.payoff import machine
 from engine.progress import Progress, ProgressFn, ignore
 from trainer.context import prompt_ids
-from trainer.features import Features, features_for, forward_seconds_per_token
+from trainer.features import Features, forward_seconds_per_token
 from trainer.losses import candidate_columns, head_weights, sparse_soft_cross_entropy
 from trainer.medusa.calibrate_tree import calibrate, ranked_hits
+from trainer.recorded import features_for
 from trainer.resume import start_from
 from trainer.training_loop import TrainConfig, train_module
 from trainer.vocab import coverage, draft_vocabulary
