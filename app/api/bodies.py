@@ -33,9 +33,9 @@ class Choice:
         self.logprobs += step.logprobs or []
         self.last = step
 
-    @property
-    def finish(self) -> str:
-        return FINISH.get(self.last.stats.stop_reason, "stop")
+
+def finish_reason(step: ReplyStep) -> str:
+    return FINISH.get(step.stats.stop_reason, "stop")
 
 
 def as_api_error(exc: Exception) -> ApiError:
@@ -75,22 +75,16 @@ def extension(reply: Reply, step: ReplyStep, token_ids: list[int] | None = None)
     return out
 
 
-def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
+def _token(tokenizer, token_id: int, logprob: float) -> dict:
     text = tokenizer.decode([token_id])
-    return text, list(text.encode("utf-8"))
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer, ids: list[int], entries: list) -> dict:
     """OpenAI's chat `logprobs` object for tokens `ids` and their engine entries."""
-    content = []
-    for token_id, (logprob, top) in zip(ids, entries, strict=True):
-        text, raw = _token(tokenizer, token_id)
-        alternatives = []
-        for alt_id, alt_lp in top:
-            alt_text, alt_raw = _token(tokenizer, alt_id)
-            alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
-        content.append({"token": text, "logprob": logprob, "bytes": raw,
-                        "top_logprobs": alternatives})
+    content = [{**_token(tokenizer, token_id, logprob),
+                "top_logprobs": [_token(tokenizer, alt_id, alt_lp) for alt_id, alt_lp in top]}
+               for token_id, (logprob, top) in zip(ids, entries, strict=True)]
     return {"content": content, "refusal": None}
 
 
@@ -99,11 +93,11 @@ def text_logprobs(tokenizer, ids: list[int], entries: list, offset: int) -> dict
     alternatives as {token: logprob}, each token's offset in the text)."""
     tokens, offsets = [], []
     for token_id in ids:
-        tokens.append(_token(tokenizer, token_id)[0])
+        tokens.append(tokenizer.decode([token_id]))
         offsets.append(offset)
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [lp for lp, _top in entries],
-            "top_logprobs": [{_token(tokenizer, t)[0]: v for t, v in top}
+            "top_logprobs": [{tokenizer.decode([t]): v for t, v in top}
                              for _lp, top in entries],
             "text_offset": offsets}
 
@@ -117,7 +111,7 @@ def chat_message(choice: Choice, tools: bool) -> tuple[dict, str]:
         if calls:
             return ({"role": "assistant", "content": content, "tool_calls": calls},
                     "tool_calls")
-    return {"role": "assistant", "content": text}, choice.finish
+    return {"role": "assistant", "content": text}, finish_reason(choice.last)
 
 
 def chat_body(reply: Reply, head: dict, choices: list[Choice], prompt_tokens: int,
@@ -129,9 +123,7 @@ def chat_body(reply: Reply, head: dict, choices: list[Choice], prompt_tokens: in
             if reply.ask.params.logprobs is not None else None
         out.append({"index": c.index, "message": message, "logprobs": logprobs,
                     "finish_reason": finish})
-    completion = sum(c.last.stats.tokens for c in choices)
-    return {**head, "choices": out, "usage": usage(prompt_tokens, completion),
-            "quickdraft": extension(reply, choices[0].last, choices[0].token_ids)}
+    return _whole_body(reply, head, choices, prompt_tokens, out)
 
 
 def text_body(reply: Reply, head: dict, choices: list[Choice], prompt_tokens: int,
@@ -141,7 +133,13 @@ def text_body(reply: Reply, head: dict, choices: list[Choice], prompt_tokens: in
         logprobs = text_logprobs(tokenizer, c.token_ids, c.logprobs, 0) \
             if reply.ask.params.logprobs is not None else None
         out.append({"index": c.index, "text": c.last.full_text, "logprobs": logprobs,
-                    "finish_reason": c.finish})
+                    "finish_reason": finish_reason(c.last)})
+    return _whole_body(reply, head, choices, prompt_tokens, out)
+
+
+def _whole_body(reply: Reply, head: dict, choices: list[Choice], prompt_tokens: int,
+                out: list[dict]) -> dict:
+    """A whole reply's body around its choices `out` (made from `choices`)."""
     completion = sum(c.last.stats.tokens for c in choices)
     return {**head, "choices": out, "usage": usage(prompt_tokens, completion),
             "quickdraft": extension(reply, choices[0].last, choices[0].token_ids)}
@@ -197,7 +195,7 @@ def chat_chunks(reply: Reply, head: dict, prompt_tokens: int, tools: bool, token
 
 def _chat_end(reply: Reply, head: dict, index: int, step: ReplyStep, stream: CallStream,
               tools: bool) -> list[str]:
-    finish = FINISH.get(step.stats.stop_reason, "stop")
+    finish = finish_reason(step)
     out = []
     if tools:
         rest, calls = stream.finish()
@@ -227,7 +225,7 @@ def text_chunks(reply: Reply, head: dict, prompt_tokens: int, tokenizer):
             logprobs = text_logprobs(tokenizer, step.token_ids, step.logprobs,
                                      offsets.get(index, 0))
         offsets[index] = len(step.full_text)
-        finish = FINISH.get(step.stats.stop_reason, "stop") if step.done else None
+        finish = finish_reason(step) if step.done else None
         if not (step.text or logprobs or finish):
             return []
         choice = {"index": index, "text": step.text, "logprobs": logprobs,

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api import bodies
 from app.api.completions import EmbeddingRequest, TextRequest, encode_vector, prompt_ids
-from app.api.errors import ApiError, OpenAIRoute, error_response
+from app.api.errors import ApiError, OpenAIRoute
 from app.api.schema import check_prompt_size, check_reply_length, parse, parse_body, shown
 from app.api.worker import Reply, ReplyWorker
 from app.host import model_name
@@ -52,7 +52,8 @@ class ApiOptions:
 
 def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, ReplyWorker]:
     """The /v1 routes for `service`, and the worker that runs their replies. Every route
-    answers its failures in OpenAI's shape (app/api/errors.py: OpenAIRoute)."""
+    answers its failures, the ApiErrors it raises included, in OpenAI's shape
+    (app/api/errors.py: OpenAIRoute)."""
     worker = ReplyWorker(service)
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute)
 
@@ -60,38 +61,24 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
         """A POST past the key check, its body parsed, and the loaded model it names."""
         _authorize(request, options)
         req = parse_body(await _json(request))
-        lm = _ready(service)
-        _check_model(req.model, lm)
-        return req, lm
+        return req, _loaded(service, req.model)
 
     @router.get("/models")
     async def models(request: Request):
-        try:
-            _authorize(request, options)
-            lm = _ready(service)
-        except ApiError as exc:
-            return _error(exc)
-        return {"object": "list", "data": [_card(lm)]}
+        _authorize(request, options)
+        return {"object": "list", "data": [_card(_loaded(service, None))]}
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        try:
-            _authorize(request, options)
-            lm = _ready(service)
-            _check_model(model_id, lm)
-        except ApiError as exc:
-            return _error(exc)
-        return _card(lm)
+        _authorize(request, options)
+        return _card(_loaded(service, model_id))
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            req, lm = await admitted(
-                request, lambda body: parse(body, SamplingParams().max_new_tokens))
-            check_prompt_size(req, lm.context_len)
-            ask, prompt_tokens = await _chat_ask(lm, req, options)
-        except ApiError as exc:
-            return _error(exc)
+        req, lm = await admitted(
+            request, lambda body: parse(body, SamplingParams().max_new_tokens))
+        check_prompt_size(req, lm.context_len)
+        ask, prompt_tokens = await _chat_ask(lm, req, options)
         reply = worker.submit(Reply(req, asyncio.get_running_loop(), ask, req.n))
         tools = req.tools is not None and req.tools.choice != "none"
         if req.stream:
@@ -100,49 +87,39 @@ def build_router(service: Service, options: ApiOptions) -> tuple[APIRouter, Repl
                                                      lm.tokenizer))
         head = _head(lm, "chat.completion", "chatcmpl")
         choices = await _whole(reply, request)
-        if isinstance(choices, JSONResponse):
-            return choices
         return JSONResponse(bodies.chat_body(reply, head, choices, prompt_tokens, tools,
                                              lm.tokenizer))
 
     @router.post("/completions")
     async def completions(request: Request):
-        try:
-            req, lm = await admitted(request, lambda body: parse_body(TextRequest, body))
-            params = req.params(req.logprobs)
-            check_reply_length(params.max_new_tokens, req.max_tokens_key, lm.context_len)
-            ids = prompt_ids(lm.tokenizer, req)
-            params = fit_reply(params, req.max_tokens_given, len(ids), lm, options, "prompt")
-        except ApiError as exc:
-            return _error(exc)
+        req, lm = await admitted(request, lambda body: parse_body(TextRequest, body))
+        params = req.params(req.logprobs)
+        check_reply_length(params.max_new_tokens, req.max_tokens_key, lm.context_len)
+        ids = prompt_ids(lm.tokenizer, req)
+        params = fit_reply(params, req.max_tokens_given, len(ids), lm, options, "prompt")
         ask = Ask(ChatPrompt(), params, req.accel, ids=tuple(ids))
         reply = worker.submit(Reply(req, asyncio.get_running_loop(), ask, req.n))
         if req.stream:
             head = _head(lm, "text_completion", "cmpl")
             return _Stream(reply, bodies.text_chunks(reply, head, len(ids), lm.tokenizer))
         choices = await _whole(reply, request)
-        if isinstance(choices, JSONResponse):
-            return choices
         head = _head(lm, "text_completion", "cmpl")
         return JSONResponse(bodies.text_body(reply, head, choices, len(ids), lm.tokenizer))
 
     @router.post("/embeddings")
     async def embeddings(request: Request):
-        try:
-            req, lm = await admitted(request, lambda body: parse_body(EmbeddingRequest, body))
-            return JSONResponse(await asyncio.to_thread(_embeddings, service, lm, req))
-        except ApiError as exc:
-            return _error(exc)
+        req, lm = await admitted(request, lambda body: parse_body(EmbeddingRequest, body))
+        return JSONResponse(await asyncio.to_thread(_embeddings, service, lm, req))
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE",
                                                "HEAD", "OPTIONS"], include_in_schema=False)
     async def unknown(path: str, request: Request):
         full = f"/v1/{path}"
         if full in ROUTES:
-            return _error(ApiError(405, f"{request.method} is not allowed on {full}: use "
-                                   f"{', '.join(ROUTES[full])}", None, "method_not_allowed"))
-        return _error(ApiError(404, f"Unknown request URL: {request.method} {full}. This "
-                               f"server has {', '.join(sorted(ROUTES))}", None, "unknown_url"))
+            raise ApiError(405, f"{request.method} is not allowed on {full}: use "
+                           f"{', '.join(ROUTES[full])}", None, "method_not_allowed")
+        raise ApiError(404, f"Unknown request URL: {request.method} {full}. This "
+                       f"server has {', '.join(sorted(ROUTES))}", None, "unknown_url")
 
     return router, worker
 
@@ -263,27 +240,22 @@ async def _json(request: Request) -> object:
         raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from exc
 
 
-def _ready(service: Service) -> LoadedModel:
-    """The loaded model; 503 while one is loading (the page's Models tab swaps it)."""
+def _loaded(service: Service, model: str | None) -> LoadedModel:
+    """The loaded model, which `model` (None: any) must name; 503 while one is loading (the
+    page's Models tab swaps it)."""
     loading = service.host.loading
     if loading is not None and loading.running:
         raise ApiError(503, f"a model is loading ({loading.title}): retry in a moment", None,
                        "model_loading", "service_unavailable")
     try:
-        return service.host.lm
+        lm = service.host.lm
     except QuickdraftError as exc:
         raise ApiError(503, str(exc), None, "no_model", "service_unavailable") from exc
-
-
-def model_ids(lm: LoadedModel) -> set[str]:
-    """Names a request may use for the loaded model: its id, its short name, "default"."""
-    return {lm.model_id, model_name(lm), "default"}
-
-
-def _check_model(model: str | None, lm: LoadedModel) -> None:
-    if model is not None and model not in model_ids(lm):
+    # a request may name the loaded model by its id, its short name or "default"
+    if model is not None and model not in {lm.model_id, model_name(lm), "default"}:
         raise ApiError(404, f"the model {shown(model)} does not exist here: this server has "
                        f"{lm.model_id!r} loaded (GET /v1/models)", "model", "model_not_found")
+    return lm
 
 
 def _head(lm: LoadedModel, kind: str, prefix: str) -> dict:
@@ -292,18 +264,12 @@ def _head(lm: LoadedModel, kind: str, prefix: str) -> dict:
             "system_fingerprint": f"qd-{lm.fingerprint}"}
 
 
-def _error(exc: ApiError) -> JSONResponse:
-    return error_response(exc)
-
-
-async def _whole(reply: Reply, request: Request):
-    """Every choice of a whole reply, or its error response; a client that hangs up
-    cancels it."""
+async def _whole(reply: Reply, request: Request) -> list[bodies.Choice]:
+    """Every choice of a whole reply (its ApiError raised when it failed); a client that
+    hangs up cancels it."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, reply))
     try:
         return await bodies.collect(reply)
-    except ApiError as exc:
-        return _error(exc)
     finally:
         watcher.cancel()
         reply.cancel.set()  # no-op once done; stops the reply if this handler is cancelled

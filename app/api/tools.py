@@ -33,9 +33,6 @@ class ToolSpec:
         """The tools the template shows the model (none when it may not call any)."""
         return () if self.choice == "none" else self.tools
 
-    def names(self) -> list[str]:
-        return [t["function"]["name"] for t in self.tools]
-
 
 def call_schema(tool: dict) -> dict:
     """The JSON schema of one call block's object: the function's name and arguments."""
@@ -111,13 +108,11 @@ class CallStream:
         """The content that can be streamed now, of `text` added to the reply."""
         self.held += text
         start = self.held.find(OPEN)
-        if start >= 0:
-            out, self.held = self.held[:start], self.held[start:]
-            return out
-        # keep a tail that could be the start of OPEN
-        keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
-                     if OPEN.startswith(self.held[-k:])), 0)
-        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        if start < 0:  # keep a tail that could be the start of OPEN
+            start = len(self.held) - next(
+                (k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
+                 if OPEN.startswith(self.held[-k:])), 0)
+        out, self.held = self.held[:start], self.held[start:]
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
