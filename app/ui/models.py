@@ -5,7 +5,6 @@ can allow it (a page event can be sent by any web page that reaches the server).
 
 from __future__ import annotations
 
-import html
 import time
 
 import gradio as gr
@@ -136,8 +135,8 @@ class ModelsTab:
             still = model_name(self.service.host.lm)
             yield readout.error_html(f"{job.error} (still using {still})"), gr.skip()
             return
-        done = html.escape(job.progress.message if job.progress else "loaded")
-        yield f'<div class="qd-note">{done}</div>', self.describe()
+        done = job.progress.message if job.progress else "loaded"
+        yield readout.note_html(done), self.describe()
 
 
 def trust_note(trusted: str | None) -> str:

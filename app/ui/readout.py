@@ -121,8 +121,7 @@ def live_readout(update: ReplyUpdate) -> str:
                                f"{stats.datastore_drafted} drafts kept", "qd-datastore"))
     else:
         parts.append(_chip(f"{stats.tokens} tokens…", "qd-live"))
-    notes = "".join(f'<div class="qd-note">{html.escape(n)}</div>' for n in update.notices)
-    return _row("".join(parts)) + notes
+    return _row("".join(parts)) + "".join(map(note_html, update.notices))
 
 
 def saved_readout(message: dict) -> str:
@@ -145,6 +144,10 @@ def live_readout_waiting() -> str:
 
 def error_html(message: str) -> str:
     return f'<div class="qd-error">{html.escape(message)}</div>'
+
+
+def note_html(message: str) -> str:
+    return f'<div class="qd-note">{html.escape(message)}</div>'
 
 
 def accepted_frame(stats: GenerationStats) -> tuple[pd.DataFrame, list[str]]:

@@ -3,7 +3,6 @@ progress bar, stage, ETA and live loss / accuracy; Cancel (the next run resumes)
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 import gradio as gr
@@ -38,6 +37,10 @@ MIN_MINUTES = 3
 CHART_WIDTH = 340  # px: narrower, a chart cuts its titles, so a narrow window stacks them
 CHARTS_LATER = ("The loss and held-out accuracy charts below fill in once training starts, "
                 "after the data and features stages.")
+KEPT = ("The answers generated so far are kept: a run with a larger time budget continues "
+        "from them.")
+CANCELLED = ("Cancelled. The answers generated so far are kept: the next run continues from "
+             "them. The accelerator trained before is unchanged.")
 
 
 class TrainTab:
@@ -68,16 +71,14 @@ class TrainTab:
         self.status = gr.HTML(elem_id="qd-train-status")
         # Always laid out; a chart gets its figures only once a run reports some (tick): one
         # first drawn from an empty table keeps a plot 0 px high and a cut title.
+        chart = dict(x="minutes", y="value", color="metric", height=200,
+                     x_title="minutes into the run", color_title="", min_width=CHART_WIDTH)
         with gr.Row():
-            self.loss_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
-                                         title="Training loss (this run)", y_title="loss",
-                                         x_title="minutes into the run", color_title="",
-                                         min_width=CHART_WIDTH, elem_id="qd-train-loss")
-            self.acc_plot = gr.LinePlot(x="minutes", y="value", color="metric", height=200,
-                                        y_lim=[0, 1], title="Held-out accuracy (this run)",
+            self.loss_plot = gr.LinePlot(title="Training loss (this run)", y_title="loss",
+                                         elem_id="qd-train-loss", **chart)
+            self.acc_plot = gr.LinePlot(y_lim=[0, 1], title="Held-out accuracy (this run)",
                                         y_title="share right",  # a longer title is cut
-                                        x_title="minutes into the run", color_title="",
-                                        min_width=CHART_WIDTH, elem_id="qd-train-accuracy")
+                                        elem_id="qd-train-accuracy", **chart)
         self.timer = gr.Timer(TICK_S, active=False)
         # "<method>@<start time>" of the last run that finished; the chat tab follows it
         self.finished = gr.State("")
@@ -139,33 +140,29 @@ class TrainTab:
         if job is None or not job.running:
             return gr.skip()
         self.service.training.cancel()
-        return readout.job_html(job) + '<div class="qd-note">Cancelling: what was generated ' \
-                                       "so far is kept for the next run…</div>"
+        return readout.job_html(job) + readout.note_html(
+            "Cancelling: what was generated so far is kept for the next run…")
 
     def tick(self) -> dict:
         """The run's bar and charts: shown from its start (the charts fill in once training
         starts), its failure in the page's words."""
         job = self.service.training.job
         loss, acc = readout.metric_frames(job)
-        error = page_words(job.error) if job is not None else None
-        out = {self.status: readout.job_html(job, error),
-               self.loss_plot: None if loss.empty else loss,  # see the charts' comment
+        out = {self.loss_plot: None if loss.empty else loss,  # see the charts' comment
                self.acc_plot: None if acc.empty else acc}
+        notes = []
         if job is not None and job.running and loss.empty:
-            out[self.status] += f'<div class="qd-note">{CHARTS_LATER}</div>'
+            notes.append(CHARTS_LATER)
         if job is not None and job.state == "failed" and "--max-minutes" in job.error:
-            out[self.status] += ('<div class="qd-note">The answers generated so far are kept: '
-                                 "a run with a larger time budget continues from them.</div>")
-        if job is None or job.running:
-            return out
-        out[self.timer] = gr.Timer(active=False)
-        if job.state == "done":
-            out[self.finished] = f"{job.method}@{job.started:.3f}"
-            ready = self.service.accels.status(job.method).message
-            out[self.status] += f'<div class="qd-note">{html.escape(ready)}</div>'
-        elif job.state == "cancelled":
-            out[self.status] += ('<div class="qd-note">Cancelled. The answers generated so far '
-                                 "are kept: the next run continues from them. The accelerator "
-                                 "trained before is unchanged.</div>")
+            notes.append(KEPT)
+        if job is not None and not job.running:
+            out[self.timer] = gr.Timer(active=False)
+            if job.state == "done":
+                out[self.finished] = f"{job.method}@{job.started:.3f}"
+                notes.append(self.service.accels.status(job.method).message)
+            elif job.state == "cancelled":
+                notes.append(CANCELLED)
+        error = page_words(job.error) if job is not None else None
+        out[self.status] = readout.job_html(job, error) + "".join(map(readout.note_html, notes))
         return out
 
