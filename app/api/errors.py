@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 
 MESSAGE_CHARS = 500  # an error message is one line of at most this many characters
+# What an HTTPException of FastAPI's own (a route or method it does not serve) is told.
+HTTP_MESSAGES = {404: "no such route", 405: "this route does not take that method"}
 
 
 class ApiError(Exception):
@@ -97,13 +99,9 @@ class OpenAIRoute(APIRoute):
             except RequestValidationError as exc:
                 return error_response(refusal(exc.errors()))
             except HTTPException as exc:
-                return error_response(ApiError(exc.status_code, _http_message(exc.status_code)))
+                return error_response(ApiError(exc.status_code, HTTP_MESSAGES.get(
+                    exc.status_code, "the request was refused")))
             except Exception as exc:  # noqa: BLE001 - a client gets one line, the log the rest
                 return error_response(internal_error(f"the request {self.path}", exc))
 
         return guarded
-
-
-def _http_message(status: int) -> str:
-    return {404: "no such route", 405: "this route does not take that method"}.get(
-        status, "the request was refused")

@@ -120,12 +120,16 @@ def launch(options: LaunchOptions, block: bool = True):
     # A local app does not report usage anywhere (read when gradio is imported).
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     uploads = use_upload_folder()  # uploads in the app's cache folder, not /tmp/gradio
+    from app.commands.progress_line import ProgressLine
     from app.service import Service
     from app.store import Store
     from app.ui.layout import build_app
 
+    # What the start-up load and the compiled step's build are doing goes to the terminal
+    # too: a line per stage or step, and every half minute meanwhile (the page's header
+    # shows the same as it goes).
     service = Service.open(Store(), options.model, options.step, background=block,
-                           echo=_terminal_line())
+                           echo=ProgressLine(sys.stderr, every_s=30.0, tty=False))
     demo = build_app(service)
     demo.queue(default_concurrency_limit=1)
     if not is_loopback(options.host):
@@ -154,15 +158,6 @@ def launch(options: LaunchOptions, block: bool = True):
         service.page_settings.flush()  # a setting typed just before quitting
         service.accels.writer.flush()  # the last reply's datastore record lands first
     return demo, url, service
-
-
-def _terminal_line():
-    """A ProgressFn printing what the start-up load and the compiled step's build are doing
-    to the terminal: a line per stage or step, and every half minute meanwhile (the page's
-    header shows the same as it goes)."""
-    from app.commands.progress_line import ProgressLine
-
-    return ProgressLine(sys.stderr, every_s=30.0, tty=False)
 
 
 def page_style() -> dict:
@@ -196,6 +191,7 @@ def forwarded_from(proxies: tuple[str, ...]):
 def _server_app(service, options: LaunchOptions, policy: Policy, uploads: Path | None = None):
     """The FastAPI app Gradio serves, built here so the guard wraps every route and the /v1
     routes answer from the first request on. No schema pages: they would bypass the login."""
+    from fastapi.responses import JSONResponse
     from gradio.routes import App, CustomCORSMiddleware, ORJSONResponse
 
     from app.api import ApiOptions, mount
@@ -213,15 +209,11 @@ def _server_app(service, options: LaunchOptions, policy: Policy, uploads: Path |
                      redoc_url=None)
     mount(app, service, ApiOptions(api_key=options.api_key,
                                    max_reply_tokens=options.max_reply_tokens))
-    _hide_gradio_schema(app)
-    return app
 
-
-def _hide_gradio_schema(app) -> None:
-    """Gradio serves its own OpenAPI schema under /gradio_api; a route added before Gradio
-    adds its own answers that path with 404 instead."""
-    from fastapi.responses import JSONResponse
-
+    # Gradio serves its own OpenAPI schema under /gradio_api; a route added before Gradio
+    # adds its own answers that path with 404 instead.
     @app.get("/gradio_api/openapi.json", include_in_schema=False)
     def no_schema():
         return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    return app
