@@ -139,7 +139,10 @@ async def _chat_ask(lm: LoadedModel, req, options: ApiOptions) -> tuple[Ask, int
         except QuickdraftError as exc:
             param = "response_format" if req.json_reply else "tool_choice"
             raise ApiError(400, str(exc), param, "invalid_value") from exc
-    _check_bias(req.params, lm)
+    vocab = int(lm.model.config.vocab_size)
+    if any(token >= vocab for token, _bias in req.params.logit_bias):
+        raise ApiError(400, f"logit_bias names a token id beyond this model's {vocab:,} "
+                       "tokens", "logit_bias", "invalid_value")
     prompt = ChatPrompt(tuple(req.messages), req.system, tuple(offered))
     ids = encode(lm.tokenizer, prompt)
     params = fit_reply(req.params, req.max_tokens_given, len(ids), lm, options, "messages")
@@ -163,13 +166,6 @@ def fit_reply(params: SamplingParams, given: bool, prompt_tokens: int, lm: Loade
     if given:
         return params
     return dataclasses.replace(params, max_new_tokens=min(options.max_reply_tokens, room))
-
-
-def _check_bias(params: SamplingParams, lm: LoadedModel) -> None:
-    vocab = int(lm.model.config.vocab_size)
-    if any(token >= vocab for token, _bias in params.logit_bias):
-        raise ApiError(400, f"logit_bias names a token id beyond this model's {vocab:,} "
-                       "tokens", "logit_bias", "invalid_value")
 
 
 def _embeddings(service: Service, lm: LoadedModel, req) -> dict:

@@ -103,17 +103,14 @@ class ModelsTab:
     def memory(self, source, quant) -> str:
         try:
             spec = ModelSpec(source=source or "default", quant=quant)
-            return catalog.memory_estimate(spec, self._loaded_from(spec))
+            lm = self.service.host.current  # when `spec` names it, its bytes are measured
+            same = lm is not None and lm.spec.source == spec.source and \
+                spec.quant in ("auto", lm.quant)
+            return catalog.memory_estimate(spec, lm if same else None)
         except QuickdraftError as exc:  # what loading it would say: a path with nothing there
             return f"⚠ {exc}"
         except (OSError, ValueError) as exc:
             return f"Cannot estimate the size: {exc}"
-
-    def _loaded_from(self, spec: ModelSpec):
-        """The loaded model when `spec` names it (its bytes are measured, not estimated)."""
-        lm = self.service.host.current
-        same = lm is not None and lm.spec.source == spec.source
-        return lm if same and spec.quant in ("auto", lm.quant) else None
 
     def requantize(self, source):
         """Load `source` with Auto's quantization measured again (answers and speed here)."""

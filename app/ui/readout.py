@@ -56,17 +56,13 @@ def _row(chips: str) -> str:
     return f'<div class="qd-readout">{chips}</div>'
 
 
-def method_label(method: str) -> str:
-    """The method a reply was asked with ("auto:kangaroo" -> "Auto": which sources made
-    its steps is said beside it, not the arm Auto had ready)."""
-    return accel_label(method.split(":")[0])
-
-
 def _speed_chips(which: str, method: str, tokens_per_s: float, ttft_s: float,
                  per_step: float) -> list[str]:
-    """What a reply's readout starts with, streaming or stored."""
+    """What a reply's readout starts with, streaming or stored: the method it was asked with
+    ("auto:kangaroo" -> "Auto": which sources made its steps is said beside it, not the arm
+    Auto had ready)."""
     return [_chip(which, "qd-which"),
-            _chip(html.escape(method_label(method)), "qd-method"),
+            _chip(html.escape(accel_label(method.split(":")[0])), "qd-method"),
             _chip(f"<b>{tokens_per_s:.1f}</b> tok/s", "qd-tps", TIPS["tps"]),
             _chip(f"TTFT <b>{ttft_s:.2f}</b> s", "qd-ttft", TIPS["ttft"]),
             _chip(f"<b>{per_step:.2f}</b> tokens/step", "qd-per-step", TIPS["step"])]
