@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.weights import kernels
-from engine.weights.quant import LowBitLinear, repack
+from engine.weights.quant import CodedEmbedding, LowBitLinear, repack
 
 
 def formats() -> dict[str, int]:
@@ -59,29 +59,6 @@ class BlockLinear(LowBitLinear):
         return cls(packed, meta, kind, rows.shape[0], in_features, bias)
 
 
-class BlockEmbedding(nn.Module):
-    """Token embeddings looked up in a GGUF file's token table as stored: a table of its own
-    (`table`), or the LM head's when the file ties them (`head`, not a child module here)."""
-
-    def __init__(self, table: BlockLinear, tied: bool, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
-        self.tied = tied
-        if tied:
-            self.head = [table]  # a list: the head is the model's module, not a child of this
-        else:
-            self.table = table
-        self.dtype = dtype  # the rows' dtype (the activations')
-        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
-
-    @property
-    def source(self) -> BlockLinear:
-        return self.head[0] if self.tied else self.table
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.source.rows(ids.reshape(-1))
-        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The whole (V, H) table, made on demand (what code reading a table gets)."""
-        return self.forward(torch.arange(self.num_embeddings))
+class BlockEmbedding(CodedEmbedding):
+    """Token embeddings looked up in a GGUF file's token table as stored: a table of its own,
+    or the LM head's when the file ties them."""

@@ -90,24 +90,18 @@ class Codes:
         zero = self.low.float() + 8 * self.scale.float()
         return self.scale.to(torch.bfloat16), zero.to(torch.bfloat16)
 
-    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The (N, K) weights these codes stand for."""
-        if self.kind == "int8w":
-            return (self.values.float() * self.scale.float()[:, None]).to(dtype)
+    def dense(self, dtype: torch.dtype = torch.float32, kernel: bool = False) -> torch.Tensor:
+        """The (N, K) weights these codes stand for; `kernel`: those the kernel multiplies by
+        (its bf16 scales applied, int4 in tinygemm's w = (value - 8) * scale + zero)."""
+        scale, low = self.kernel_scales() if kernel else (self.scale, self.low)
         n, k = self.shape
-        w = (self.values.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float()
-             * self.scale.float()[..., None] + self.low.float()[..., None])
+        scale = scale.float().reshape(n, -1, 1)  # per row (int8w) or per group (int4)
+        w = self.values.float().reshape(n, scale.shape[1], -1)
+        if low is None:
+            w = w * scale
+        else:
+            w = (w - 8 if kernel else w) * scale + low.float().reshape(n, -1, 1)
         return w.reshape(n, k).to(dtype)
-
-    def kernel_dense(self) -> torch.Tensor:
-        """The (N, K) bf16 weights the kernel multiplies by (its bf16 scales applied)."""
-        scale, zero = self.kernel_scales()
-        if self.kind == "int8w":
-            return (self.values.float() * scale.float()[:, None]).to(torch.bfloat16)
-        n, k = self.shape
-        w = ((self.values.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8)
-             * scale.float()[..., None] + zero.float()[..., None])
-        return w.reshape(n, k).to(torch.bfloat16)
 
 
 def _inner_tiles(k: int) -> int:
@@ -137,26 +131,25 @@ class LowBitLinear(nn.Module):
                      nn.Parameter(bias.detach().to(device, torch.bfloat16), False))
         scale, zero = codes.kernel_scales()
         ours = own_kernels(device, self.in_features, self.out_features, codes.kind)
-        # The device type whose kernel the layout is for ("": any; `_apply` keeps it there)
-        self.packed_for = device.type if codes.kind == "int4" or ours else ""
         self.kernel = "blocks" if ours else "int4" if codes.kind == "int4" else "int8"
+        # The device type whose kernel the layout is for ("": any; `_apply` keeps it there)
+        self.packed_for = "" if self.kernel == "int8" else device.type
         if ours:
             # Quickdraft's kernels: the codes as blocks, repacked for them; `scales` holds
             # their block type and group width (int64)
-            packed, meta = repack(codes.rows(), BLOCK_TYPE[codes.kind])
-            self.register_buffer("packed", packed)
-            self.register_buffer("scales", meta)
-        elif codes.kind == "int4":
-            self.register_buffer("packed", pack_int4(codes.values.to(torch.int32), device))
+            packed, scales = repack(codes.rows(), BLOCK_TYPE[codes.kind])
+        elif self.kernel == "int4":
+            packed = pack_int4(codes.values.to(torch.int32), device)
             # (K/group, N, 2): scale and zero per group and output, the kernels' layout
-            self.register_buffer("scales", torch.stack([scale, zero], -1).transpose(0, 1)
-                                 .contiguous().to(device))
+            scales = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(device)
         else:
-            self.register_buffer("packed", codes.values.to(device))
-            self.register_buffer("scales", scale.to(device))
+            packed, scales = codes.values.to(device), scale.to(device)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
         # (N, K) bf16 dequantized weights for wide steps, kept only when asked (they cost
         # more memory than the codes); None: every step uses the kernel
-        self.wide: torch.Tensor | None = codes.kernel_dense().to(device) if wide else None
+        self.wide: torch.Tensor | None = (codes.dense(torch.bfloat16, kernel=True).to(device)
+                                          if wide else None)
         self.wide_rows = 0  # rows from which a step uses `wide` (0: never); see `crossover`
 
     def _apply(self, fn, *args, **kwargs):
@@ -201,18 +194,16 @@ class LowBitLinear(nn.Module):
         vocabulary's rows), without a dense copy of the others where the layout allows it."""
         if self.blocks:
             return torch.ops.quickdraft.block_rows(self.packed, self.scales, ids)
-        if self.kind == "int8w":
+        if self.kernel == "int8":
             return self.packed[ids].float() * self.scales[ids].float()[:, None]
         return self.dequantized()[ids].float()
 
     def dequantized(self) -> torch.Tensor:
-        if self.blocks:
-            return self.rows(torch.arange(self.out_features, device=self.packed.device)
-                             ).to(torch.bfloat16)
-        if self.kind == "int8w":
-            return (self.packed.float() * self.scales.float()[:, None]).to(torch.bfloat16)
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
-        return self.low_bit(eye).t().contiguous()  # (K, N) rows of W^T, exactly the kernel's
+        if self.kernel == "int4":  # tinygemm's packing: (K, N) rows of W^T, exactly the kernel's
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+            return self.low_bit(eye).t().contiguous()
+        rows = torch.arange(self.out_features, device=self.packed.device)
+        return self.rows(rows).to(torch.bfloat16)
 
     def low_bit(self, x: torch.Tensor) -> torch.Tensor:
         """(M, K) bf16 -> (M, N) through the low-bit kernel."""
@@ -355,22 +346,32 @@ def tie_embedding(model: nn.Module) -> None:
 
 
 class CodedEmbedding(nn.Module):
-    """Token embeddings read from an 8-bit LM head's codes: row t is codes[t] * scale[t]
-    in bf16, the same values the head multiplies by, without a table of their own."""
+    """Token embeddings read from a low-bit layer's codes: row t is the layer's row t in
+    bf16, without a table of their own. The layer is the LM head where they are tied (the
+    same values the head multiplies by; `head`, the model's module, not a child of this
+    one), else a table of their own (`table`: a GGUF file's, engine/weights/gguf_blocks.py)."""
 
-    def __init__(self, head: LowBitLinear):
+    def __init__(self, table: LowBitLinear, tied: bool = True):
         super().__init__()
-        self.head = [head]  # a list: the head is the model's module, not a child of this one
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.tied = tied
+        if tied:
+            self.head = [table]  # a list: not a child module
+        else:
+            self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    @property
+    def source(self) -> LowBitLinear:
+        return self.head[0] if self.tied else self.table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.head[0].rows(ids.reshape(-1)).to(torch.bfloat16)
+        rows = self.source.rows(ids.reshape(-1)).to(torch.bfloat16)
         return rows.view(*ids.shape, self.embedding_dim)
 
     @property
     def weight(self) -> torch.Tensor:
         """The whole (V, H) table, made on demand (what code reading a table gets)."""
-        return self.forward(torch.arange(self.num_embeddings, device=self.head[0].packed.device))
+        return self.forward(torch.arange(self.num_embeddings, device=self.source.packed.device))
 
 
 def low_bit_layers(model: nn.Module) -> list[LowBitLinear]:
