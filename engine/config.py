@@ -23,6 +23,11 @@ MAX_TOP_LOGPROBS = 20  # alternatives a reply may report per token (OpenAI's cap
 NAME_CHARS = 255  # the longest name of a file or folder that file systems take
 
 
+def _one_of(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise QuickdraftError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model to load and how."""
@@ -40,18 +45,9 @@ class ModelSpec:
     requantize: bool = False
 
     def __post_init__(self) -> None:
-        if self.quant not in QUANT_CHOICES:
-            raise QuickdraftError(
-                f"unknown quantization {self.quant!r}: choose one of {', '.join(QUANT_CHOICES)}"
-            )
-        if self.device not in DEVICE_CHOICES:
-            raise QuickdraftError(
-                f"unknown device {self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}"
-            )
-        if self.step not in STEP_CHOICES:
-            raise QuickdraftError(
-                f"unknown step {self.step!r}: choose one of {', '.join(STEP_CHOICES)}"
-            )
+        _one_of("quantization", self.quant, QUANT_CHOICES)
+        _one_of("device", self.device, DEVICE_CHOICES)
+        _one_of("step", self.step, STEP_CHOICES)
         if not isinstance(self.source, str) or not self.source.strip():
             raise QuickdraftError("no model given: use 'default', a local folder or a repo id")
         if "\0" in self.source or any(len(part) > NAME_CHARS
@@ -96,11 +92,7 @@ class SamplingParams:
             raise QuickdraftError("top-k must be >= 0")
         if self.max_new_tokens < 1:
             raise QuickdraftError("max new tokens must be >= 1")
-        if self.acceptance not in ACCEPTANCE_CHOICES:
-            raise QuickdraftError(
-                f"unknown acceptance {self.acceptance!r}: choose one of "
-                f"{', '.join(ACCEPTANCE_CHOICES)}"
-            )
+        _one_of("acceptance", self.acceptance, ACCEPTANCE_CHOICES)
         if self.acceptance == "greedy" and not self.greedy:
             # Greedy verification while undrafted steps sample would be neither rule.
             raise QuickdraftError(
