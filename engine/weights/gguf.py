@@ -16,6 +16,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,14 +161,21 @@ def convert(path: Path, target: Path) -> None:
     """Read the GGUF once through transformers and save its folder (fp32 safetensors and the
     tokenizer), atomically."""
     log.info("converting %s to safetensors (first use only)", path.name)
+    write_folder(target, lambda tmp: _convert_into(path, tmp), "config.json")
+
+
+def write_folder(target: Path, write: Callable[[Path], object], marker: str) -> None:
+    """`target` filled by `write(a temporary folder)`, renamed into place: a concurrent or
+    interrupted writer leaves no half folder; where another got there first (its `marker`
+    file is there), its folder stays."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # its own folder: two conversions at once (the load and a page event) must not share one
+    # its own folder: two writers at once (the load and a page event) must not share one
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
-        _convert_into(path, tmp)
-        tmp.rename(target)  # atomic: a concurrent or interrupted conversion leaves no half folder
+        write(tmp)
+        tmp.rename(target)
     except OSError:
-        if not (target / "config.json").is_file():  # else another conversion won the race
+        if not (target / marker).is_file():  # else another writer won the race
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

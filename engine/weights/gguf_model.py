@@ -16,9 +16,8 @@ GPU) raises `NotStored`, and the loader converts it instead.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,8 +122,6 @@ def _prepared(path: Path, header: gguf_header.Header, report) -> Path:
 
     if "tokenizer.ggml.model" not in header.fields:
         raise ModelLoadError(f"{path} has no tokenizer in its GGUF metadata")
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         config = AutoConfig.for_model(**config_dict(header))
         tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
@@ -132,13 +129,9 @@ def _prepared(path: Path, header: gguf_header.Header, report) -> Path:
         raise ModelLoadError(f"{path}: its settings or tokenizer cannot be read: "
                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                              ) from exc
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process prepared it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    gguf.write_folder(folder, lambda tmp: (config.save_pretrained(tmp),
+                                           tokenizer.save_pretrained(tmp)),
+                      "tokenizer_config.json")
     return folder
 
 
@@ -319,8 +312,6 @@ def _embedding_key(model: nn.Module) -> str:
 
 
 def _reason(types: dict[str, str]) -> str:
-    counts: dict[str, int] = {}
-    for kind in types.values():
-        counts[kind] = counts.get(kind, 0) + 1
+    counts = Counter(types.values())
     held = ", ".join(f"{kind} for {n} layer{'s' * (n > 1)}" for kind, n in sorted(counts.items()))
     return f"the GGUF file's own blocks, as stored ({held})"
