@@ -82,7 +82,8 @@ def write_snapshot(path: Path, snap: Snapshot) -> None:
     meta = {"kind": KIND, "version": str(FORMAT_VERSION), "fingerprint": snap.fingerprint,
             "main_docs": str(snap.main_docs), "params": json.dumps(snap.params),
             "seed": snap.seed, "lineage": snap.lineage, "serial": str(snap.serial)}
-    arrays = {"tokens": _join_plain(list(snap.docs)), "lengths": lengths,
+    tokens = np.concatenate(snap.docs).astype(np.int32) if snap.docs else np.zeros(0, np.int32)
+    arrays = {"tokens": tokens, "lengths": lengths,
               "main_sa": snap.main_sa}
     atomic_write(path, lambda tmp: save_file(arrays, str(tmp), metadata=meta))
     log_path(path).unlink(missing_ok=True)
@@ -133,7 +134,3 @@ def read_log(data: bytes, lineage: str) -> tuple[int, list[tuple[int, np.ndarray
         records.append((serial, np.frombuffer(body, "<i4").astype(np.int32)))
         end += RECORD.size + 4 * count
     return end, records
-
-
-def _join_plain(docs: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 
 from engine.datastore.disk import FORMAT_VERSION, KIND, log_path, new_lineage, read_log
@@ -83,8 +83,6 @@ def _replay(store: Datastore, path: Path) -> None:
 def _load_snapshot(path: Path, fingerprint: str,
                    params: DatastoreParams | None = None) -> Datastore:
     try:
-        from safetensors import safe_open
-
         check_regular(path, STORE_BYTES)  # safetensors opens the path itself
         with safe_open(str(path), framework="numpy") as fh:
             meta = fh.metadata() or {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices
+from engine import devices, hub
 from engine.config import ModelSpec
 from engine.decode.loaded import LoadedModel
 from engine.decode.target import Target, TransformersTarget
@@ -226,7 +226,9 @@ def resolve_folder(spec: ModelSpec, report: Callable[[str], None] | None = None
     if path.exists():
         _check_folder(path)
         return path, str(path.resolve())
-    return _hub_folder(source, spec.revision), source
+    folder = hub.fetch(source, revision=spec.revision)  # the cached snapshot, else downloaded
+    _check_folder(folder)
+    return folder, source
 
 
 def missing_source(source: str) -> str | None:
@@ -257,15 +259,6 @@ def _check_folder(path: Path) -> None:
         raise ModelLoadError(
             f"{path} has no .safetensors weights (only safetensors are loaded, never pickles)"
         )
-
-
-def _hub_folder(repo_id: str, revision: str | None) -> Path:
-    """Cached snapshot if present, else download into the ordinary Hugging Face cache."""
-    from engine import hub
-
-    folder = hub.fetch(repo_id, revision=revision)
-    _check_folder(folder)
-    return folder
 
 
 def bundled_folder() -> Path:

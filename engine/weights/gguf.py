@@ -80,15 +80,20 @@ def inspect(path: Path) -> GGUFInfo:
     if unknown:
         raise ModelLoadError(f"{path}: GGUF tensor type {', '.join(unknown)} is not supported; "
                              f"supported: {', '.join(supported_types())}")
-    end = max(t.start + tensor_bytes(t) for t in header.tensors)
-    if end > header.size:
-        raise ModelLoadError(f"{path} is truncated ({header.size:,} of {end:,} bytes): "
-                             "download it again")
+    check_whole(header)
     if "tokenizer.ggml.model" not in header.fields:
         raise ModelLoadError(f"{path} has no tokenizer in its GGUF metadata")
     name = header.fields.get("general.name")
     return GGUFInfo(path, arch, name if isinstance(name, str) and name else path.name,
                     sum(math.prod(t.shape) for t in header.tensors), header.size, types)
+
+
+def check_whole(header: gguf_header.Header) -> None:
+    """ModelLoadError for a file shorter than its tensor table says it is."""
+    end = max((t.start + tensor_bytes(t) for t in header.tensors), default=0)
+    if end > header.size:
+        raise ModelLoadError(f"{header.path} is truncated ({header.size:,} of {end:,} bytes): "
+                             "download it again")
 
 
 def type_name(kind: int) -> str:

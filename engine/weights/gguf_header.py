@@ -83,17 +83,16 @@ class _Cursor:
         if kind != ARRAY:
             raise ModelLoadError(f"{self.path} is corrupt: {key!r} has value type {kind}")
         element, count = self.take("<IQ")
-        if element == STRING:
-            values = [self.string(key) for _ in range(count)] if keep else None
-            if values is None:  # walked, not decoded
-                for _ in range(count):
-                    length = self.one("<Q")  # (read before `at` moves past it)
-                    self.at += length
-                if self.at > len(self.data):
-                    raise ModelLoadError(f"{self.path} is corrupt or truncated: the value of "
-                                         f"{key!r} is too long for the file: download it again")
-                return count
-            return values
+        if element == STRING and keep:
+            return [self.string(key) for _ in range(count)]
+        if element == STRING:  # walked, not decoded
+            for _ in range(count):
+                length = self.one("<Q")  # (read before `at` moves past it)
+                self.at += length
+            if self.at > len(self.data):
+                raise ModelLoadError(f"{self.path} is corrupt or truncated: the value of "
+                                     f"{key!r} is too long for the file: download it again")
+            return count
         if element not in SCALARS:
             raise ModelLoadError(f"{self.path} is corrupt: {key!r} holds elements of type "
                                  f"{element}")

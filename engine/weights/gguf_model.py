@@ -60,7 +60,9 @@ def open_stored(path: Path, device: torch.device,
     done here; ModelLoadError (one line) for a damaged file."""
     report = report or (lambda _line: None)
     header = gguf_header.read(path)
-    _check(header, device)
+    gguf.check_whole(header)
+    if why := why_not(header, device):
+        raise NotStored(why)
     folder = _prepared(path, header, report)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -76,18 +78,6 @@ def open_stored(path: Path, device: torch.device,
         raise NotStored(f"{path.name}: {', '.join(empty[:3])} not found in the file")
     model.eval().requires_grad_(False)
     return Opened(model, tokenizer, fingerprint(model), _reason(types))
-
-
-def _check(header: gguf_header.Header, device: torch.device) -> None:
-    """NotStored unless every tensor of this file has a kernel here; ModelLoadError for a
-    truncated file."""
-    end = max((t.start + gguf.tensor_bytes(t) for t in header.tensors), default=0)
-    if end > header.size:
-        raise ModelLoadError(f"{header.path} is truncated ({header.size:,} of {end:,} bytes): "
-                             "download it again")
-    why = why_not(header, device)
-    if why:
-        raise NotStored(why)
 
 
 def why_not(header: gguf_header.Header, device: torch.device) -> str | None:

@@ -108,11 +108,9 @@ def follows(model, tokenizer, prompts: list[list[int]], given: list[list[int]]) 
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
     choice = logits.argmax(-1).cpu()  # (rows, width): the token chosen after each position
     width = ids.shape[1]
-    same = []
-    for i, reply in enumerate(given):
-        first = width - len(reply) - 1  # the position whose choice is the reply's first token
-        same.append(choice[i, first:width - 1].tolist() == reply)
-    return same
+    # a reply's first token is the choice at width - len(reply) - 1
+    return [choice[i, width - len(reply) - 1:width - 1].tolist() == reply
+            for i, reply in enumerate(given)]
 
 
 def answer(model, tokenizer, prompts, answers, eos: set[int],
