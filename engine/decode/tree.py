@@ -63,24 +63,15 @@ def build_tree(choices: Sequence[Sequence[int]], num_heads: int) -> TreeBuffers:
             raise QuickdraftError(f"tree choice {list(c)} has no parent {list(c[:-1])} in the tree")
     all_choices: tuple[Choice, ...] = ((), *nodes)
     index = {c: i for i, c in enumerate(all_choices)}
-    n = len(all_choices)
     parents = [-1] + [index[c[:-1]] for c in nodes]
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parents[i]].append(i)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:  # a node sees itself and every ancestor up to the root
-            mask[i, j] = True
-            j = parents[j]
-    is_chain = all(len(kids) <= 1 for kids in children)
+    shape = shape_of(parents)
+    is_chain = all(len(kids) <= 1 for kids in shape.children)
     return TreeBuffers(
         choices=all_choices,
-        children=children,
-        depths=[len(c) for c in all_choices],
+        children=shape.children,
+        depths=shape.depths,
         parents=parents,
-        mask=None if is_chain else mask,
+        mask=None if is_chain else shape.mask,
         node_heads=torch.tensor([len(c) - 1 for c in nodes], dtype=torch.long),
         node_ranks=torch.tensor([c[-1] for c in nodes], dtype=torch.long),
         top_k=max((c[-1] for c in nodes), default=0) + 1,
