@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.devices import staged
+from engine.lean.cache import doubled
 from engine.lean.layer import BatchLengths, make_layer
 from engine.lean.lean_target import LeanTarget
 from engine.weights import kernels
@@ -55,10 +56,7 @@ class BatchRows:
         s, have = self.target.spec, self.capacity
         if positions <= have:
             return
-        size = max(have, 256)
-        while size < positions:
-            size *= 2
-        size = max(positions, min(size, s.context))
+        size = doubled(max(have, 256), positions, s.context)
         shape = (self.rows, s.kv_heads, size, s.head_dim)
         t = self.target
         with torch.inference_mode():

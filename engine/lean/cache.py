@@ -19,6 +19,14 @@ from engine.devices import staged
 FIRST_CAPACITY = 512  # positions allocated at first; doubled as a reply needs more
 
 
+def doubled(size: int, needed: int, limit: int) -> int:
+    """`size` doubled until it holds `needed`, then capped at `limit` (never below
+    `needed`): how the lean step's tables grow (few regrowths, none past the model)."""
+    while size < needed:
+        size *= 2
+    return max(needed, min(size, limit))
+
+
 class LeanCache:
     """Keys and values of every layer: (kv_heads, capacity, D) each."""
 
@@ -70,10 +78,7 @@ class LeanCache:
         the limit writes its padding into room allocated beyond it)."""
         if slots <= self.capacity:
             return
-        capacity = self.capacity
-        while capacity < slots:
-            capacity *= 2
-        capacity = max(slots, min(capacity, self.limit))
+        capacity = doubled(self.capacity, slots, self.limit)
         self.graphs.clear()  # captured over the tensors about to be replaced
         for table in (self.keys, self.values):
             for i, old in enumerate(table):

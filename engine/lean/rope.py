@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.lean.cache import doubled
+
 FIRST_POSITIONS = 1024  # rows computed at first; doubled as positions need
 
 
@@ -25,10 +27,7 @@ class RopeTable:
         return self.cos[positions], self.sin[positions]
 
     def _grow(self, needed: int) -> None:
-        size = max(FIRST_POSITIONS, self.cos.shape[0])
-        while size < needed:
-            size *= 2
-        size = max(needed, min(size, self.limit))
+        size = doubled(max(FIRST_POSITIONS, self.cos.shape[0]), needed, self.limit)
         positions = torch.arange(size, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
