@@ -39,21 +39,9 @@ class DecodeState:
     rules: LogitRules | None = None
 
     @property
-    def model(self):
-        return self.lm.model
-
-    @property
     def target(self):
         """How steps run the model (engine/decode/target.py)."""
         return self.lm.target
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm.model.dtype
 
     @property
     def cached(self) -> int:
