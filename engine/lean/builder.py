@@ -16,6 +16,7 @@ it works, so two starts asking at once build once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -122,8 +123,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -252,8 +253,6 @@ def build_package(layer: Callable, kind: Kind, inputs: StepInputs, path: Path) -
     partial.replace(path)  # a package appears whole or not at all
 
 
-
-
 def build(folder: Path, request: dict) -> Status:
     """Build every package `request` lists that `folder` lacks, saying how far it got."""
     from engine.lean.layer import make_layer
@@ -303,24 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class _locked:
+@contextlib.contextmanager
+def _locked(folder: Path):
     """An exclusive lock on the folder's lock file for the builder's lifetime (POSIX;
     elsewhere nothing: two builders then build the same packages twice, harmlessly)."""
-
-    def __init__(self, folder: Path):
-        self.path = folder / LOCK
-
-    def __enter__(self):
-        self.file = open(self.path, "a")  # noqa: SIM115 - closed in __exit__
+    with open(folder / LOCK, "a") as file:
         if os.name == "posix":
             import fcntl
 
-            fcntl.flock(self.file, fcntl.LOCK_EX)
-        _write(self.path.parent, Status("building", pid=os.getpid()))
-        return self
-
-    def __exit__(self, *exc):
-        self.file.close()
+            fcntl.flock(file, fcntl.LOCK_EX)
+        _write(folder, Status("building", pid=os.getpid()))
+        yield
 
 
 if __name__ == "__main__":
