@@ -173,27 +173,19 @@ class LeanTarget(Target):
         cap = self.spec.final_softcap
         return out if not cap else torch.tanh(out / cap) * cap
 
+    @torch.inference_mode()  # the cache is written in place (inference tensors)
     def _layers(self, x: torch.Tensor, layers: range, cache: LeanCache, start: int,
                 depths: Sequence[int] | None, tree_mask: torch.Tensor | None,
                 keep: bool) -> list[torch.Tensor]:
         """Run `layers` over x (n, H) at slots start..; the states after each layer (only
         the last unless `keep`; the input first when `keep`)."""
-        with torch.inference_mode():  # the cache is written in place (inference tensors)
-            return self._run(x, layers, cache, start, depths, tree_mask, keep)
-
-    def _plan(self, n: int, start: int, layers: range, keep: bool) -> tuple[StepPlan, Callable]:
-        """The step's plan and the layer call that runs it (eager, a package, or eager
-        under a graph's capture)."""
+        n = x.shape[0]
+        # the layer call: eager, a package, or eager under a graph's capture
         call, size = self.steps.for_size(n, start)
         graphed = self.graphed and compiled.size_for(n) is not None
         if graphed:
             call, size = self.steps.eager, compiled.size_for(n)
-        return StepPlan(n, size, layers, keep, graphed), call
-
-    def _run(self, x, layers, cache, start, depths, tree_mask, keep) -> list[torch.Tensor]:
-        n = x.shape[0]
-        plan, call = self._plan(n, start, layers, keep)
-        size, graphed = plan.size, plan.graphed
+        plan = StepPlan(n, size, layers, keep, graphed)
         depths = list(range(n)) if depths is None else list(depths)
         cache.reserve(start + size)
         # The step's host inputs go to the device in one copy each: positions (padding
