@@ -66,10 +66,6 @@ class KangarooSettings:
             raise AcceleratorError(f"invalid Kangaroo settings: gamma {self.gamma}, eta {self.eta}")
 
 
-def _fits(vocab: torch.Tensor, vocab_size: int) -> bool:
-    return vocab.numel() > 0 and 0 <= int(vocab.min()) and int(vocab.max()) < vocab_size
-
-
 class KangarooDrafter(Drafter):
     """Drafts with the early exit + adapter; verifies with the remaining layers only."""
 
@@ -87,7 +83,8 @@ class KangarooDrafter(Drafter):
         settings.check(split.num_layers(lm.model))
         head = lm.model.get_output_embeddings()
         vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
-        if vocab is not None and not _fits(vocab, vocab_size):
+        if vocab is not None and not (vocab.numel() > 0 and 0 <= int(vocab.min())
+                                      and int(vocab.max()) < vocab_size):
             raise AcceleratorError("the Kangaroo draft vocabulary does not fit this model's")
         self.lm = lm
         self.settings = settings
@@ -131,7 +128,10 @@ class KangarooDrafter(Drafter):
             ) from exc
         drafter = cls(lm, adapter, settings, ckpt.tensors.get("draft_vocab"), ckpt.metrics)
         if drafter.off:  # calibration found nothing faster than plain decoding
-            drafter.notice = drafter.verdict()
+            measured = drafter.metrics.get("speedup")
+            drafter.notice = ("Kangaroo" if not isinstance(measured, (int, float)) else
+                              f"Kangaroo was measured slower than plain decoding on this "
+                              f"machine ({measured:.2f}x): acceleration Off is faster")
         elif not drafter.pays_off:
             drafter.off, drafter.wants_hidden = True, False
             drafter.notice = not_paying_notice("Kangaroo", lm, drafter.speedup or 0.0)
@@ -183,20 +183,6 @@ class KangarooDrafter(Drafter):
             return False
         return self.tokens_per_round is None or (self.speedup or 0.0) > 1.0
 
-    def verdict(self) -> str:
-        """One line on whether Kangaroo drafts here: calibration found no setting faster than
-        plain decoding, or its estimate here."""
-        measured = self.metrics.get("speedup")
-        if self.settings.gamma == 0 and isinstance(measured, (int, float)):
-            return (f"Kangaroo was measured slower than plain decoding on this machine "
-                    f"({measured:.2f}x): acceleration Off is faster")
-        speedup = self.speedup
-        if speedup is None:
-            return "Kangaroo"
-        if not self.pays_off:
-            return not_paying_notice("Kangaroo", self.lm, speedup)
-        return f"Kangaroo: estimated {speedup:.2f}x plain decoding here"
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors: adapter weights and the reduced vocabulary, if any."""
         out = {f"adapter.{k}": v for k, v in self.adapter.state_dict().items()}
@@ -214,15 +200,11 @@ class KangarooDrafter(Drafter):
     def guesses(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The adapter's drafts over (n, H) adapter states: (n, Vd) float32 logits, the (n,)
         top-1 token ids and their (n,) probabilities. Drafting goes on after a guess while
-        `sure` says so (one rule for drafting and calibration)."""
+        its probability is above eta (one rule for drafting and calibration)."""
         # (n, H) x (Vd, H)^T: the matmul kernel; a bf16 matrix-vector product is far slower.
         logits = split.logits(self.lm.model, states, self.head).float()
         top, idx = torch.softmax(logits, -1).max(-1)
         return logits, idx if self.vocab is None else self.vocab[idx], top
-
-    def sure(self, top: torch.Tensor) -> torch.Tensor:
-        """Whether a draft with top-1 probability `top` is sure enough to draft on after."""
-        return top > self.settings.eta
 
     def start(self, state, prefill) -> Session:
         """A reply's session; the adapter reads the whole prompt's layer-l states at its
@@ -381,7 +363,7 @@ class KangarooSession(Session):
         the draft is sure enough to go on."""
         d = self.drafter
         logits, top1, top = d.guesses(out[None])
-        sure = bool(d.sure(top[0]))
+        sure = bool(top[0] > d.settings.eta)  # sure enough to draft on after
         params = state.params
         if params.acceptance_mode != "lossless":
             return int(top1[0]), None, sure
