@@ -129,9 +129,7 @@ class StoreSession(Session):
 
     def propose(self, state) -> Draft:
         offer = self.offer(state)
-        if offer is None:
-            return Draft.chain(state.ids[-1], [])
-        chosen = pick([offer], self.cost)  # None: no cut beats a plain step
+        chosen = pick([offer], self.cost)  # None: no offer, or no cut beats a plain step
         if chosen is None:
             return Draft.chain(state.ids[-1], [])
         draft = offer.build(chosen[1])

@@ -178,13 +178,14 @@ class MedusaDrafter(Drafter):
         if k not in self._cuts:
             tree = build_tree(self.ranked[:k], self.heads.settings.num_heads)
             chance_of = dict(zip(self.ranked, self.chances, strict=True))
-            device = self._embedding_device()
             self._cuts[k] = (tree, [1.0, *(chance_of[c] for c in tree.choices[1:])],
-                             (tree.node_heads.to(device), tree.node_ranks.to(device)))
+                             self._slots(tree))
         return self._cuts[k]
 
-    def _embedding_device(self) -> torch.device:
-        return self.heads.weight.device
+    def _slots(self, tree: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' (head, rank) slot of each node of `tree`, on the heads' device."""
+        device = self.heads.weight.device
+        return tree.node_heads.to(device), tree.node_ranks.to(device)
 
     def draft(self, state, k: int | None = None, scale: float = 1.0) -> Draft:
         """Heads read state.hidden (the state that predicted the pending token) and that
@@ -195,9 +196,7 @@ class MedusaDrafter(Drafter):
         steps of a reply), the heads' top-1 guesses for the room left, as a chain."""
         root = state.ids[-1]
         if k is None or not self.chances:
-            t, chances = self.tree, None
-            slots = (t.node_heads.to(self._embedding_device()),
-                     t.node_ranks.to(self._embedding_device()))
+            t, chances, slots = self.tree, None, self._slots(self.tree)
         else:
             t, chances, slots = self.cut(k)
         if t.size == 1:

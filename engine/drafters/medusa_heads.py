@@ -140,9 +140,8 @@ def heads_from_tensors(
     """Rebuild heads from checkpoint tensors, refusing shapes that do not fit the model."""
     k, h = settings.num_heads, hidden_size
     ids = tensors.get(VOCAB_IDS)
-    fix = FIX
     if ids is not None and (ids.dim() != 1 or ids.numel() == 0 or int(ids.max()) >= vocab_size):
-        raise AcceleratorError(f"the Medusa draft vocabulary does not fit this model; {fix}")
+        raise AcceleratorError(f"the Medusa draft vocabulary does not fit this model; {FIX}")
     expected = {WEIGHT: (k, h, h), BIAS: (k, h)}
     if (r := settings.pending_rank) > 0:
         expected[TOKEN_DOWN], expected[TOKEN_UP] = (r, h), (k, h, r)
@@ -154,7 +153,7 @@ def heads_from_tensors(
             found = "missing" if got is None else f"shape {tuple(got.shape)}"
             raise AcceleratorError(
                 f"the Medusa weights do not fit this model ({name}: {found}, "
-                f"expected {shape}); {fix}"
+                f"expected {shape}); {FIX}"
             )
     init = torch.zeros(vocab_size, h) if settings.own_vocab else None  # overwritten below
     heads = MedusaHeads(h, settings, ids, init)
