@@ -84,11 +84,7 @@ def logits(model, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.
     """LM-head logits of final-normed states h (or over `weight`'s rows), soft-capped where
     the family caps them (Gemma-2), so probabilities match the full forward's."""
     out = model.get_output_embeddings()(h) if weight is None else nn.functional.linear(h, weight)
-    return softcap(model.config, out)
-
-
-def softcap(config, out: torch.Tensor) -> torch.Tensor:
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = getattr(model.config, "final_logit_softcapping", None)
     return out if not cap else torch.tanh(out / cap) * cap
 
 

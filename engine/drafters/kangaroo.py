@@ -283,7 +283,8 @@ class KangarooSession(Session):
         x, x_start = torch.cat([self.unread, h], dim=1), start - self.unread.shape[1]
         states, tokens, qs = [h], [], []
         while True:
-            out = self._adapt(x, x_start)[-1]  # (H,) adapter state of the last position
+            # (H,) adapter state of the last position
+            out = adapt(self.drafter.lm.model, self.drafter.adapter, x, x_start, self.cache)[0, -1]
             token, q, confident = self._choose(out, state)
             tokens.append(token)
             qs.append(q)
@@ -353,10 +354,6 @@ class KangarooSession(Session):
         h = state.target.embed([token], position)
         return state.target.run_layers(h, range(self.settings.exit_layer), state.cache,
                                        position)
-
-    def _adapt(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Adapter over x (1, n, H) at positions start..; returns its (n, H) states."""
-        return adapt(self.drafter.lm.model, self.drafter.adapter, x, start, self.cache)[0]
 
     def _choose(self, out: torch.Tensor, state) -> tuple[int, torch.Tensor | None, bool]:
         """Draft token, its q row (V,) for speculative sampling (else None), and whether
