@@ -31,9 +31,7 @@ ALTERNATE = 4  # steps of up to this many tokens are timed in turn (see step_sec
 def sync(device: torch.device | None = None) -> None:
     """Wait for the device's queued kernels (`device` None: the current CUDA one, if any):
     CUDA and Apple's GPU run them asynchronously; nothing to wait for elsewhere."""
-    if device is None and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    elif device is not None and device.type == "cuda":
+    if on_cuda(device):
         torch.cuda.synchronize(device)
     elif device is not None and device.type == "mps":
         torch.mps.synchronize()
