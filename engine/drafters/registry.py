@@ -84,10 +84,7 @@ def sources(name: str) -> tuple[str, ...]:
 def base_method(name: str) -> str | None:
     """The trained accelerator a method is judged by ("medusa+lookup" -> "medusa"); None
     for methods that load none and for Auto."""
-    m = method(name)
-    if m.every_source:
-        return None
-    return next((c for c in (method(s).checkpoint for s in sources(name)) if c), None)
+    return None if method(name).every_source else next(iter(checkpoints(name)), None)
 
 
 def checkpoints(name: str) -> tuple[str, ...]:
