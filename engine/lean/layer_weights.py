@@ -99,13 +99,10 @@ def fuse_low_bit(layers: list[quant.LowBitLinear]) -> quant.LowBitLinear | None:
     boundaries. The fused layer owns the weights: each of `layers` is rebound to views
     into it, so nothing is stored twice."""
     first = layers[0]
-    if any(m.kind != first.kind or m.in_features != first.in_features for m in layers):
-        return None
-    if any(m.wide is not None for m in layers):  # bf16 copies kept: they stay per layer
-        return None
-    if any((m.bias is None) != (first.bias is None) for m in layers):
-        return None
-    if any(m.kernel != first.kernel for m in layers):
+    # kinds, inputs, biases and kernels alike, and no bf16 copies kept (they stay per layer)
+    if any(m.kind != first.kind or m.in_features != first.in_features or m.wide is not None
+           or (m.bias is None) != (first.bias is None) or m.kernel != first.kernel
+           for m in layers):
         return None
     blocks = first.blocks  # `scales` names their block type: it must be theirs alike
     if blocks and any(m.padded or not torch.equal(m.scales, first.scales) for m in layers):
