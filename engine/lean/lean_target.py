@@ -149,8 +149,9 @@ class LeanTarget(Target):
     def _signature(self) -> str:
         """Everything a compiled layer depends on besides torch and the CPU."""
         kinds = [kind.key for kind in self.steps.kinds]
+        # never a CUDA device: there steps are captured as graphs, not compiled (compile)
         return (f"{self.spec}|{kinds}|{self.act_dtype}|{self.cache_dtype}|"
-                f"{_device_name(self.device)}|wide {self.wide_rows}")
+                f"{self.device.type}|wide {self.wide_rows}")
 
     def keep_path(self, cache, start, keep, layers=None) -> None:
         cache.keep_path(start, keep, layers)
@@ -282,11 +283,6 @@ def step_mask(start: int, at: torch.Tensor, tree_mask: torch.Tensor | None, size
     allowed[n:, 0] = True
     mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
-
-
-def _device_name(device: torch.device) -> str:
-    """The device a compiled step is built for (a GPU's kernels are its model's)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def build(model, act_dtype: torch.dtype) -> LeanTarget | None:
