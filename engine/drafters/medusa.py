@@ -207,13 +207,13 @@ class MedusaDrafter(Drafter):
         # a fifth of the bundled model's weights.
         logits = self.heads.logits(state.hidden, pending, self._projection, t.depth,
                                    self._head)  # (depth, V')
+        scaled = None if chances is None else [1.0, *(min(1.0, scale * c) for c in chances[1:])]
         if state.room < t.depth:
             tokens = self.heads.tokens(logits[:state.room].argmax(-1)).tolist()
-            return Draft.chain(root, tokens, chances=None if chances is None else [
-                min(1.0, scale * c) for c in chances[1:len(tokens) + 1]])
+            return Draft.chain(root, tokens,
+                               chances=None if scaled is None else scaled[1:len(tokens) + 1])
         top = torch.topk(logits, t.top_k, dim=-1).indices  # (K, top_k) columns
         drafted = self.heads.tokens(top[slots]).tolist()  # (n - 1,) node tokens
-        scaled = None if chances is None else [1.0, *(min(1.0, scale * c) for c in chances[1:])]
         return Draft([root, *drafted], t.children, t.depths, t.mask, chances=scaled)
 
 
