@@ -130,10 +130,8 @@ class StoreSession(Session):
     def propose(self, state) -> Draft:
         offer = self.offer(state)
         chosen = pick([offer], self.cost)  # None: no offer, or no cut beats a plain step
-        if chosen is None:
-            return Draft.chain(state.ids[-1], [])
-        draft = offer.build(chosen[1])
-        self._offered = list(range(1, draft.size))
+        draft = Draft.chain(state.ids[-1], []) if chosen is None else offer.build(chosen[1])
+        self._offered = list(range(1, draft.size))  # a plain step offers none
         return draft
 
     def commit(self, state, draft: Draft, path: list[int]) -> None:

@@ -117,6 +117,31 @@ def test_the_datastore_method_drafts_only_the_nodes_that_pay_when_timed():
     assert drafted(StepCost.linear(0.5)) == [4]
 
 
+def test_a_step_the_store_does_not_draft_counts_no_drafted_tokens():
+    """Drafting alone, a plain step after a drafted one adds nothing to the drafted count
+    (the earlier step's nodes are not counted twice)."""
+    from types import SimpleNamespace
+
+    from engine.decode.stats import GenerationStats
+
+    store = Datastore("fp")
+    store.add_all([[1, 2, 3, 4, 5]])
+    target = SimpleNamespace(keep_path=lambda *args: None)
+    drafted = SimpleNamespace(ids=[0, 2, 3], room=32, params=SamplingParams(), target=target,
+                              cache=None, cached=2)
+    session = StoreDrafter(store, StepCost.linear(0.0)).start(drafted, None)
+    draft = session.propose(drafted)
+    assert draft.tokens[1:] == [4, 5]
+    session.commit(drafted, draft, [1])
+    plain = SimpleNamespace(**{**vars(drafted), "ids": [0, 9, 9]})
+    empty = session.propose(plain)
+    assert empty.size == 1
+    session.commit(plain, empty, [])
+    stats = GenerationStats()
+    session.finish(stats)
+    assert (stats.datastore_drafted, stats.datastore_accepted) == (2, 1)
+
+
 # -- exactness --------------------------------------------------------------------------
 
 
