@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import gradio as gr
 import pytest
@@ -18,6 +19,14 @@ from app.service import Service
 from app.store import Store
 from app.ui.layout import build_app
 from engine.model.loading import resolve_folder
+
+
+def _run(coro):
+    """`asyncio.run` on a thread of its own: a browser test earlier in the same process
+    leaves Playwright's event loop running on this one, where asyncio.run refuses."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
 
 HOSTILE = [None, 5, [1, 2], "x" * 200_000, "a\ud800b"]
 # What only Python says: exception and type names, its messages, tracebacks, file paths.
@@ -75,7 +84,7 @@ def test_every_event_answers_hostile_values_in_one_line(page, recwarn):
                 except gr.Error as exc:
                     shown.append(exc.message)
 
-    asyncio.run(each())
+    _run(each())
     said[("warnings", "")] = [str(w.message) for w in recwarn]  # gr.Warning, outside a page
     assert len({name for name, _ in said}) >= 20  # every tab's events were called
     leaked = {k: v for k, v in said.items() if any(PYTHONISMS.search(t) for t in v)}
@@ -101,7 +110,7 @@ def test_an_event_with_nothing_to_change_leaves_the_page_as_it_is(page):
     delete = _fn(demo, "delete")
     state = SessionState(demo)
     state[delete.inputs[0]._id] = conv.id  # this tab's open conversation, gone
-    data = asyncio.run(_call(demo, delete, [None], state))[-1]
+    data = _run(_call(demo, delete, [None], state))[-1]
     shown = [d for o, d in zip(delete.outputs, data, strict=True) if not o.stateful]
     assert shown and all(d.get("__type__") == "update" and set(d) <= {"__type__", "props"}
                          for d in shown)  # an update of nothing: every output stays
@@ -112,7 +121,7 @@ def test_a_field_longer_than_it_takes_is_refused(page):
     demo, service = page
     save = _fn(demo, "save_system")
     with pytest.raises(gr.Error) as refused:
-        asyncio.run(_call(demo, save, [None, "s" * 100_001], SessionState(demo)))
+        _run(_call(demo, save, [None, "s" * 100_001], SessionState(demo)))
     assert refused.value.message == "System prompt: is longer than 100,000 characters"
     assert service.store.load_settings().system == ""
 
@@ -133,7 +142,7 @@ def test_a_file_field_takes_only_what_the_page_uploaded(page, monkeypatch, uploa
         upload = {**upload, "path": upload["path"].replace("UPLOADS", os.environ[
             "GRADIO_TEMP_DIR"])}
     with pytest.raises(gr.Error) as refused:
-        asyncio.run(_call(demo, start, ["medusa", 5, upload, False], SessionState(demo)))
+        _run(_call(demo, start, ["medusa", 5, upload, False], SessionState(demo)))
     message = refused.value.message
     assert message.startswith("Extra prompts") and not PYTHONISMS.search(message)
     assert "passwd" not in message and "prompts.txt" not in message
