@@ -9,6 +9,7 @@ servers do; types are strict (`true` is not a number, `1.5` not an integer).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -58,12 +59,15 @@ def _stops(value: Any) -> tuple[str, ...]:
     return tuple(valid_text(s) for s in stops)
 
 
-def _bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias in [-100, 100]} as (id, bias) pairs."""
-    pairs = (value or {}).items()
-    if not all(t.isdigit() and -100 <= b <= 100 for t, b in pairs):
+def _bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} as (id, bias) pairs. Checked whole here, so
+    no refusal names a client's key as a field (and NaN fails the range check)."""
+    pairs = {} if value is None else value
+    if not isinstance(pairs, dict) or not all(
+            re.fullmatch(r"[0-9]{1,18}", t) and type(b) in (int, float) and -100 <= b <= 100
+            for t, b in pairs.items()):
         raise ValueError("must map token ids (digits) to numbers in [-100, 100]")
-    return tuple((int(t), float(b)) for t, b in pairs)
+    return tuple((int(t), float(b)) for t, b in pairs.items())
 
 
 class Strict(BaseModel):
@@ -91,7 +95,7 @@ class Sampling(Strict):
     max_completion_tokens: Positive | None = None  # the newer name of max_tokens
     seed: Annotated[int, within(*SEED_RANGE)] | None = None
     stop: Annotated[Any, AfterValidator(_stops)] = ()
-    logit_bias: Annotated[dict[str, Finite] | None, AfterValidator(_bias)] = ()
+    logit_bias: Annotated[Any, AfterValidator(_bias)] = ()
     n: Annotated[int, within(1, MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -156,14 +160,18 @@ class Message(Strict):
     name: Text | None = None
 
 
-class Function(Strict):
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True)  # passed on as sent
+class AsSent(Strict):
+    """A part the chat template is handed as the client sent it, unknown fields included."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Function(AsSent):
     name: Annotated[str, Field(min_length=1)]
     parameters: dict | None = None  # a JSON schema of its arguments
 
 
-class Tool(Strict):
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+class Tool(AsSent):
     type: Literal["function"] = "function"
     function: Function
 
@@ -281,8 +289,10 @@ def _tool_spec(req: ChatBody) -> ToolSpec | None:
 def response_schema(value: Any) -> dict | None:
     """The JSON schema `response_format` asks the reply to match (json_object: any object);
     None for text."""
-    kind = value.get("type") if isinstance(value, dict) else value
-    if kind in (None, "text"):
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "object"}

@@ -82,6 +82,13 @@ def test_parse_defaults():
     ({"messages": [USER], "tools": [{"function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
     ({"messages": [USER], "accel": "warp"}, "accel"),
+    ({"messages": [USER], "logit_bias": {"x" * 100 + "\n": True}}, "logit_bias"),
+    ({"messages": [USER], "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ({"messages": [USER], "logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+    ({"messages": [USER], "logit_bias": {"5": float("nan")}}, "logit_bias"),
+    ({"messages": [USER], "logit_bias": [5]}, "logit_bias"),
+    ({"messages": [USER], "response_format": "json_schema"}, "response_format"),
+    ({"messages": [USER], "response_format": "text"}, "response_format"),
 ])
 def test_parse_refuses_with_the_parameter_named(body, param):
     """The param is the field's path as OpenAI writes it; the message is one line of our
