@@ -119,9 +119,11 @@ def _prepared(path: Path, header: gguf_header.Header, report) -> Path:
         raise ModelLoadError(f"{path}: its settings or tokenizer cannot be read: "
                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                              ) from exc
-    gguf.write_folder(folder, lambda tmp: (config.save_pretrained(tmp),
-                                           tokenizer.save_pretrained(tmp)),
-                      "tokenizer_config.json")
+    def write(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    gguf.write_folder(folder, write, "tokenizer_config.json")
     return folder
 
 
